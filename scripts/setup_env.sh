@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Create or refresh the project's virtual environment (.venv) and install runyard into it.
+# Sourced by scripts/demo.sh and scripts/test.sh. On a machine without an NVIDIA GPU the CPU wheel of
+# torch is installed first, so the `torch>=2.4` range in pyproject.toml never pulls a CUDA build.
+set -euo pipefail
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${RUNYARD_VENV:-$repo_root/.venv}"
+python="${PYTHON:-python3}"
+extras="${1:-}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  "$python" -m venv "$venv"
+fi
+pip_install() { "$venv/bin/python" -m pip install --disable-pip-version-check -q "$@"; }
+
+if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    pip_install "torch>=2.4"
+  else
+    # The CPU build; pip finds it on local wheel mirrors or on PyTorch's CPU index.
+    pip_install "torch==2.13.0" || pip_install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+  fi
+fi
+if [ -n "$extras" ]; then
+  pip_install -e "$repo_root[$extras]"
+else
+  pip_install -e "$repo_root"
+fi
+export PATH="$venv/bin:$PATH"

@@ -1,0 +1,5 @@
+import sys
+
+from runyard.cli import main
+
+sys.exit(main())

@@ -1,0 +1,55 @@
+"""The one command, `runyard`. Each verb group lives in its own module of this package and
+registers its sub-parsers here; nothing outside runyard.cli parses a command line."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from runyard import __version__
+from runyard.errors import EXIT_BAD_SPEC, RunyardError
+
+# Modules that add verbs, in the order they appear in `runyard --help`.
+VERB_MODULES = ["runyard.cli.run", "runyard.cli.data", "runyard.cli.control", "runyard.cli.market"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="runyard",
+        description=(
+            "Train a model from raw data to an evaluated, reproducible, served artefact. "
+            "A run goes: spec -> plan -> data -> staged training (gated) -> evaluation -> export."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"runyard {__version__}")
+    verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
+    for name in VERB_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:  # that verb group is not built yet
+                continue
+            raise
+        module.register(verbs)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.handler(args)
+    except RunyardError as exc:
+        print(f"runyard: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("runyard: interrupted", file=sys.stderr)
+        return 130
+    return int(code or 0)
+
+
+def exit_bad_usage(message: str) -> int:
+    print(f"runyard: {message}", file=sys.stderr)
+    return EXIT_BAD_SPEC

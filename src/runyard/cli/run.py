@@ -1,0 +1,262 @@
+"""Verbs of a run's life: run, train, resume, plan, generate, show."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+
+from runyard.errors import RunyardError
+
+RUN_DIR_HELP = "run directory (default: runs/<spec name>, or $RUNYARD_RUNS_DIR/<spec name>)"
+
+
+def _add_launch_options(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("distributed launch (torchrun)")
+    g.add_argument("--nproc", type=int, default=None, help="worker processes on this node (default: the spec's resources.nproc)")
+    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (multi-node: same command on each node)")
+    g.add_argument("--node-rank", type=int, default=0, help="this node's rank among --nnodes")
+    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous for multi-node jobs")
+    g.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a worker dies, resuming from the last good checkpoint")
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "run",
+        help="run a spec end to end: data, gated stages, evaluation, export",
+        description="Run (or continue) a job spec end to end: prepare the data, train each stage in order "
+        "(a stage whose gates fail stops the run, exit 3), evaluate on held-out data, export the model, and "
+        "print a summary. Re-running on an existing run directory continues where it stopped.",
+    )
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
+    p.add_argument("--stage", default=None, help="run only this stage (earlier stages must have passed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    _add_launch_options(p)
+    p.set_defaults(handler=cmd_run, evaluate=True)
+
+    p = verbs.add_parser(
+        "train",
+        help="train a spec's stages (no evaluation or export)",
+        description="Prepare the data and train the spec's stages with their gates, without the final "
+        "evaluation and export. Same options as `run`.",
+    )
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
+    p.add_argument("--stage", default=None, help="train only this stage (earlier stages must have passed)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    _add_launch_options(p)
+    p.set_defaults(handler=cmd_run, evaluate=False)
+
+    p = verbs.add_parser(
+        "resume",
+        help="continue a stopped run from its last good checkpoint",
+        description="Continue the run in RUN_DIR with the spec stored there, from the newest checkpoint "
+        "that passes its checksums. Passed stages are not trained again.",
+    )
+    p.add_argument("run_dir", type=Path, help="the run directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    _add_launch_options(p)
+    p.set_defaults(handler=cmd_resume, evaluate=True, stage=None)
+
+    p = verbs.add_parser(
+        "plan",
+        help="size a spec: parameters, FLOPs, memory, time, requirement",
+        description="Print the plan of a spec from the spec alone: parameters, tokens and training FLOPs "
+        "per stage, memory per device, an estimated wall time at a given throughput, and the requirement "
+        "(accelerators, duration, regions) a market or scheduler acts on.",
+    )
+    p.add_argument("spec", type=Path, help="job spec (YAML)")
+    p.add_argument("--tokens-per-s", type=float, default=None, help="throughput to estimate wall time with")
+    p.add_argument("--json", action="store_true", help="print JSON")
+    p.set_defaults(handler=cmd_plan)
+
+    p = verbs.add_parser(
+        "generate",
+        help="sample a completion from a run's exported model",
+        description="Load RUN_DIR/export (safetensors, tokenizer, config; no pickle) and complete a prompt.",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory (or its export/ directory)")
+    p.add_argument("--prompt", required=True, help="text to complete")
+    p.add_argument("--max-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy (default 0.8)")
+    p.add_argument("--top-k", type=int, default=None, help="sample among the k most likely tokens")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.set_defaults(handler=cmd_generate)
+
+    p = verbs.add_parser(
+        "show",
+        help="summarise a run directory",
+        description="Print a run's spec hash, manifest, stages with their gates, and evaluation verdict.",
+    )
+    p.add_argument("run_dir", type=Path, help="the run directory")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(handler=cmd_show)
+
+
+def _setup_logging() -> None:
+    from rich.logging import RichHandler
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
+
+
+def _maybe_launch(args, spec, worker_argv: list[str]) -> int | None:
+    """When more than one worker is asked for and we are not a worker yet, start them via torchrun."""
+    from runyard.train.launch import launch, under_launcher
+
+    nproc = args.nproc or spec.resources.nproc
+    if under_launcher() or (nproc <= 1 and args.nnodes <= 1 and args.max_restarts == 0):
+        return None
+    return launch(
+        worker_argv,
+        nproc,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        max_restarts=args.max_restarts,
+    )
+
+
+def cmd_run(args) -> int:
+    from runyard.run import default_run_dir, execute_run
+    from runyard.spec import load_spec
+
+    spec = load_spec(args.spec)
+    run_dir = args.run_dir or default_run_dir(spec)
+    worker_argv = [args.verb, str(args.spec), "--run-dir", str(run_dir)]
+    if args.stage:
+        worker_argv += ["--stage", args.stage]
+    if args.no_progress:
+        worker_argv.append("--no-progress")
+    launched = _maybe_launch(args, spec, worker_argv)
+    if launched is not None:
+        return launched
+    _setup_logging()
+    summary = execute_run(
+        spec, run_dir, argv=sys.argv, only_stage=args.stage, show_progress=not args.no_progress, evaluate=args.evaluate
+    )
+    _print_summary(summary)
+    return 0
+
+
+def cmd_resume(args) -> int:
+    from runyard.run import SPEC_FILE, execute_run
+    from runyard.spec import load_spec
+
+    spec_path = args.run_dir / SPEC_FILE
+    if not spec_path.is_file():
+        raise RunyardError(f"{args.run_dir} is not a run directory: it has no {SPEC_FILE}")
+    spec = load_spec(spec_path)
+    worker_argv = ["resume", str(args.run_dir)] + (["--no-progress"] if args.no_progress else [])
+    launched = _maybe_launch(args, spec, worker_argv)
+    if launched is not None:
+        return launched
+    _setup_logging()
+    summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress)
+    _print_summary(summary)
+    return 0
+
+
+def _print_summary(summary) -> None:
+    from rich.console import Console
+
+    if int(__import__("os").environ.get("RANK", "0")) != 0:
+        return
+    console = Console()
+    console.print(f"\n[bold]run directory[/bold]: {summary.run_dir.resolve()}")
+    for s in summary.stages:
+        console.print(
+            f"  stage {s['name']}: {s['steps']} steps, final train loss {s['final_loss']:.3f}, "
+            f"gates {'passed' if s['gates_passed'] else 'FAILED'}"
+        )
+    if summary.metrics is not None:
+        m = summary.metrics
+        console.print(
+            f"[bold]held-out perplexity[/bold] {m.heldout_perplexity:.2f} "
+            f"(loss {m.heldout_loss:.3f})  vs  unigram baseline {m.unigram_perplexity:.2f} "
+            f"(loss {m.unigram_loss:.3f});  train/held-out gap {m.gap:+.3f}"
+        )
+        console.print(f"fit to ship: {'yes' if summary.fit_to_ship else 'no'} (see eval/report.md)")
+        for i, s in enumerate(summary.samples, 1):
+            console.print(f"\n[bold]sample {i}[/bold] prompt {s['prompt']!r}:")
+            console.print(s["prompt"] + s["completion"], markup=False, highlight=False)
+
+
+def cmd_plan(args) -> int:
+    from runyard.plan.sizing import human_bytes, plan_run
+    from runyard.spec import load_spec
+
+    spec = load_spec(args.spec)
+    plan = plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size, args.tokens_per_s)
+    if args.json:
+        print(json.dumps(plan, indent=2))
+        return 0
+    for s in plan["stages"]:
+        eta = f"{s['estimated_seconds'] / 60:.1f} min" if s["estimated_seconds"] else "(give --tokens-per-s)"
+        print(
+            f"stage {s['stage']}: {s['parameters'] / 1e6:.2f}M params ({s['non_embedding_parameters'] / 1e6:.2f}M "
+            f"non-embedding), {s['tokens'] / 1e6:.2f}M tokens, {s['training_flops']:.3g} FLOPs, "
+            f"~{human_bytes(s['memory_per_device_bytes'])} per device, {eta}"
+        )
+    print(f"total training FLOPs: {plan['training_flops']:.3g}")
+    print("requirement:", json.dumps(plan["requirement"]))
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from runyard.serve.engine import Generator
+    from runyard.serve.export import load_export
+
+    export_dir = args.run_dir / "export" if (args.run_dir / "export").is_dir() else args.run_dir
+    model, _cfg, tokenizer = load_export(export_dir)
+    text = Generator(model, tokenizer).generate(
+        args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
+    )
+    print(args.prompt + text)
+    return 0
+
+
+def cmd_show(args) -> int:
+    from runyard.manifest import read_manifest
+    from runyard.plan.stages import read_gates
+    from runyard.run import SPEC_FILE
+    from runyard.spec import load_spec
+
+    run_dir = args.run_dir
+    if not (run_dir / SPEC_FILE).is_file():
+        raise RunyardError(f"{run_dir} is not a run directory: it has no {SPEC_FILE}")
+    spec = load_spec(run_dir / SPEC_FILE)
+    manifest = read_manifest(run_dir)
+    stages = []
+    for s in spec.stages:
+        record = read_gates(run_dir / "stages" / s.name)
+        stages.append({"name": s.name, "gates": None if record is None else ("passed" if record["passed"] else "failed")})
+    report_path = run_dir / "eval" / "report.json"
+    report = json.loads(report_path.read_text()) if report_path.is_file() else None
+    summary = {
+        "run": spec.name,
+        "run_dir": str(run_dir.resolve()),
+        "spec_sha256": manifest.get("spec_sha256"),
+        "started_at": manifest.get("started_at"),
+        "finished_at": manifest.get("finished_at"),
+        "git_commit": (manifest.get("code") or {}).get("git_commit"),
+        "sessions": len(manifest.get("sessions", [])),
+        "stages": stages,
+        "fit_to_ship": report["fit_to_ship"] if report else None,
+        "heldout_perplexity": report["metrics"]["heldout_perplexity"] if report else None,
+        "unigram_perplexity": report["metrics"]["unigram_perplexity"] if report else None,
+        "exported": (run_dir / "export" / "model.safetensors").is_file(),
+    }
+    if args.json:
+        print(json.dumps(summary, indent=2))
+        return 0
+    for key, value in summary.items():
+        if key == "stages":
+            for s in value:
+                print(f"  stage {s['name']}: {s['gates'] or 'not run'}")
+        else:
+            print(f"{key}: {value}")
+    return 0

@@ -1,0 +1,308 @@
+"""The control loop: each tick reaps ended attempts, restarts, cancels, preempts and starts jobs.
+
+Every decision is written as a state transition (store.transition) before it is acted on. The
+loop and the HTTP handlers share `mutex`, so a tick sees a consistent queue.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runyard.control import scheduler
+from runyard.control.backends.base import Backend, Ended, Requeued
+from runyard.control.retry import RetryPolicy, decide
+from runyard.control.states import FailureReason, IllegalTransition, JobState, classify_exit
+from runyard.control.store import Job, JobStore
+
+log = logging.getLogger("runyard.control")
+S = JobState
+ACTOR = "control-loop"
+HOLDING = [S.STARTING, S.RUNNING, S.RECOVERING, S.PREEMPTED, S.CANCELLING]
+
+
+@dataclass
+class ControlConfig:
+    state_dir: Path
+    inventory: list[str]
+    max_concurrent: int | None = None
+    tenant_quotas: dict[str, int] = field(default_factory=dict)
+    preemption: bool = True
+    backfill: bool = True
+    stop_grace_s: float = 60.0  # SIGTERM -> SIGKILL for preemption and cancel
+    tick_s: float = 0.2
+    retry_policy: RetryPolicy = field(default_factory=RetryPolicy)
+
+
+class ControlLoop:
+    def __init__(self, config: ControlConfig, store: JobStore, backend: Backend):
+        self.config, self.store, self.backend = config, store, backend
+        self.mutex = threading.RLock()
+        self.wake = threading.Event()
+        self.sched_config = scheduler.SchedulerConfig(
+            inventory=config.inventory,
+            max_concurrent=config.max_concurrent,
+            tenant_quotas=config.tenant_quotas,
+            preemption=config.preemption,
+            backfill=config.backfill,
+        )
+
+    # -- the loop -------------------------------------------------------------------------------
+
+    def run_forever(self, stop: threading.Event) -> None:
+        self.reconcile()
+        while not stop.is_set():
+            try:
+                self.tick()
+            except Exception:  # keep the daemon alive; the error is in its log
+                log.exception("control loop tick failed")
+            self.wake.wait(self.config.tick_s)
+            self.wake.clear()
+
+    def tick(self) -> None:
+        with self.mutex:
+            now = time.time()
+            for job in self.store.jobs(HOLDING):
+                self._watch(job, now)
+            self._fail_orphaned_dependents()
+            self._schedule(time.time())
+
+    # -- restart after a daemon crash -------------------------------------------------------------
+
+    def reconcile(self) -> None:
+        """Match recorded state with what really runs. Launch intents that never launched go back
+        to the queue; attempts launched but never recorded are adopted; nothing starts twice."""
+        with self.mutex:
+            for job in self.store.jobs([S.STARTING, S.RECOVERING]):
+                if job.state == S.RECOVERING and job.next_start_at is not None:
+                    continue  # still waiting out its backoff; no launch was intended yet
+                if job.backend_id is not None or job.pid is not None:
+                    continue  # launched and recorded; the normal watch takes it from here
+                found = self.backend.adopt(job)
+                if found is not None:
+                    self.store.transition(
+                        job.id, S.RUNNING, actor="reconcile", reason="found its attempt alive after a restart",
+                        pid=found.pid, pid_start_time=found.pid_start_time, backend_id=found.backend_id,
+                    )
+                elif job.state == S.STARTING:
+                    self.store.transition(
+                        job.id, S.PENDING, actor="reconcile",
+                        reason="the daemon stopped before launching it; queued again", allocation=[],
+                    )
+                else:
+                    self.store.update(job.id, next_start_at=time.time())
+
+    # -- watching attempts ------------------------------------------------------------------------
+
+    def _watch(self, job: Job, now: float) -> None:
+        if job.state == S.RECOVERING and not self.backend.allocates_itself:
+            if job.next_start_at is not None and now >= job.next_start_at:
+                self._launch(job, relaunch=True)
+            return
+        if job.state == S.CANCELLING and job.pid is None and job.backend_id is None:
+            self.store.transition(job.id, S.CANCELLED, actor=ACTOR, reason="nothing was running", **self._release(job))
+            return
+        if job.state == S.STARTING and job.pid is None and job.backend_id is None:
+            return  # a launch in flight in this tick's caller; never happens across ticks
+        outcome = self.backend.poll(job)
+        if outcome is None:
+            if job.state in (S.STARTING, S.RECOVERING) and self.backend.is_running(job):
+                self.store.transition(job.id, S.RUNNING, actor=ACTOR, reason="the cluster started it",
+                                      attempt_started_at=now)
+            elif job.state in (S.PREEMPTED, S.CANCELLING) and job.signalled_at is not None:
+                if now - job.signalled_at > self.config.stop_grace_s:
+                    self.backend.kill(job)
+            return
+        if isinstance(outcome, Requeued):
+            if job.state == S.RUNNING:
+                self.store.transition(job.id, S.RECOVERING, actor="cluster", reason=outcome.detail,
+                                      restart_count=job.restart_count + 1, **self._usage(job, now))
+            return
+        self._ended(job, outcome, now)
+
+    def _usage(self, job: Job, now: float) -> dict:
+        """Device-seconds of the attempt that just ended, added to the job's total."""
+        if job.attempt_started_at is None:
+            return {}
+        return {"device_seconds": job.device_seconds + job.devices * max(0.0, now - job.attempt_started_at),
+                "attempt_started_at": None}
+
+    def _release(self, job: Job) -> dict:
+        return {"allocation": [], "pid": None, "pid_start_time": None, "backend_id": None, "ended_at": time.time(),
+                "signalled_at": None, **self._usage(job, time.time())}
+
+    def _ended(self, job: Job, out: Ended, now: float) -> None:
+        code = out.returncode
+        if job.state == S.CANCELLING:
+            self.store.transition(job.id, S.CANCELLED, actor=ACTOR, reason=f"stopped (exit {code}, signal {out.signal})",
+                                  exit_code=code, **self._release(job))
+            return
+        outcome, failure = classify_exit(code, out.signal)
+        if out.lost:
+            outcome, failure = None, FailureReason.INFRA
+        if outcome == S.SUCCEEDED:
+            self.store.transition(job.id, S.SUCCEEDED, actor=ACTOR, reason="exit 0", exit_code=0, reason_=None
+                                  ) if False else self.store.transition(
+                job.id, S.SUCCEEDED, actor=ACTOR, reason="exit 0", exit_code=0, **self._release(job))
+            return
+        preempted = job.state == S.PREEMPTED
+        if outcome == S.PENDING or (preempted and failure in (FailureReason.INFRA, None)):
+            if not preempted:
+                job = self.store.transition(job.id, S.PREEMPTED, actor=ACTOR,
+                                            reason="exited 4 (checkpointed) without being asked")
+            why = "checkpointed and exited 4" if code == 4 else f"stopped for preemption ({out.detail or code})"
+            self.store.transition(job.id, S.PENDING, actor=ACTOR, reason=f"{why}; queued to resume",
+                                  exit_code=code, **self._release(job))
+            return
+        assert failure is not None
+        self._failed(job, failure, code, out.detail or (f"signal {out.signal}" if out.signal else f"exit {code}"), now)
+
+    def _failed(self, job: Job, failure: FailureReason, code: int | None, detail: str, now: float) -> None:
+        failures = [*job.failures, [now, str(failure)]]
+        policy = RetryPolicy.from_dict(job.retry_policy) if job.retry_policy else self.config.retry_policy
+        decision = decide(policy, failure, code, failures, now)
+        if decision.retry:
+            self.store.transition(
+                job.id, S.RECOVERING, actor=ACTOR,
+                reason=f"{failure}: {detail}; restarting from the last checkpoint in {decision.delay_s:g}s",
+                failures=failures, exit_code=code, next_start_at=now + decision.delay_s,
+                pid=None, pid_start_time=None, signalled_at=None, **self._usage(job, now),
+            )
+            return
+        self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=decision.final_reason, failures=failures,
+                              exit_code=code, detail=decision.final_reason, **self._release(job),
+                              **{"reason": None} if False else {})
+        self.store.update(job.id, reason=str(failure))
+
+    # -- dependencies ------------------------------------------------------------------------------
+
+    def _fail_orphaned_dependents(self) -> None:
+        for job in self.store.jobs([S.PENDING]):
+            if job.depends_on is None:
+                continue
+            dep = self.store.get(job.depends_on)
+            if dep.state in (S.FAILED, S.CANCELLED):
+                why = f"job {dep.id} ({dep.name}) it depends on ended {dep.state}" + (
+                    f": {dep.reason}" if dep.reason else "")
+                self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=why, detail=why)
+                self.store.update(job.id, reason=str(FailureReason.DEPENDENCY_FAILED))
+
+    def _eligible(self, pending: list[Job]) -> list[Job]:
+        if not any(j.depends_on for j in pending):
+            return pending
+        done = {j.id for j in self.store.jobs([S.SUCCEEDED])}
+        return [j for j in pending if j.depends_on is None or j.depends_on in done]
+
+    # -- scheduling and launching -----------------------------------------------------------------
+
+    def _schedule(self, now: float) -> None:
+        pending = self._eligible(self.store.jobs([S.PENDING]))
+        if not pending:
+            return
+        holders = self.store.jobs(HOLDING)
+        if self.backend.allocates_itself:
+            # The cluster allocates: hand jobs over in queue order, up to the concurrency cap.
+            room = (self.config.max_concurrent or 10**9) - len(holders)
+            for job in scheduler.queue_order(pending)[: max(0, room)]:
+                self._start(job, [])
+            return
+        for action in scheduler.plan(self.sched_config, pending, holders, now):
+            if isinstance(action, scheduler.Reject):
+                self.store.transition(action.job_id, S.FAILED, actor="scheduler", reason=action.detail,
+                                      detail=action.detail)
+                self.store.update(action.job_id, reason=str(FailureReason.NO_CAPACITY))
+            elif isinstance(action, scheduler.Preempt):
+                victim = self.store.transition(
+                    action.job_id, S.PREEMPTED, actor="scheduler", expect=[S.RUNNING],
+                    reason=f"preempted by higher-priority job {action.for_job}", signalled_at=time.time(),
+                )
+                self.backend.terminate(victim)
+            else:
+                self._start(self.store.get(action.job_id), action.devices)
+
+    def _start(self, job: Job, devices: list[str]) -> None:
+        job = self.store.transition(
+            job.id, S.STARTING, actor="scheduler", expect=[S.PENDING],
+            reason=f"allocated {','.join(devices) or 'by the cluster'}", allocation=devices,
+            attempt=job.attempt + 1, restart_count=job.attempt, started_at=job.started_at or time.time(),
+            ended_at=None, exit_code=None,
+        )
+        self._launch(job, relaunch=False)
+
+    def _launch(self, job: Job, relaunch: bool) -> None:
+        if relaunch:  # the intent (next attempt, no backoff pending) is written before launching
+            job = self.store.update(job.id, attempt=job.attempt + 1, restart_count=job.attempt, next_start_at=None)
+        try:
+            launched = self.backend.launch(job, self.job_env(job))
+        except Exception as exc:  # could not start at all: the provider's problem
+            log.exception("launch of job %s failed", job.id)
+            self.store.update(job.id, pid=None)
+            if job.state == S.STARTING:
+                job = self.store.transition(job.id, S.RECOVERING, actor=ACTOR, reason=f"launch failed: {exc}")
+            self._failed(job, FailureReason.INFRA, None, f"launch failed: {exc}", time.time())
+            return
+        running = self.backend.is_running(job)
+        fields = dict(pid=launched.pid, pid_start_time=launched.pid_start_time, backend_id=launched.backend_id)
+        if running:
+            fields["attempt_started_at"] = time.time()
+        if running or job.state == S.RECOVERING:
+            self.store.transition(job.id, S.RUNNING if running else S.RECOVERING, actor=ACTOR,
+                                  reason=f"launched attempt {job.attempt}", **fields) if running else \
+                self.store.update(job.id, **fields)
+        else:
+            self.store.update(job.id, **fields)
+
+    def job_env(self, job: Job) -> dict[str, str]:
+        """The environment of an attempt: the daemon's, the job's, and what the control plane tells it."""
+        env = dict(os.environ)
+        env.update(job.env)
+        cuda = [d.split(":", 1)[1] for d in job.allocation if d.startswith("cuda:")]
+        env.update(
+            RUNYARD_CONTROL_JOB=f"{job.id}:{job.attempt}",
+            RUNYARD_JOB_ID=str(job.id),
+            RUNYARD_RESTART_COUNT=str(job.restart_count),
+            RUNYARD_RUN_DIR=job.run_dir,
+            RUNYARD_DEVICES=",".join(job.allocation),
+            CUDA_VISIBLE_DEVICES=",".join(cuda),
+        )
+        if job.allocation and not cuda:  # CPU slots: one thread per slot
+            env["OMP_NUM_THREADS"] = str(len(job.allocation))
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        return env
+
+    # -- requests from users (called by the API under the mutex) ------------------------------------
+
+    def cancel(self, job_id: int, actor: str) -> Job:
+        with self.mutex:
+            job = self.store.get(job_id)
+            if job.state == S.PENDING:
+                return self.store.transition(job_id, S.CANCELLED, actor=actor, reason="cancelled while queued",
+                                             ended_at=time.time())
+            if job.state.terminal or job.state == S.CANCELLING:
+                return job
+            job = self.store.transition(job_id, S.CANCELLING, actor=actor, reason="cancel requested",
+                                        signalled_at=time.time())
+            self.backend.terminate(job)
+            self.wake.set()
+            return job
+
+    def requeue(self, job_id: int, actor: str) -> Job:
+        """A finished job goes back to the queue with fresh budgets; a running one is preempted."""
+        with self.mutex:
+            job = self.store.get(job_id)
+            if job.state.terminal:
+                job = self.store.transition(job_id, S.PENDING, actor=actor, reason="requeued by a user",
+                                            failures=[], reason_code=None) if False else self.store.transition(
+                    job_id, S.PENDING, actor=actor, reason="requeued by a user", failures=[], detail=None,
+                    ended_at=None)
+                self.store.update(job_id, reason=None)
+            elif job.state == S.RUNNING:
+                job = self.store.transition(job_id, S.PREEMPTED, actor=actor, reason="requeued by a user",
+                                            signalled_at=time.time())
+                self.backend.terminate(job)
+            self.wake.set()
+            return self.store.get(job_id)

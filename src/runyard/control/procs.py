@@ -1,0 +1,70 @@
+"""What /proc says about processes: identity by (pid, start time), and finding a job's processes.
+
+A pid alone is not an identity (pids are reused); a pid plus its start time (clock ticks since
+boot, field 22 of /proc/PID/stat) is. Every process a job launches carries the environment
+variable RUNYARD_CONTROL_JOB=<job id>, so a restarted daemon can find them even when it never
+recorded their pids.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+MARKER = "RUNYARD_CONTROL_JOB"
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'.
+    return raw[raw.rindex(")") + 2 :].split()
+
+
+def start_time(pid: int) -> int | None:
+    """The process's start time in clock ticks since boot, or None if it is gone or a zombie."""
+    fields = _stat_fields(pid)
+    if fields is None or fields[0] in ("Z", "X"):
+        return None
+    return int(fields[19])  # field 22 overall; fields[0] is field 3 (state)
+
+
+def is_alive(pid: int | None, expected_start: int | None) -> bool:
+    """True if `pid` is still the very process that was started at `expected_start`."""
+    if pid is None:
+        return False
+    now_start = start_time(pid)
+    return now_start is not None and (expected_start is None or now_start == expected_start)
+
+
+def processes_of_job(job_id: int) -> list[int]:
+    """Live pids whose environment says they belong to `job_id` (any attempt)."""
+    wanted = f"{MARKER}={job_id}:".encode()
+    found = []
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{entry.name}/environ").read_bytes()
+        except OSError:
+            continue
+        if any(item.startswith(wanted) for item in env.split(b"\0")):
+            pid = int(entry.name)
+            if start_time(pid) is not None:
+                found.append(pid)
+    return found
+
+
+def kill_job_processes(job_id: int, sig: int = signal.SIGKILL) -> int:
+    """Signal every live process of a job. Returns how many were signalled."""
+    count = 0
+    for pid in processes_of_job(job_id):
+        try:
+            os.kill(pid, sig)
+            count += 1
+        except ProcessLookupError:
+            pass
+    return count

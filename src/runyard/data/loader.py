@@ -1,0 +1,190 @@
+"""The training loader: (input, target) batches from a split's token shards, deterministic and resumable.
+
+Sequences are non-overlapping windows of `seq_len + 1` tokens over the split's concatenated token stream
+(documents separated by end-of-document tokens); sequence k covers tokens [k*(seq_len+1), (k+1)*(seq_len+1)),
+possibly across a shard boundary. The input is the first seq_len tokens, the target the last seq_len.
+
+Order: epoch e visits all sequences in a permutation drawn from (seed, e). The epochs are laid end to end
+as one stream; global step s takes stream positions [s*G, (s+1)*G) where G = batch_size * world_size,
+and rank r takes the r-th block of batch_size of them. So in every epoch each sequence is visited exactly
+once, ranks never overlap, and the whole position is one integer (`position`, in sequences): restoring it
+is O(1), and it means the same thing under any world size or batch size.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from runyard.data.shards import load_index, open_shard
+from runyard.errors import DataError
+
+STATE_VERSION = 1
+
+
+class TokenStream:
+    """Memory-mapped view of a split's shards as one token array (reads may cross shard boundaries)."""
+
+    def __init__(self, index_path: Path):
+        self.index_path = Path(index_path)
+        self.index = load_index(self.index_path)
+        self.shards = [open_shard(self.index_path.parent / e["file"]) for e in self.index["shards"]]
+        for entry, shard in zip(self.index["shards"], self.shards, strict=True):
+            if len(shard) != entry["tokens"]:
+                raise DataError(f"shard {entry['file']} holds {len(shard)} tokens, index says {entry['tokens']}")
+        sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)])
+        self.total = int(self.offsets[-1])
+
+    def read(self, start: int, length: int) -> np.ndarray:
+        """Tokens [start, start+length) of the stream."""
+        i = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        lo = start - int(self.offsets[i])
+        shard = self.shards[i]
+        if lo + length <= len(shard):
+            return np.asarray(shard[lo : lo + length])
+        parts, need = [], length
+        while need > 0:
+            take = min(need, len(self.shards[i]) - lo)
+            parts.append(np.asarray(self.shards[i][lo : lo + take]))
+            need -= take
+            i, lo = i + 1, 0
+        return np.concatenate(parts)
+
+
+class TokenLoader:
+    """Batches of shape [batch_size, seq_len] for one rank. `next_batch()` never stops: after the last
+    sequence of an epoch it continues with the next epoch's permutation."""
+
+    def __init__(self, index_path: str | Path, seq_len: int, batch_size: int, seed: int, rank: int = 0,
+                 world_size: int = 1, shuffle: bool = True, prefetch: int = 0):
+        if seq_len < 1 or batch_size < 1:
+            raise DataError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
+        if not 0 <= rank < world_size:
+            raise DataError(f"rank {rank} is outside world size {world_size}")
+        self.stream = TokenStream(Path(index_path))
+        self.seq_len, self.batch_size, self.seed = seq_len, batch_size, seed
+        self.rank, self.world_size, self.shuffle = rank, world_size, shuffle
+        self.num_sequences = self.stream.total // (seq_len + 1)
+        if self.num_sequences < 1:
+            raise DataError(
+                f"{index_path}: {self.stream.total} tokens cannot make one sequence of {seq_len + 1} tokens"
+            )
+        self.position = 0  # sequences consumed by all ranks together since epoch 0
+        self._perm_epoch = -1
+        self._perm = np.empty(0, dtype=np.int64)
+        self._perm_lock = threading.Lock()
+        self.prefetch = prefetch
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runyard-prefetch") if prefetch else None
+        self._pending: deque[tuple[int, Future]] = deque()
+
+    # -- order -------------------------------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The epoch the next batch starts in."""
+        return self.position // self.num_sequences
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.world_size
+
+    def _permutation(self, epoch: int) -> np.ndarray:
+        with self._perm_lock:
+            if epoch != self._perm_epoch:
+                if self.shuffle:
+                    rng = np.random.Generator(np.random.PCG64([self.seed, epoch]))
+                    self._perm = rng.permutation(self.num_sequences)
+                else:
+                    self._perm = np.arange(self.num_sequences)
+                self._perm_epoch = epoch
+            return self._perm
+
+    def sequence_ids(self, position: int) -> np.ndarray:
+        """The sequence numbers this rank reads for the global step starting at stream `position`."""
+        first = position + self.rank * self.batch_size
+        out = np.empty(self.batch_size, dtype=np.int64)
+        for j in range(self.batch_size):  # a batch may straddle two epochs
+            p = first + j
+            out[j] = self._permutation(p // self.num_sequences)[p % self.num_sequences]
+        return out
+
+    def _assemble(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        width = self.seq_len + 1
+        rows = np.stack([self.stream.read(int(k) * width, width) for k in self.sequence_ids(position)])
+        rows = torch.from_numpy(rows.astype(np.int64))
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+    # -- batches -----------------------------------------------------------------------------------------
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next (input, target) pair of torch.long tensors, shape [batch_size, seq_len]."""
+        pos = self.position
+        if self._pool is None:
+            batch = self._assemble(pos)
+        else:
+            while self._pending and self._pending[0][0] != pos:  # stale after a position change
+                self._pending.popleft()
+            batch = self._pending.popleft()[1].result() if self._pending else self._assemble(pos)
+            ahead = self._pending[-1][0] + self.global_batch if self._pending else pos + self.global_batch
+            while len(self._pending) < self.prefetch:
+                self._pending.append((ahead, self._pool.submit(self._assemble, ahead)))
+                ahead += self.global_batch
+        self.position = pos + self.global_batch
+        return batch
+
+    def __iter__(self):
+        while True:
+            yield self.next_batch()
+
+    # -- state -------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Plain ints and strings; `position` is in sequences consumed by all ranks together."""
+        return {
+            "version": STATE_VERSION,
+            "position": int(self.position),
+            "epoch": int(self.epoch),
+            "seed": int(self.seed),
+            "seq_len": int(self.seq_len),
+            "num_sequences": int(self.num_sequences),
+            "world_size": int(self.world_size),
+            "batch_size": int(self.batch_size),
+            "shuffle": int(self.shuffle),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the exact position in O(1). World size and batch size may differ from the saved ones;
+        seed, seq_len and the data must match, or the position would mean other sequences."""
+        for key in ("seed", "seq_len", "num_sequences"):
+            if int(state[key]) != getattr(self, key):
+                raise DataError(f"loader state has {key}={state[key]}, but this loader has {getattr(self, key)}")
+        if bool(state.get("shuffle", 1)) != self.shuffle:
+            raise DataError("loader state was saved with a different shuffle setting")
+        self.position = int(state["position"])
+        self._pending.clear()
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+
+
+def heldout_batches(index_path: str | Path, seq_len: int, batch_size: int, max_batches: int
+                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The first `max_batches` batches of the split in stream order (no shuffle): the same for every
+    call. If the split has fewer than batch_size sequences, one smaller batch is returned."""
+    stream = TokenStream(Path(index_path))
+    width = seq_len + 1
+    n = stream.total // width
+    if n == 0:
+        raise DataError(f"{index_path}: {stream.total} tokens cannot make one sequence of {width} tokens")
+    out = []
+    for b in range(min(max_batches, max(1, n // batch_size))):
+        ids = range(b * batch_size, min(n, (b + 1) * batch_size))
+        rows = torch.from_numpy(np.stack([stream.read(k * width, width) for k in ids]).astype(np.int64))
+        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    return out

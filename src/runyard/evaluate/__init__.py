@@ -1,0 +1,1 @@
+"""Held-out evaluation, baselines, samples and the fit-to-ship report."""

@@ -1,0 +1,98 @@
+"""Typed market errors. Each maps to one HTTP status and a stable `code`, and carries a message that
+says what was wrong and where. Raising one inside a store transaction rolls it back, so a refused
+request changes nothing."""
+
+from __future__ import annotations
+
+from runyard.errors import RunyardError
+
+
+class MarketError(RunyardError):
+    """Base: a request the market refuses. `status` is the HTTP status; `code` a stable name."""
+
+    status = 400
+    code = "bad_request"
+
+    def __init__(self, message: str, **detail: object):
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    def to_json(self) -> dict:
+        return {"error": self.code, "message": self.message, **({"detail": self.detail} if self.detail else {})}
+
+
+class BadRequest(MarketError):
+    """The request is malformed or names impossible values (a window ending before it starts...)."""
+
+    status = 422
+    code = "invalid_request"
+
+
+class Unauthenticated(MarketError):
+    status = 401
+    code = "unauthenticated"
+
+
+class Forbidden(MarketError):
+    """The caller is known but its role, ownership or verification does not allow this."""
+
+    status = 403
+    code = "forbidden"
+
+
+class NotVerified(Forbidden):
+    code = "not_verified"
+
+
+class NotFound(MarketError):
+    """Missing, or not the caller's to see (we never tell a tenant another tenant's ids exist)."""
+
+    status = 404
+    code = "not_found"
+
+
+class Conflict(MarketError):
+    status = 409
+    code = "conflict"
+
+
+class InvalidTransition(Conflict):
+    """A state machine refused a transition: wrong current state or wrong actor."""
+
+    code = "invalid_transition"
+
+
+class IdempotencyConflict(Conflict):
+    """The same idempotency key was sent before with different parameters."""
+
+    code = "idempotency_key_reused"
+
+
+class InsufficientFunds(Conflict):
+    """An account that must not go negative would: an overdraft or an under-funded escrow."""
+
+    code = "insufficient_funds"
+
+
+class SignatureInvalid(MarketError):
+    status = 422
+    code = "signature_invalid"
+
+
+class UsageRejected(Conflict):
+    """A usage record that is replayed, out of sequence, out of window or overlapping."""
+
+    code = "usage_rejected"
+
+
+class PayloadTooLarge(MarketError):
+    status = 413
+    code = "payload_too_large"
+
+
+class StoreBusy(MarketError):
+    """The store stayed contended through every retry; the request changed nothing and may be retried."""
+
+    status = 503
+    code = "store_busy"

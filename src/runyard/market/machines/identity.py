@@ -1,0 +1,29 @@
+"""Identity verification: unverified -> pending -> verified | rejected.
+
+Only a verified account may list, demand or be matched. A rejected account may ask again (back to
+pending); an operator may revoke a verification (verified -> rejected), which stops new matches.
+"""
+
+from __future__ import annotations
+
+from runyard.market.machines import Machine, sides
+from runyard.market.schema import accounts
+
+UNVERIFIED = "unverified"
+PENDING = "pending"
+VERIFIED = "verified"
+REJECTED = "rejected"
+
+IDENTITY = Machine(
+    entity="identity",
+    table=accounts,
+    initial=UNVERIFIED,
+    table_of_transitions={
+        (UNVERIFIED, PENDING): sides("tenant", "provider"),
+        (REJECTED, PENDING): sides("tenant", "provider"),
+        # The verifier decides; the default verifier is an operator, an automatic one acts as system.
+        (PENDING, VERIFIED): sides("operator", "system"),
+        (PENDING, REJECTED): sides("operator", "system"),
+        (VERIFIED, REJECTED): sides("operator"),
+    },
+)

@@ -1,0 +1,30 @@
+"""Usage records: reported -> acknowledged | part_acknowledged | disputed.
+
+A tenant acknowledges a record in full or in part, or disputes it, within the dispute window; the
+provider may contest a partial acknowledgement (part_acknowledged -> disputed). A tenant's own
+measurement that disagrees beyond tolerance disputes the record by itself (system). A record left
+alone past the window counts as accepted in full.
+"""
+
+from __future__ import annotations
+
+from runyard.market.machines import Machine, sides
+from runyard.market.schema import usage_records
+
+REPORTED = "reported"
+ACKNOWLEDGED = "acknowledged"
+PART_ACKNOWLEDGED = "part_acknowledged"
+DISPUTED = "disputed"
+
+RECORD = Machine(
+    entity="record",
+    table=usage_records,
+    initial=REPORTED,
+    table_of_transitions={
+        (REPORTED, ACKNOWLEDGED): sides("tenant"),
+        (REPORTED, PART_ACKNOWLEDGED): sides("tenant"),
+        (REPORTED, DISPUTED): sides("tenant", "system"),
+        (PART_ACKNOWLEDGED, DISPUTED): sides("provider"),
+        (ACKNOWLEDGED, DISPUTED): sides("system"),  # a late measurement mismatch
+    },
+)

@@ -1,0 +1,1 @@
+"""Alembic migrations for the market store (a package so that setuptools ships it)."""

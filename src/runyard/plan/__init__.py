@@ -1,0 +1,1 @@
+"""Planning: stage gates and promotion, and sizing (FLOPs, memory, time, cost, requirement)."""

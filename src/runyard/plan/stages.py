@@ -1,0 +1,118 @@
+"""Stage gates: the checks a stage must pass before a later stage may start.
+
+Each gate is evaluated from what the stage produced (its losses, held-out loss, throughput and final
+checkpoint) and recorded in `stages/<stage>/gates.json` with its measured value and its bound, so a
+person can see why a stage passed or stopped the run.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from runyard.spec import GateSpec
+from runyard.train import checkpoint as ckpt
+
+GATES_FILE = "gates.json"
+
+
+@dataclass(frozen=True)
+class GateResult:
+    name: str
+    passed: bool
+    value: float | bool | None
+    bound: float | bool | None
+    detail: str
+
+
+def loss_drop(losses: list[float]) -> float:
+    """Fractional fall of the training loss: first window's mean against the last window's."""
+    window = max(1, min(10, len(losses) // 5))
+    first = sum(losses[:window]) / window
+    last = sum(losses[-window:]) / window
+    return (first - last) / first if first > 0 else 0.0
+
+
+def checkpoint_roundtrip_exact(checkpoint_path: Path, model: torch.nn.Module) -> tuple[bool, str]:
+    """Reload the stage's final checkpoint and compare every tensor bitwise with the live model."""
+    tensors, _state = ckpt.read_checkpoint(checkpoint_path)
+    saved = tensors["model"]
+    live = model.state_dict()
+    if saved.keys() != live.keys():
+        return False, f"keys differ: {sorted(set(saved) ^ set(live))[:5]}"
+    for name, tensor in live.items():
+        other = saved[name]
+        if tensor.shape != other.shape or tensor.dtype != other.dtype:
+            return False, f"{name}: shape/dtype differ"
+        if not torch.equal(tensor.detach().cpu(), other.cpu()):
+            return False, f"{name}: values differ after reload"
+    return True, f"{len(live)} tensors identical after reload of {checkpoint_path.name}"
+
+
+def evaluate_gates(
+    gates: GateSpec,
+    losses: list[float],
+    heldout_loss: float | None,
+    tokens_per_s: float,
+    checkpoint_path: Path | None,
+    model: torch.nn.Module,
+) -> list[GateResult]:
+    results: list[GateResult] = []
+    if gates.require_finite:
+        bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
+        finite = not bad and (heldout_loss is None or math.isfinite(heldout_loss))
+        detail = "all losses finite" if finite else f"non-finite loss at steps {[i + 1 for i in bad[:5]]}"
+        results.append(GateResult("finite", finite, finite, True, detail))
+    if gates.min_loss_drop is not None:
+        drop = loss_drop(losses) if losses else 0.0
+        ok = math.isfinite(drop) and drop >= gates.min_loss_drop
+        results.append(
+            GateResult("loss_drop", ok, drop, gates.min_loss_drop, f"training loss fell by {drop:.1%}")
+        )
+    if gates.max_heldout_loss is not None:
+        ok = heldout_loss is not None and math.isfinite(heldout_loss) and heldout_loss <= gates.max_heldout_loss
+        results.append(
+            GateResult("heldout_loss", ok, heldout_loss, gates.max_heldout_loss, "held-out loss at the end")
+        )
+    if gates.min_tokens_per_s is not None:
+        ok = tokens_per_s >= gates.min_tokens_per_s
+        results.append(
+            GateResult("throughput", ok, tokens_per_s, gates.min_tokens_per_s, "steady-state tokens/s")
+        )
+    if gates.checkpoint_roundtrip:
+        if checkpoint_path is None:
+            results.append(GateResult("checkpoint_roundtrip", False, False, True, "no checkpoint was written"))
+        else:
+            ok, detail = checkpoint_roundtrip_exact(checkpoint_path, model)
+            results.append(GateResult("checkpoint_roundtrip", ok, ok, True, detail))
+    return results
+
+
+def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:
+    record = {
+        "stage": stage,
+        "passed": all(r.passed for r in results),
+        "gates": [asdict(r) for r in results],
+    }
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    tmp = stage_dir / (GATES_FILE + ".tmp")
+    tmp.write_text(json.dumps(record, indent=2))
+    os.replace(tmp, stage_dir / GATES_FILE)
+    return record
+
+
+def read_gates(stage_dir: Path) -> dict | None:
+    path = stage_dir / GATES_FILE
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text())
+
+
+def format_failures(record: dict) -> str:
+    failed = [g for g in record["gates"] if not g["passed"]]
+    return "; ".join(f"{g['name']}: {g['detail']} (value {g['value']}, bound {g['bound']})" for g in failed)

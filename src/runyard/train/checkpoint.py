@@ -1,0 +1,184 @@
+"""Checkpoints: atomic, checksummed, kept by a retention policy.
+
+A checkpoint is a directory `step_00000123/` holding tensors (`*.pt`, saved with torch.save and read
+back with `weights_only=True`), a `state.json` of plain values (step, loader position, RNG states,
+anything JSON), and `MANIFEST.json` with the sha256 and size of every other file. It is written into
+a hidden temporary directory, every file fsynced, then renamed into place, so a crash leaves either
+the whole checkpoint or nothing under its final name. `MANIFEST.json` is written last; a directory
+without it, or whose files do not match it, is refused (`CheckpointCorrupt`) and `latest_good()`
+falls back to the previous one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from runyard.errors import CheckpointCorrupt
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "MANIFEST.json"
+STATE = "state.json"
+_PREFIX = "step_"
+FORMAT_VERSION = 1
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+
+
+def step_dir_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    step: int
+    path: Path
+
+
+def write_checkpoint(
+    root: Path,
+    step: int,
+    tensors: dict[str, Any],
+    state: dict[str, Any],
+    write_extra: Callable[[Path], None] | None = None,
+) -> Path:
+    """Write a checkpoint for `step` atomically under `root` and return its final path.
+
+    `tensors` maps file stems to objects torch.save can write and weights_only can read (state dicts).
+    `write_extra(tmp_dir)` may add more files (e.g. sharded distributed state) before the manifest.
+    """
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(step)
+    tmp = root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for stem, obj in tensors.items():
+            torch.save(obj, tmp / f"{stem}.pt")
+        (tmp / STATE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}, indent=1))
+        if write_extra is not None:
+            write_extra(tmp)
+        files = {}
+        for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync_file(path)
+            rel = path.relative_to(tmp).as_posix()
+            files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+        manifest = tmp / MANIFEST
+        manifest.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "files": files}, indent=1))
+        _fsync_file(manifest)
+        for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
+            fsync_dir(sub)
+        if final.exists():  # a checkpoint of the same step (a re-save after resume): replace it whole
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        fsync_dir(root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file against the manifest; return the manifest. Raises CheckpointCorrupt."""
+    manifest_path = path / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointCorrupt(f"checkpoint {path} has no {MANIFEST}: it was never completed")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        files = manifest["files"]
+    except (json.JSONDecodeError, KeyError) as exc:
+        raise CheckpointCorrupt(f"checkpoint {path}: unreadable {MANIFEST} ({exc})") from None
+    for rel, meta in files.items():
+        file = (path / rel).resolve()
+        if path.resolve() not in file.parents:
+            raise CheckpointCorrupt(f"checkpoint {path}: manifest names {rel!r}, outside the checkpoint")
+        if not file.is_file():
+            raise CheckpointCorrupt(f"checkpoint {path}: file {rel} is missing")
+        if file.stat().st_size != meta["bytes"]:
+            raise CheckpointCorrupt(
+                f"checkpoint {path}: {rel} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
+            )
+        if sha256_file(file) != meta["sha256"]:
+            raise CheckpointCorrupt(f"checkpoint {path}: {rel} fails its sha256 checksum")
+    return manifest
+
+
+def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict]:
+    """Verify, then load: returns (tensors by stem, state)."""
+    manifest = verify_checkpoint(path)
+    tensors = {}
+    for rel in manifest["files"]:
+        if rel.endswith(".pt") and "/" not in rel:
+            tensors[rel[:-3]] = torch.load(path / rel, map_location=map_location, weights_only=True)
+    state = json.loads((path / STATE).read_text())
+    return tensors, state
+
+
+def list_checkpoints(root: Path) -> list[CheckpointRef]:
+    """Committed-looking checkpoint directories, oldest first (not yet verified)."""
+    if not root.is_dir():
+        return []
+    refs = []
+    for p in root.iterdir():
+        if p.is_dir() and p.name.startswith(_PREFIX) and p.name[len(_PREFIX) :].isdigit():
+            refs.append(CheckpointRef(int(p.name[len(_PREFIX) :]), p))
+    return sorted(refs, key=lambda r: r.step)
+
+
+def latest_good(root: Path) -> CheckpointRef | None:
+    """The newest checkpoint that passes verification; corrupt newer ones are logged and skipped."""
+    for ref in reversed(list_checkpoints(root)):
+        try:
+            verify_checkpoint(ref.path)
+        except CheckpointCorrupt as exc:
+            log.warning("skipping checkpoint: %s; falling back to the previous one", exc)
+            continue
+        return ref
+    return None
+
+
+def apply_retention(root: Path, keep_last: int, best_step: int | None) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints and the best one. Returns what was removed.
+    Stale temporary directories from crashed writes are removed too."""
+    removed = []
+    for tmp in root.glob(".tmp-*"):
+        shutil.rmtree(tmp, ignore_errors=True)
+        removed.append(tmp)
+    refs = list_checkpoints(root)
+    keep = {r.step for r in refs[-keep_last:]}
+    if best_step is not None:
+        keep.add(best_step)
+    for ref in refs:
+        if ref.step not in keep:
+            shutil.rmtree(ref.path, ignore_errors=True)
+            removed.append(ref.path)
+    return removed
