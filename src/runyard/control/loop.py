@@ -16,7 +16,7 @@ from pathlib import Path
 from runyard.control import scheduler
 from runyard.control.backends.base import Backend, Ended, Requeued
 from runyard.control.retry import RetryPolicy, decide
-from runyard.control.states import FailureReason, IllegalTransition, JobState, classify_exit
+from runyard.control.states import FailureReason, JobState, classify_exit
 from runyard.control.store import Job, JobStore
 
 log = logging.getLogger("runyard.control")
@@ -54,7 +54,7 @@ class ControlLoop:
     # -- the loop -------------------------------------------------------------------------------
 
     def run_forever(self, stop: threading.Event) -> None:
-        self.reconcile()
+        """Tick until `stop` is set. Call reconcile() once before, after a (re)start."""
         while not stop.is_set():
             try:
                 self.tick()
@@ -113,9 +113,9 @@ class ControlLoop:
             if job.state in (S.STARTING, S.RECOVERING) and self.backend.is_running(job):
                 self.store.transition(job.id, S.RUNNING, actor=ACTOR, reason="the cluster started it",
                                       attempt_started_at=now)
-            elif job.state in (S.PREEMPTED, S.CANCELLING) and job.signalled_at is not None:
-                if now - job.signalled_at > self.config.stop_grace_s:
-                    self.backend.kill(job)
+            elif (job.state in (S.PREEMPTED, S.CANCELLING) and job.signalled_at is not None
+                  and now - job.signalled_at > self.config.stop_grace_s):
+                self.backend.kill(job)
             return
         if isinstance(outcome, Requeued):
             if job.state == S.RUNNING:
@@ -145,9 +145,8 @@ class ControlLoop:
         if out.lost:
             outcome, failure = None, FailureReason.INFRA
         if outcome == S.SUCCEEDED:
-            self.store.transition(job.id, S.SUCCEEDED, actor=ACTOR, reason="exit 0", exit_code=0, reason_=None
-                                  ) if False else self.store.transition(
-                job.id, S.SUCCEEDED, actor=ACTOR, reason="exit 0", exit_code=0, **self._release(job))
+            self.store.transition(job.id, S.SUCCEEDED, actor=ACTOR, reason="exit 0", exit_code=0,
+                                  **self._release(job))
             return
         preempted = job.state == S.PREEMPTED
         if outcome == S.PENDING or (preempted and failure in (FailureReason.INFRA, None)):
@@ -174,9 +173,8 @@ class ControlLoop:
             )
             return
         self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=decision.final_reason, failures=failures,
-                              exit_code=code, detail=decision.final_reason, **self._release(job),
-                              **{"reason": None} if False else {})
-        self.store.update(job.id, reason=str(failure))
+                              exit_code=code, detail=decision.final_reason, failure=str(failure),
+                              **self._release(job))
 
     # -- dependencies ------------------------------------------------------------------------------
 
@@ -187,9 +185,9 @@ class ControlLoop:
             dep = self.store.get(job.depends_on)
             if dep.state in (S.FAILED, S.CANCELLED):
                 why = f"job {dep.id} ({dep.name}) it depends on ended {dep.state}" + (
-                    f": {dep.reason}" if dep.reason else "")
-                self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=why, detail=why)
-                self.store.update(job.id, reason=str(FailureReason.DEPENDENCY_FAILED))
+                    f": {dep.failure}" if dep.failure else "")
+                self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=why, detail=why, ended_at=time.time(),
+                                      failure=str(FailureReason.DEPENDENCY_FAILED))
 
     def _eligible(self, pending: list[Job]) -> list[Job]:
         if not any(j.depends_on for j in pending):
@@ -213,8 +211,8 @@ class ControlLoop:
         for action in scheduler.plan(self.sched_config, pending, holders, now):
             if isinstance(action, scheduler.Reject):
                 self.store.transition(action.job_id, S.FAILED, actor="scheduler", reason=action.detail,
-                                      detail=action.detail)
-                self.store.update(action.job_id, reason=str(FailureReason.NO_CAPACITY))
+                                      detail=action.detail, failure=str(FailureReason.NO_CAPACITY),
+                                      ended_at=time.time())
             elif isinstance(action, scheduler.Preempt):
                 victim = self.store.transition(
                     action.job_id, S.PREEMPTED, actor="scheduler", expect=[S.RUNNING],
@@ -240,20 +238,15 @@ class ControlLoop:
             launched = self.backend.launch(job, self.job_env(job))
         except Exception as exc:  # could not start at all: the provider's problem
             log.exception("launch of job %s failed", job.id)
-            self.store.update(job.id, pid=None)
-            if job.state == S.STARTING:
-                job = self.store.transition(job.id, S.RECOVERING, actor=ACTOR, reason=f"launch failed: {exc}")
             self._failed(job, FailureReason.INFRA, None, f"launch failed: {exc}", time.time())
             return
         running = self.backend.is_running(job)
         fields = dict(pid=launched.pid, pid_start_time=launched.pid_start_time, backend_id=launched.backend_id)
         if running:
             fields["attempt_started_at"] = time.time()
-        if running or job.state == S.RECOVERING:
-            self.store.transition(job.id, S.RUNNING if running else S.RECOVERING, actor=ACTOR,
-                                  reason=f"launched attempt {job.attempt}", **fields) if running else \
-                self.store.update(job.id, **fields)
-        else:
+        if running:
+            self.store.transition(job.id, S.RUNNING, actor=ACTOR, reason=f"launched attempt {job.attempt}", **fields)
+        else:  # queued in the cluster; the watch moves it to running when the cluster starts it
             self.store.update(job.id, **fields)
 
     def job_env(self, job: Job) -> dict[str, str]:
@@ -295,11 +288,8 @@ class ControlLoop:
         with self.mutex:
             job = self.store.get(job_id)
             if job.state.terminal:
-                job = self.store.transition(job_id, S.PENDING, actor=actor, reason="requeued by a user",
-                                            failures=[], reason_code=None) if False else self.store.transition(
-                    job_id, S.PENDING, actor=actor, reason="requeued by a user", failures=[], detail=None,
-                    ended_at=None)
-                self.store.update(job_id, reason=None)
+                self.store.transition(job_id, S.PENDING, actor=actor, reason="requeued by a user",
+                                      failures=[], detail=None, failure=None, ended_at=None)
             elif job.state == S.RUNNING:
                 job = self.store.transition(job_id, S.PREEMPTED, actor=actor, reason="requeued by a user",
                                             signalled_at=time.time())

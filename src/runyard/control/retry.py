@@ -71,11 +71,9 @@ def decide(
     if reason in (FailureReason.BAD_SPEC, FailureReason.GATE_FAILED):
         return RetryDecision(False, 0.0, f"{reason}: exit {exit_code}; not retried (same input, same outcome)")
     budget = policy.infra if reason == FailureReason.INFRA else policy.user_error
-    if reason == FailureReason.USER_ERROR and budget.retry_exit_codes is not None:
-        if exit_code not in budget.retry_exit_codes:
-            return RetryDecision(
-                False, 0.0, f"user_error: exit {exit_code} is not in the retry list {budget.retry_exit_codes}"
-            )
+    codes = budget.retry_exit_codes
+    if reason == FailureReason.USER_ERROR and codes is not None and exit_code not in codes:
+        return RetryDecision(False, 0.0, f"user_error: exit {exit_code} is not in the retry list {codes}")
     recent = [f for f in failures if f[1] == str(reason) and now - f[0] <= policy.window_s]
     if len(recent) > budget.retries:
         what = f"exit {exit_code}" if exit_code is not None else "killed by a signal or lost"

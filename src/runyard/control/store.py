@@ -35,7 +35,7 @@ CREATE TABLE IF NOT EXISTS jobs (
     retry_policy TEXT NOT NULL DEFAULT '{}',
     lease_id TEXT,
     state TEXT NOT NULL,
-    reason TEXT,
+    failure TEXT,
     detail TEXT,
     restart_count INTEGER NOT NULL DEFAULT 0,
     attempt INTEGER NOT NULL DEFAULT 0,
@@ -91,7 +91,7 @@ class Job:
     retry_policy: dict[str, Any]
     lease_id: str | None
     state: JobState
-    reason: str | None
+    failure: str | None  # a FailureReason once failed
     detail: str | None
     restart_count: int
     attempt: int

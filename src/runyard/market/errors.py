@@ -19,7 +19,11 @@ class MarketError(RunyardError):
         self.detail = detail
 
     def to_json(self) -> dict:
-        return {"error": self.code, "message": self.message, **({"detail": self.detail} if self.detail else {})}
+        return {
+            "error": self.code,
+            "message": self.message,
+            **({"detail": self.detail} if self.detail else {}),
+        }
 
 
 class BadRequest(MarketError):

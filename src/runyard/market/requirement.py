@@ -67,7 +67,9 @@ class Requirement(BaseModel):
     def _known_kinds(self) -> Requirement:
         unknown = [k for k in self.accelerator_kinds if k not in ACCELERATOR_KINDS]
         if unknown:
-            raise ValueError(f"unknown accelerator kind(s) {unknown}; expected one of {list(ACCELERATOR_KINDS)}")
+            raise ValueError(
+                f"unknown accelerator kind(s) {unknown}; expected one of {list(ACCELERATOR_KINDS)}"
+            )
         if not self.start_classes:
             raise ValueError("start_classes must name at least one start class")
         return self

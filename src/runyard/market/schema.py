@@ -131,11 +131,15 @@ demands = Table(
     Column("id", Integer, primary_key=True),
     Column("tenant_id", Integer, ForeignKey("accounts.id"), nullable=False, index=True),
     Column("requirement", Text, nullable=False),
+    # ",kind1,kind2," so that matching can filter open demands by a listing's kind in SQL.
+    Column("kinds", String(400), nullable=False),
     Column("device_count", Integer, nullable=False),
     Column("duration_s", BigInteger, nullable=False),
     Column("max_price_per_device_hour", BigInteger, nullable=False),
-    Column("escrow_account_id", Integer, ForeignKey("ledger_accounts.id"), nullable=False),
-    Column("escrow_pending_id", Integer, ForeignKey("transfers.id"), nullable=False),
+    Column("latest_start", BigInteger, nullable=True),
+    # Set in the transaction that creates the demand, once its id names the escrow account.
+    Column("escrow_account_id", Integer, ForeignKey("ledger_accounts.id"), nullable=True),
+    Column("escrow_pending_id", Integer, ForeignKey("transfers.id"), nullable=True),
     Column("escrow_amount", BigInteger, nullable=False),
     Column("state", String(16), nullable=False),
     Column("lease_id", Integer, nullable=True),
@@ -186,6 +190,7 @@ usage_records = Table(
     Column("received_at", BigInteger, nullable=False),
     Column("state", String(24), nullable=False),
     Column("acked_device_seconds", BigInteger, nullable=True),
+    Column("acked_at", BigInteger, nullable=True),
     UniqueConstraint("lease_id", "seq", name="uq_usage_records_lease_seq"),
 )
 

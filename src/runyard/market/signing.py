@@ -94,4 +94,6 @@ def verify(public_key: str, payload: dict, signature: str, what: str) -> None:
     try:
         key.verify(raw_sig, canonical_bytes(payload))
     except InvalidSignature as exc:
-        raise SignatureInvalid(f"{what} signature does not verify against the signer's registered key") from exc
+        raise SignatureInvalid(
+            f"{what} signature does not verify against the signer's registered key"
+        ) from exc

@@ -27,7 +27,11 @@ from runyard.market.errors import BadRequest, StoreBusy
 T = TypeVar("T")
 
 MIGRATIONS_DIR = Path(__file__).parent / "migrations"
-RETRYABLE_PG_STATES = {"40001", "40P01", "55P03"}  # serialization_failure, deadlock_detected, lock_not_available
+RETRYABLE_PG_STATES = {
+    "40001",
+    "40P01",
+    "55P03",
+}  # serialization_failure, deadlock_detected, lock_not_available
 MAX_ATTEMPTS = 12
 
 
@@ -116,7 +120,10 @@ class Store:
         for attempt in range(MAX_ATTEMPTS):
             try:
                 with self.engine.connect() as conn:
-                    conn = conn.execution_options(runyard_readonly=True)
+                    # PostgreSQL's default gives each statement its own snapshot; a report that
+                    # reads several tables (the audit, a statement) needs one for all of them.
+                    options = {"isolation_level": "REPEATABLE READ"} if self.dialect == "postgresql" else {}
+                    conn = conn.execution_options(runyard_readonly=True, **options)
                     with conn.begin():
                         return fn(conn)
             except OperationalError as exc:

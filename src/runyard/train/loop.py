@@ -94,6 +94,18 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx
     return TrainSetup(model, module, config, optimizer, loader)
 
 
+def forward_backward(
+    module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float, device: torch.device, precision: str
+) -> torch.Tensor:
+    """One micro-batch: the loss summed over its tokens times `loss_scale` (1 / tokens in the whole
+    accumulated batch), so gradients accumulated over micro-batches equal one large batch's."""
+    with autocast_for(device, precision):
+        logits = module(x)
+    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") * loss_scale
+    loss.backward()
+    return loss.detach()
+
+
 @torch.no_grad()
 def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precision: str) -> float:
     """Mean token cross-entropy over fixed batches (dropout off)."""
@@ -169,6 +181,9 @@ def train_stage(
 
     tokens_per_micro = train_cfg.batch_size * setup.config.context_length
     tokens_per_step = tokens_per_micro * train_cfg.grad_accum * ctx.world_size
+    # Each rank divides its summed loss by its own share of the step's tokens; DDP's mean over ranks
+    # then makes the gradient that of the whole global batch.
+    loss_scale = ctx.world_size / tokens_per_step
     flops_per_token = setup.model.flops_per_token()
     peak = device_peak_flops(device)
     params = [p for p in setup.model.parameters() if p.requires_grad]
@@ -203,14 +218,7 @@ def train_stage(
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
                 last_micro = micro == train_cfg.grad_accum - 1
                 with parallel.grad_sync(setup.module, ctx, last_micro):
-                    with autocast_for(device, precision):
-                        logits = setup.module(x)
-                    # Sum over tokens / tokens in this rank's accumulated batch: the gradient equals
-                    # one large batch's, and DDP's mean over ranks makes it the global batch's.
-                    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum")
-                    loss = loss * (ctx.world_size / tokens_per_step)
-                    loss.backward()
-                step_loss += loss.detach()
+                    step_loss += forward_backward(setup.module, x, y, loss_scale, device, precision)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
             setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)

@@ -7,6 +7,7 @@ records how it ended in a status file, so a daemon restarted after SIGKILL still
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,10 +93,8 @@ class LocalBackend:
     def _signal_group(self, job: Job, sig: int) -> None:
         if job.pid is None or not procs.is_alive(job.pid, job.pid_start_time):
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(job.pid, sig)  # the shim leads the group, so pgid == its pid
-        except ProcessLookupError:
-            pass
 
     def adopt(self, job: Job) -> Launched | None:
         """Find the shim of the current attempt by its environment marker."""

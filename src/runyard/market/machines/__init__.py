@@ -60,7 +60,9 @@ def sides(*names: str) -> frozenset[str]:
     return frozenset(names)
 
 
-def record_initial(conn: Connection, machine: Machine, entity_id: int, actor: Actor, reason: str, now: int) -> None:
+def record_initial(
+    conn: Connection, machine: Machine, entity_id: int, actor: Actor, reason: str, now: int
+) -> None:
     """Record the creation of an entity in its initial state."""
     conn.execute(
         transitions.insert().values(
@@ -98,7 +100,9 @@ def transition(
     if current is None:
         raise NotFound(f"{machine.entity} {entity_id} does not exist")
     expected = (expect,) if isinstance(expect, str) else expect
-    if (expected is not None and current not in expected) or not machine.allowed(current, to_state, actor.side):
+    if (expected is not None and current not in expected) or not machine.allowed(
+        current, to_state, actor.side
+    ):
         raise InvalidTransition(
             f"{machine.entity} {entity_id} is {current!r}; {actor.side} cannot move it to {to_state!r}",
             entity=machine.entity,

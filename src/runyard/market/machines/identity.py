@@ -19,7 +19,8 @@ IDENTITY = Machine(
     table=accounts,
     initial=UNVERIFIED,
     table_of_transitions={
-        (UNVERIFIED, PENDING): sides("tenant", "provider"),
+        # An operator may open a review itself (and does, for operator accounts).
+        (UNVERIFIED, PENDING): sides("tenant", "provider", "operator"),
         (REJECTED, PENDING): sides("tenant", "provider"),
         # The verifier decides; the default verifier is an operator, an automatic one acts as system.
         (PENDING, VERIFIED): sides("operator", "system"),

@@ -25,6 +25,5 @@ RECORD = Machine(
         (REPORTED, PART_ACKNOWLEDGED): sides("tenant"),
         (REPORTED, DISPUTED): sides("tenant", "system"),
         (PART_ACKNOWLEDGED, DISPUTED): sides("provider"),
-        (ACKNOWLEDGED, DISPUTED): sides("system"),  # a late measurement mismatch
     },
 )

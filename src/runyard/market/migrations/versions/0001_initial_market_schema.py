@@ -2,7 +2,7 @@
 
 Revision ID: 0001
 Revises:
-Create Date: 2026-11-30 10:53:40.654882
+Create Date: 2026-11-30 10:57:58.654657
 """
 
 from __future__ import annotations
@@ -175,11 +175,13 @@ def upgrade() -> None:
         sa.Column("id", sa.Integer(), nullable=False),
         sa.Column("tenant_id", sa.Integer(), nullable=False),
         sa.Column("requirement", sa.Text(), nullable=False),
+        sa.Column("kinds", sa.String(length=400), nullable=False),
         sa.Column("device_count", sa.Integer(), nullable=False),
         sa.Column("duration_s", sa.BigInteger(), nullable=False),
         sa.Column("max_price_per_device_hour", sa.BigInteger(), nullable=False),
-        sa.Column("escrow_account_id", sa.Integer(), nullable=False),
-        sa.Column("escrow_pending_id", sa.Integer(), nullable=False),
+        sa.Column("latest_start", sa.BigInteger(), nullable=True),
+        sa.Column("escrow_account_id", sa.Integer(), nullable=True),
+        sa.Column("escrow_pending_id", sa.Integer(), nullable=True),
         sa.Column("escrow_amount", sa.BigInteger(), nullable=False),
         sa.Column("state", sa.String(length=16), nullable=False),
         sa.Column("lease_id", sa.Integer(), nullable=True),
@@ -270,6 +272,7 @@ def upgrade() -> None:
         sa.Column("received_at", sa.BigInteger(), nullable=False),
         sa.Column("state", sa.String(length=24), nullable=False),
         sa.Column("acked_device_seconds", sa.BigInteger(), nullable=True),
+        sa.Column("acked_at", sa.BigInteger(), nullable=True),
         sa.ForeignKeyConstraint(["lease_id"], ["leases.id"], name=op.f("fk_usage_records_lease_id_leases")),
         sa.PrimaryKeyConstraint("id", name=op.f("pk_usage_records")),
         sa.UniqueConstraint("lease_id", "seq", name="uq_usage_records_lease_seq"),

@@ -1,0 +1,250 @@
+"""Verbs of the provider's control plane: `control start|stop|status`, `submit`, `queue`, `job ...`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+DEFAULT_STATE_DIR = os.environ.get("RUNYARD_CONTROL_DIR", str(Path.home() / ".runyard" / "control"))
+
+
+def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--state-dir", default=DEFAULT_STATE_DIR,
+                        help="the control plane's state directory (env RUNYARD_CONTROL_DIR; default %(default)s)")
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    control = subparsers.add_parser("control", help="run the provider's control plane (a local job scheduler)")
+    verbs = control.add_subparsers(dest="control_verb", metavar="ACTION", required=True)
+
+    start = verbs.add_parser("start", help="start the control-plane daemon (loopback HTTP API + SQLite state)")
+    _state_dir_arg(start)
+    start.add_argument("--port", type=int, default=0, help="API port on 127.0.0.1 (default: any free port)")
+    start.add_argument("--backend", choices=["local", "slurm"], default="local",
+                       help="run jobs as local processes, or hand them to Slurm with sbatch")
+    start.add_argument("--devices", help="devices to schedule, e.g. cuda:0,cuda:1 (default: the GPUs found)")
+    start.add_argument("--cpu-slots", type=int, help="schedule N CPU slots instead of GPUs")
+    start.add_argument("--max-concurrent", type=int, help="most jobs holding devices at once")
+    start.add_argument("--quota", action="append", default=[], metavar="TENANT=N",
+                       help="most devices TENANT may hold at once (repeatable)")
+    start.add_argument("--no-preemption", action="store_true", help="never preempt lower-priority jobs")
+    start.add_argument("--no-backfill", action="store_true", help="never start a job past a waiting one")
+    start.add_argument("--stop-grace", type=float, default=60.0,
+                       help="seconds between SIGTERM and SIGKILL on preemption or cancel (default 60)")
+    start.add_argument("--infra-retries", type=int, default=10, help="restarts allowed after infra failures")
+    start.add_argument("--user-retries", type=int, default=1, help="restarts allowed after user errors")
+    start.add_argument("--retry-window", type=float, default=3600.0, help="seconds in which failures count")
+    start.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds (doubles)")
+    start.add_argument("--slurm-partition", help="Slurm partition for sbatch (slurm backend)")
+    start.add_argument("--slurm-gres", default="gpu", help="GRES name of a device in Slurm (default gpu)")
+    start.add_argument("--market", help="market URL: run the agent that takes leases from it")
+    start.add_argument("--provider-key", help="the provider's Ed25519 private key file (with --market)")
+    start.add_argument("--usage-interval", type=float, default=30.0, help="seconds between usage reports")
+    start.add_argument("--foreground", action="store_true", help="run in this process instead of detaching")
+    start.set_defaults(handler=_control_start)
+
+    stop = verbs.add_parser("stop", help="stop the daemon (running jobs go on; a restart adopts them)")
+    _state_dir_arg(stop)
+    stop.set_defaults(handler=_control_stop)
+
+    status = verbs.add_parser("status", help="is the daemon running, and how busy it is")
+    _state_dir_arg(status)
+    status.set_defaults(handler=_control_status)
+
+    submit = subparsers.add_parser("submit", help="queue a job spec on the control plane")
+    submit.add_argument("spec", help="the job spec (YAML)")
+    _state_dir_arg(submit)
+    submit.add_argument("--priority", type=int, default=0, help="higher runs first (default 0)")
+    submit.add_argument("--devices", type=int, help="devices for the job (default: the spec's resources.nproc)")
+    submit.add_argument("--tenant", default="default", help="who the job is for (per-tenant quotas)")
+    submit.add_argument("--run-dir", help="the run directory (default: one under the state directory)")
+    submit.add_argument("--staged", action="store_true",
+                        help="one job per stage, each starting only after the one before succeeded")
+    submit.set_defaults(handler=_submit)
+
+    queue = subparsers.add_parser("queue", help="list the control plane's jobs")
+    _state_dir_arg(queue)
+    queue.add_argument("--all", action="store_true", help="include finished jobs")
+    queue.add_argument("--json", action="store_true", help="print JSON")
+    queue.set_defaults(handler=_queue)
+
+    job = subparsers.add_parser("job", help="inspect or act on one job")
+    job_verbs = job.add_subparsers(dest="job_verb", metavar="ACTION", required=True)
+    for name, fn, help_text in [
+        ("show", _job_show, "a job's state, allocation, restarts and transitions"),
+        ("logs", _job_logs, "a job's output"),
+        ("cancel", _job_cancel, "stop a job (SIGTERM, then SIGKILL after the grace period)"),
+        ("requeue", _job_requeue, "put a finished job back in the queue, or preempt a running one"),
+    ]:
+        p = job_verbs.add_parser(name, help=help_text)
+        p.add_argument("id", type=int, help="the job id")
+        _state_dir_arg(p)
+        if name == "logs":
+            p.add_argument("--follow", "-f", action="store_true", help="keep printing until the job ends")
+        if name == "show":
+            p.add_argument("--json", action="store_true", help="print JSON")
+        p.set_defaults(handler=fn)
+
+
+def _client(args: argparse.Namespace):
+    from runyard.control.client import ControlClient
+
+    return ControlClient.for_state_dir(args.state_dir)
+
+
+def _options(args: argparse.Namespace):
+    from runyard.control.daemon import ControlError, DaemonOptions, detect_inventory
+    from runyard.control.loop import ControlConfig
+    from runyard.control.retry import ClassBudget, RetryPolicy
+
+    quotas = {}
+    for item in args.quota:
+        tenant, _, n = item.partition("=")
+        if not tenant or not n.isdigit():
+            raise ControlError(f"--quota {item!r}: expected TENANT=N")
+        quotas[tenant] = int(n)
+    policy = RetryPolicy(
+        infra=ClassBudget(retries=args.infra_retries, backoff_s=args.backoff),
+        user_error=ClassBudget(retries=args.user_retries, backoff_s=args.backoff),
+        window_s=args.retry_window,
+    )
+    config = ControlConfig(
+        state_dir=Path(args.state_dir).resolve(),
+        inventory=detect_inventory(args.devices, args.cpu_slots),
+        max_concurrent=args.max_concurrent, tenant_quotas=quotas, preemption=not args.no_preemption,
+        backfill=not args.no_backfill, stop_grace_s=args.stop_grace, retry_policy=policy,
+    )
+    if args.market and not args.provider_key:
+        raise ControlError("--market needs --provider-key (the key that signs acceptances and usage)")
+    slurm = {"partition": args.slurm_partition, "gres": args.slurm_gres}
+    return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
+                         market_url=args.market, provider_key=args.provider_key,
+                         usage_interval_s=args.usage_interval)
+
+
+def _control_start(args: argparse.Namespace) -> int:
+    from runyard.control.daemon import ControlError, read_daemon_info, run_daemon
+
+    options = _options(args)  # validate before detaching, so errors reach this terminal
+    if args.foreground:
+        return run_daemon(options)
+    state_dir = Path(args.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    (state_dir / "daemon.json").unlink(missing_ok=True)
+    argv = [sys.executable, "-m", "runyard", *[a for a in sys.argv[1:] if a != "--foreground"], "--foreground"]
+    if sys.argv[1:3] != ["control", "start"]:  # called as a function, not from the command line
+        argv = [sys.executable, "-m", "runyard", "control", "start", "--foreground",
+                "--state-dir", str(state_dir), "--port", str(args.port), "--backend", args.backend]
+    with open(state_dir / "daemon.log", "ab") as log:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise ControlError(f"the control plane exited with {proc.returncode}; see {state_dir / 'daemon.log'}")
+        try:
+            info = read_daemon_info(state_dir)
+            print(f"control plane running: pid {info['pid']}, http://{info['host']}:{info['port']}, "
+                  f"devices {','.join(info['devices'])}")
+            return 0
+        except ControlError:
+            time.sleep(0.1)
+    raise ControlError(f"the control plane did not come up in 30 s; see {state_dir / 'daemon.log'}")
+
+
+def _control_stop(args: argparse.Namespace) -> int:
+    from runyard.control.daemon import read_daemon_info
+
+    info = read_daemon_info(args.state_dir)
+    _client(args).shutdown()
+    for _ in range(100):
+        try:
+            os.kill(info["pid"], 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    print(f"control plane (pid {info['pid']}) stopped; running jobs go on and are adopted on restart")
+    return 0
+
+
+def _control_status(args: argparse.Namespace) -> int:
+    client = _client(args)
+    health, cap = client.health(), client.capacity()
+    print(f"running ({health['backend']}): {len(cap['free'])}/{len(cap['inventory'])} devices free, "
+          f"{cap['active_jobs']} active, {cap['pending_jobs']} pending")
+    return 0
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from runyard.control.jobs import requests_for_spec
+    from runyard.spec import load_spec
+
+    spec = load_spec(args.spec)  # a bad spec is rejected here, before it is queued (exit 2)
+    requests = requests_for_spec(args.spec, spec, devices=args.devices, priority=args.priority,
+                                 tenant=args.tenant, run_dir=args.run_dir, staged=args.staged)
+    for job in _client(args).submit(requests):
+        after = f" after job {job['depends_on']}" if job["depends_on"] else ""
+        print(f"job {job['id']} {job['name']}: pending on {job['devices']} device(s){after}; run dir {job['run_dir']}")
+    return 0
+
+
+def _queue(args: argparse.Namespace) -> int:
+    states = None if args.all else ["pending", "starting", "running", "recovering", "preempted", "cancelling"]
+    jobs = _client(args).jobs(states)
+    if args.json:
+        print(json.dumps(jobs, indent=2))
+        return 0
+    print(f"{'ID':>5}  {'STATE':<11} {'PRI':>4} {'DEV':>3}  {'TENANT':<10} {'RESTARTS':>8}  NAME / DEVICES")
+    for j in jobs:
+        where = ",".join(j["allocation"]) or (j["failure"] or "")
+        print(f"{j['id']:>5}  {j['state']:<11} {j['priority']:>4} {j['devices']:>3}  {j['tenant'][:10]:<10} "
+              f"{j['restart_count']:>8}  {j['name']} {where}")
+    return 0
+
+
+def _job_show(args: argparse.Namespace) -> int:
+    data = _client(args).job(args.id)
+    if args.json:
+        print(json.dumps(data, indent=2))
+        return 0
+    j = data["job"]
+    print(f"job {j['id']} {j['name']}: {j['state']}" + (f" ({j['failure']}: {j['detail']})" if j["failure"] else ""))
+    print(f"  tenant {j['tenant']}, priority {j['priority']}, {j['devices']} device(s) {','.join(j['allocation'])}")
+    print(f"  restarts {j['restart_count']}, attempts {j['attempt']}, device-seconds {j['device_seconds']:.1f}")
+    print(f"  run dir {j['run_dir']}\n  log {j['log_path']}\n  command {' '.join(j['argv'])}")
+    for t in data["history"]:
+        stamp = time.strftime("%H:%M:%S", time.localtime(t["at"]))
+        print(f"  {stamp} {t['from_state'] or '-':>10} -> {t['to_state']:<10} by {t['actor']}: {t['reason']}")
+    return 0
+
+
+def _job_logs(args: argparse.Namespace) -> int:
+    client = _client(args)
+    if args.follow:
+        for text in client.follow_logs(args.id):
+            sys.stdout.write(text)
+            sys.stdout.flush()
+        return 0
+    offset = 0
+    while True:
+        chunk = client.logs(args.id, offset)
+        sys.stdout.write(chunk["text"])
+        if not chunk["text"]:
+            return 0
+        offset = chunk["offset"]
+
+
+def _job_cancel(args: argparse.Namespace) -> int:
+    job = _client(args).cancel(args.id)
+    print(f"job {job['id']}: {job['state']}")
+    return 0
+
+
+def _job_requeue(args: argparse.Namespace) -> int:
+    job = _client(args).requeue(args.id)
+    print(f"job {job['id']}: {job['state']}")
+    return 0

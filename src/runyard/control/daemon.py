@@ -1,0 +1,143 @@
+"""The control-plane daemon: the state file, the control loop, the HTTP API, and (optionally) the agent.
+
+One daemon per state directory, guaranteed by an exclusive lock, so two daemons can never start
+the same job. Once its API listens it writes `daemon.json` (pid, host, port) atomically into the
+state directory; the CLI reads it to find the daemon.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from runyard.control.loop import ControlConfig, ControlLoop
+from runyard.control.server import ControlServer
+from runyard.control.shim import write_atomic
+from runyard.control.store import JobStore
+from runyard.errors import RunyardError
+
+log = logging.getLogger("runyard.control")
+LOOPBACK = ("127.0.0.1", "::1", "localhost")
+
+
+class ControlError(RunyardError):
+    """The control plane could not do what was asked (not running, already running, bad setting...)."""
+
+
+@dataclass
+class DaemonOptions:
+    config: ControlConfig
+    backend: str = "local"
+    host: str = "127.0.0.1"
+    port: int = 0
+    slurm: dict[str, Any] = field(default_factory=dict)  # partition, gres kind, extra sbatch args
+    market_url: str | None = None
+    provider_key: str | None = None
+    usage_interval_s: float = 30.0
+
+
+def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -> list[str]:
+    """Device ids this machine offers: explicit `--devices cuda:0,1`, N CPU slots, or what it finds."""
+    if devices:
+        ids = [d.strip() for d in devices.split(",") if d.strip()]
+        kind = ids[0].split(":")[0] if ":" in ids[0] else "cuda"
+        ids = [d if ":" in d else f"{kind}:{d}" for d in ids]
+        if len(set(ids)) != len(ids) or any(d.split(":")[0] not in ("cuda", "cpu") for d in ids):
+            raise ControlError(f"--devices {devices!r}: expected distinct ids like cuda:0,cuda:1 or cpu:0,cpu:1")
+        return ids
+    if cpu_slots:
+        return [f"cpu:{i}" for i in range(cpu_slots)]
+    if shutil.which("nvidia-smi"):
+        try:
+            out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+            gpus = [line for line in out.splitlines() if line.startswith("GPU ")]
+            if gpus:
+                return [f"cuda:{i}" for i in range(len(gpus))]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return [f"cpu:{i}" for i in range(os.cpu_count() or 1)]
+
+
+def make_backend(options: DaemonOptions):
+    if options.backend == "local":
+        from runyard.control.backends.local import LocalBackend
+
+        return LocalBackend()
+    if options.backend == "slurm":
+        from runyard.control.backends.slurm import SlurmBackend
+
+        return SlurmBackend(**options.slurm)
+    raise ControlError(f"--backend {options.backend!r}: expected 'local' or 'slurm'")
+
+
+def run_daemon(options: DaemonOptions) -> int:
+    """Run in the foreground until SIGTERM/SIGINT or POST /shutdown. Jobs keep running after it."""
+    if options.host not in LOOPBACK:
+        raise ControlError(f"--host {options.host}: the control API listens on loopback only")
+    state_dir = Path(options.config.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    lock_fh = open(state_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's lifetime
+    try:
+        fcntl.flock(lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ControlError(f"a control plane is already running on {state_dir} (see daemon.json)") from None
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    store = JobStore(state_dir / "control.db")
+    loop = ControlLoop(options.config, store, make_backend(options))
+    stop = threading.Event()
+    server = ControlServer(loop, options.host, options.port, on_shutdown=stop)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    loop.reconcile()  # before the API answers: what it reports is already reconciled
+    threading.Thread(target=server.serve_forever, name="control-api", daemon=True).start()
+    info = {"pid": os.getpid(), "host": options.host, "port": server.server_address[1],
+            "backend": options.backend, "started_at": time.time(), "devices": options.config.inventory}
+    write_atomic(str(state_dir / "daemon.json"), json.dumps(info))
+    agent = None
+    if options.market_url:
+        from runyard.control.agent import MarketAgent
+
+        agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s)
+        agent.start(stop)
+    log.info("control plane on http://%s:%s, state in %s, backend %s, devices %s", options.host,
+             info["port"], state_dir, options.backend, ",".join(options.config.inventory))
+    stop_watch = threading.Thread(target=lambda: (stop.wait(), loop.wake.set()), daemon=True)
+    stop_watch.start()
+    try:
+        loop.run_forever(stop)
+    finally:
+        server.shutdown()
+        if agent is not None:
+            agent.join(timeout=5)
+        (state_dir / "daemon.json").unlink(missing_ok=True)
+        store.close()
+        lock_fh.close()
+    return 0
+
+
+def read_daemon_info(state_dir: str | Path) -> dict[str, Any]:
+    """The running daemon's pid/host/port, or ControlError if none runs on this state directory."""
+    path = Path(state_dir) / "daemon.json"
+    try:
+        info = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        raise ControlError(
+            f"no control plane is running on {state_dir}; start one with `runyard control start --state-dir "
+            f"{state_dir}`"
+        ) from None
+    try:
+        os.kill(info["pid"], 0)
+    except ProcessLookupError:
+        raise ControlError(f"the control plane on {state_dir} (pid {info['pid']}) is not running; "
+                           "start it again with `runyard control start`") from None
+    return info

@@ -1,0 +1,310 @@
+"""prepare_data: run the data stage and return where its outputs are.
+
+Steps (each a pure function of its inputs and settings, so any of them can move to a cluster engine):
+  1. list + fingerprint inputs (main process; sha256 of every file's bytes)
+  2. clean parts in N processes (clean.py: read, normalise, filter, PII, exact hash, MinHash)
+  3. exact + near-duplicate removal over all parts (dedup.py; needs only hashes and signatures)
+  4. split train/held-out by a seeded hash of each document (split.py)
+  5. tokenizer: train BPE on the train split (capped by train_max_bytes) or load one
+  6. tokenize in chunks and assemble shards + index per split (tokenize.py; resumable chunk by chunk)
+The outputs live in a content-addressed directory `<cache>/datasets/<fingerprint>/`; a second call
+with the same inputs and settings finds `prepared.json` there and returns at once.
+
+On a cluster: step 2 becomes a Slurm array (`--array=0-<parts-1>`, each task runs `clean_part` on its
+part and writes its PartResult as files keyed by the part's fingerprint) or `ray.remote(clean_part)`;
+step 3 is one small task reading every part's hashes and signatures; step 6's chunks are again an
+array. Only the executor changes; the step functions stay as they are.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import time
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from runyard.data import residency
+from runyard.data.clean import PartResult, clean_part
+from runyard.data.config import DataSpec
+from runyard.data.dedup import exact_duplicates, near_duplicates
+from runyard.data.progress import progress_bars
+from runyard.data.report import write_report
+from runyard.data.shards import atomic_write_json
+from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
+from runyard.data.split import SPLIT_METHOD, heldout_mask
+from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
+from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
+from runyard.errors import DataError
+
+PIPELINE_VERSION = 1  # bump when a step's output changes for the same inputs
+_NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region"}
+
+
+@dataclass(frozen=True)
+class PreparedData:
+    """Where a prepared dataset is and what it holds."""
+
+    tokenizer_path: Path
+    vocab_size: int
+    eos_id: int
+    train_index: Path
+    heldout_index: Path
+    fingerprint: str
+    stats: dict[str, Any]
+    input_fingerprints: dict[str, str]
+    dataset_dir: Path = field(default=Path("."))
+
+
+def resolve_cache_dir(spec: DataSpec, cache_dir: Path | str | None = None) -> Path:
+    """The cache root: the argument, else data.cache_dir, else $RUNYARD_CACHE_DIR, else ~/.cache/runyard/data."""
+    chosen = cache_dir or spec.cache_dir or os.environ.get("RUNYARD_CACHE_DIR")
+    return Path(chosen).expanduser() if chosen else Path.home() / ".cache" / "runyard" / "data"
+
+
+def _source_base(pattern: str) -> str:
+    """The fixed directory part of a glob, so recorded input names do not depend on where it sits."""
+    parts = expand_path_template(pattern).split("/")
+    fixed = []
+    for part in parts:
+        if any(c in part for c in "*?["):
+            break
+        fixed.append(part)
+    base = "/".join(fixed)
+    return base if any(c in pattern for c in "*?[") else os.path.dirname(base)
+
+
+def fingerprint_inputs(spec: DataSpec, files: list[InputFile]) -> dict[str, str]:
+    """sha256 per source over (relative path, sha256 of bytes) of its files, in path order."""
+    per_source: dict[int, hashlib._Hash] = {}
+    for f in files:
+        base = _source_base(spec.sources[f.source].path)
+        rel = os.path.relpath(f.path, base) if base and not f.path.startswith(("s3:", "gs:", "http")) else f.path
+        h = per_source.setdefault(f.source, hashlib.sha256())
+        h.update(f"{rel}\0{hashlib.sha256(read_bytes(f.path)).hexdigest()}\n".encode())
+    return {f"sources[{i}] {spec.sources[i].path}": h.hexdigest() for i, h in sorted(per_source.items())}
+
+
+def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> str:
+    settings = spec.model_dump(mode="json", exclude=_NOT_FINGERPRINTED)
+    if spec.tokenizer.path:
+        settings["tokenizer_sha256"] = hashlib.sha256(Path(spec.tokenizer.path).read_bytes()).hexdigest()
+    blob = json.dumps({"v": PIPELINE_VERSION, "seed": seed, "settings": settings, "inputs": inputs}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+@contextmanager
+def _locked(directory: Path):
+    """One preparer per dataset directory (e.g. several ranks started at once): the others wait."""
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _load_prepared(dataset_dir: Path) -> PreparedData | None:
+    path = dataset_dir / "prepared.json"
+    if not path.exists():
+        return None
+    meta = json.loads(path.read_text())
+    paths = {k: dataset_dir / meta[k] for k in ("tokenizer_path", "train_index", "heldout_index")}
+    if not all(p.exists() for p in paths.values()):
+        return None
+    return PreparedData(vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], fingerprint=meta["fingerprint"],
+                        stats=meta["stats"], input_fingerprints=meta["input_fingerprints"],
+                        dataset_dir=dataset_dir, **paths)
+
+
+def prepare_data(data_spec: DataSpec, seed: int, report_dir: Path | None, cache_dir: Path | None = None,
+                 progress: bool = True) -> PreparedData:
+    """Run (or reuse) the data stage for `data_spec`; write the data report to `report_dir` if given."""
+    root = resolve_cache_dir(data_spec, cache_dir)
+    residency.check_cache(data_spec, root)
+    files = list_input_files(data_spec.sources)
+    inputs = fingerprint_inputs(data_spec, files)
+    fp = dataset_fingerprint(data_spec, seed, inputs)
+    dataset_dir = root / "datasets" / fp[:32]
+    with _locked(dataset_dir):
+        prepared = _load_prepared(dataset_dir)
+        if prepared is None:
+            prepared = _prepare(data_spec, seed, files, inputs, fp, dataset_dir, progress)
+    if report_dir is not None:
+        write_report(Path(report_dir), prepared.stats)
+    return prepared
+
+
+def _clean_all(spec: DataSpec, files: list[InputFile], progress: bool) -> list[PartResult]:
+    workers = min(spec.workers or cpu_count(), max(1, len(files)))
+    # Parts of about equal bytes, several per worker so a slow part does not hold the others up.
+    n_parts = max(1, min(len(files), workers * 4))
+    target = sum(f.size for f in files) / n_parts
+    parts: list[list[InputFile]] = [[]]
+    size = 0
+    for f in files:
+        if size >= target and parts[-1]:
+            parts.append([])
+            size = 0
+        parts[-1].append(f)
+        size += f.size
+    with progress_bars(progress) as bars:
+        task = bars.add_task("clean + minhash", total=len(parts), info=f"{len(files)} files, {workers} procs")
+        if workers == 1:
+            results = []
+            for part in parts:
+                results.append(clean_part(part, spec))
+                bars.advance(task)
+            return results
+        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
+            futures = [pool.submit(clean_part, part, spec) for part in parts]
+            results = []
+            for fut in futures:  # in order, so the result does not depend on scheduling
+                results.append(fut.result())
+                bars.advance(task)
+            return results
+
+
+def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str, str], fp: str,
+             dataset_dir: Path, progress: bool) -> PreparedData:
+    t0 = time.perf_counter()
+    timings: dict[str, float] = {}
+    parts = _clean_all(spec, files, progress)
+    timings["clean_s"] = time.perf_counter() - t0
+
+    counts: dict[str, int] = {}
+    removed: dict[str, int] = {}
+    pii: dict[str, int] = {}
+    samples: dict[str, list] = {}
+    for p in parts:
+        for target, source in ((counts, p.counts), (removed, p.removed), (pii, p.pii)):
+            for k, v in source.items():
+                target[k] = target.get(k, 0) + v
+        for reason, s in p.samples.items():
+            samples.setdefault(reason, []).extend(s)
+    samples = {r: s[: spec.filters.samples_per_reason] for r, s in samples.items()}
+    ids = [i for p in parts for i in p.ids]
+    texts = [t for p in parts for t in p.texts]
+    hashes = [h for p in parts for h in p.exact]
+    if counts.get("documents_read", 0) == 0:
+        raise DataError(f"the data sources hold no documents ({counts.get('files', 0)} files read); "
+                        "check data.sources and their encoding_errors policy")
+    steps = [{"step": "read", "documents": counts.get("documents_read", 0), "chars": counts.get("chars_read", 0)},
+             {"step": "filter", "documents": len(texts), "chars": sum(len(t) for t in texts)}]
+
+    t = time.perf_counter()
+    keep = np.ones(len(texts), dtype=bool)
+    dedup_stats: dict[str, Any] = {"exact_removed": 0, "near_removed": 0, "threshold": spec.dedup.threshold}
+    if spec.dedup.exact:
+        dup = exact_duplicates(hashes)
+        keep &= ~dup
+        dedup_stats["exact_removed"] = int(dup.sum())
+        steps.append({"step": "exact_dedup", "documents": int(keep.sum()),
+                      "chars": int(sum(len(t) for t, k in zip(texts, keep, strict=True) if k))})
+    if spec.dedup.near and texts:
+        sigs = np.concatenate([p.signatures for p in parts if p.signatures is not None])
+        kept_idx = np.flatnonzero(keep)
+        near = near_duplicates(sigs[kept_idx], spec.dedup.threshold, spec.dedup.bands)
+        keep[kept_idx[near.duplicate]] = False
+        dedup_stats.update(
+            near_removed=int(near.duplicate.sum()), bands=near.bands, rows=near.rows,
+            candidate_pairs=near.candidate_pairs, clusters=len(near.clusters),
+            largest_clusters=[
+                {"size": len(c), "kept": ids[kept_idx[c[0]]], "members": [ids[kept_idx[i]] for i in c[1:6]]}
+                for c in near.clusters[: spec.dedup.report_clusters]
+            ],
+        )
+        steps.append({"step": "near_dedup", "documents": int(keep.sum()),
+                      "chars": int(sum(len(t) for t, k in zip(texts, keep, strict=True) if k))})
+    timings["dedup_s"] = time.perf_counter() - t
+    ids = [i for i, k in zip(ids, keep, strict=True) if k]
+    texts = [x for x, k in zip(texts, keep, strict=True) if k]
+    hashes = [h for h, k in zip(hashes, keep, strict=True) if k]
+    if len(texts) < 2:
+        raise DataError(f"only {len(texts)} document(s) left after filtering and deduplication; "
+                        "a train/held-out split needs at least 2")
+
+    held = heldout_mask(hashes, seed, spec.heldout_fraction)
+    split_docs = {
+        "train": [x for x, h in zip(texts, held, strict=True) if not h],
+        "heldout": [x for x, h in zip(texts, held, strict=True) if h],
+    }
+    heldout_ids = sorted(i for i, h in zip(ids, held, strict=True) if h)
+    atomic_write_json(dataset_dir / "split.json", {"method": SPLIT_METHOD, "seed": seed, "heldout": heldout_ids})
+
+    t = time.perf_counter()
+    tok_path = dataset_dir / "tokenizer.json"
+    if spec.tokenizer.path:
+        tok = load_tokenizer(spec.tokenizer.path)
+        tok_source = str(spec.tokenizer.path)
+    elif tok_path.exists():  # trained by an interrupted earlier attempt with the same fingerprint
+        tok = load_tokenizer(tok_path)
+        tok_source = "trained"
+    else:
+        with progress_bars(progress) as bars:
+            bars.add_task("train BPE tokenizer", total=None, info=f"vocab {spec.tokenizer.vocab_size}")
+            tok = train_bpe(split_docs["train"], spec.tokenizer.vocab_size, spec.tokenizer.min_frequency,
+                            spec.tokenizer.train_max_bytes)
+        tok_source = "trained"
+    if not tok_path.exists():
+        tmp = tok_path.with_name(".tokenizer.json.tmp")
+        tok.save(str(tmp))
+        os.replace(tmp, tok_path)
+    eos = eos_id(tok)
+    vocab = tok.get_vocab_size()
+    timings["tokenizer_s"] = time.perf_counter() - t
+
+    t = time.perf_counter()
+    work = dataset_dir / "work"
+    split_stats = {}
+    with progress_bars(progress, bytes_mode=True) as bars:
+        for split, docs in split_docs.items():
+            total = sum(len(d) for d in docs)
+            task = bars.add_task(f"tokenize {split}", total=total, info=f"{len(docs)} docs")
+            chunks = tokenize_chunks(tok, docs, eos, work, split, on_chunk=lambda n, task=task: bars.advance(task, n))
+            result = assemble_shards(chunks, dataset_dir, split, shard_tokens=spec.shard_tokens,
+                                     vocab_size=vocab, eos=eos)
+            chars = sum(len(d) for d in docs)
+            utf8 = sum(len(d.encode("utf-8")) for d in docs)
+            split_stats[split] = {**result, "chars": chars, "bytes": utf8,
+                                  "bytes_per_token": round(utf8 / max(1, result["tokens"] - result["documents"]), 4)}
+    timings["tokenize_s"] = time.perf_counter() - t
+    shutil.rmtree(work, ignore_errors=True)
+
+    lengths = np.array([len(x) for x in texts], dtype=np.int64)
+    edges = np.unique(np.logspace(0, np.log10(max(10, lengths.max()) + 1), 31).astype(np.int64))
+    hist, _ = np.histogram(lengths, bins=edges)
+    stats = {
+        "fingerprint": fp,
+        "seed": seed,
+        "input_files": len(files),
+        "read": counts,
+        "steps": steps,
+        "removed": removed,
+        "removal_samples": samples,
+        "pii": pii,
+        "dedup": dedup_stats,
+        "split": {"method": SPLIT_METHOD, "heldout_fraction": spec.heldout_fraction,
+                  "heldout_ids_sha256": hashlib.sha256("\n".join(heldout_ids).encode()).hexdigest(), **split_stats},
+        "tokenizer": {"source": tok_source, "vocab_size": vocab, "eos_id": eos,
+                      "train_max_bytes": spec.tokenizer.train_max_bytes},
+        "doc_length_histogram": {"unit": "characters", "edges": edges.tolist(), "counts": hist.tolist()},
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
+    meta = {"fingerprint": fp, "vocab_size": vocab, "eos_id": eos, "tokenizer_path": "tokenizer.json",
+            "train_index": "train.json", "heldout_index": "heldout.json", "stats": stats,
+            "input_fingerprints": inputs}
+    atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
+    prepared = _load_prepared(dataset_dir)
+    assert prepared is not None
+    return prepared

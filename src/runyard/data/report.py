@@ -1,0 +1,78 @@
+"""The data report: report.json (the stats as they are), report.md (for a person) and
+doc_lengths.png (histogram of document lengths), written into a run's data/ directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from runyard.data.shards import atomic_write_bytes
+
+
+def _md(stats: dict[str, Any]) -> str:
+    lines = ["# Data report", "", f"Dataset fingerprint: `{stats['fingerprint']}`  ", f"Seed: {stats['seed']}", ""]
+    lines += ["## Documents at each step", "", "| step | documents | characters |", "|---|---:|---:|"]
+    lines += [f"| {s['step']} | {s['documents']:,} | {s['chars']:,} |" for s in stats["steps"]]
+    read = stats.get("read", {})
+    lines += ["", f"Files read: {read.get('files', 0):,}; bytes read: {read.get('bytes_read', 0):,}; "
+              f"undecodable replaced: {read.get('undecodable_replaced', 0)}, skipped: "
+              f"{read.get('undecodable_skipped', 0)}; bad records: {read.get('bad_records', 0)}", ""]
+    lines += ["## Removed by quality filters", ""]
+    if stats["removed"]:
+        lines += ["| reason | documents |", "|---|---:|"]
+        lines += [f"| {r} | {n:,} |" for r, n in sorted(stats["removed"].items(), key=lambda x: -x[1])]
+        for reason, samples in stats["removal_samples"].items():
+            lines += ["", f"### Samples: {reason}", ""]
+            for s in samples:
+                snippet = s["text"][:160].replace("\n", "⏎").replace("`", "'")
+                lines.append(f"- `{s['id']}` (value {s['value']}): `{snippet}`")
+    else:
+        lines.append("No document was removed by a quality filter.")
+    if stats.get("pii"):
+        lines += ["", "## PII replaced", "", *[f"- {k}: {v:,}" for k, v in sorted(stats["pii"].items())]]
+    d = stats["dedup"]
+    lines += ["", "## Deduplication", "", f"Exact duplicates removed: {d['exact_removed']:,}  ",
+              f"Near duplicates removed: {d['near_removed']:,} (Jaccard >= {d['threshold']}"
+              + (f", {d['bands']} bands x {d['rows']} rows, {d['candidate_pairs']:,} candidate pairs" if "bands" in d else "")
+              + ")"]
+    for c in d.get("largest_clusters", []):
+        lines.append(f"- cluster of {c['size']}: kept `{c['kept']}`; e.g. " + ", ".join(f"`{m}`" for m in c["members"][:3]))
+    sp = stats["split"]
+    lines += ["", "## Split and tokens", "", f"Split: {sp['method']} (fraction {sp['heldout_fraction']})", "",
+              "| split | documents | bytes | tokens | shards | bytes/token |", "|---|---:|---:|---:|---:|---:|"]
+    for name in ("train", "heldout"):
+        s = sp[name]
+        lines.append(f"| {name} | {s['documents']:,} | {s['bytes']:,} | {s['tokens']:,} | {s['shards']} | {s['bytes_per_token']} |")
+    tok = stats["tokenizer"]
+    lines += ["", f"Tokenizer: {tok['source']}, vocabulary {tok['vocab_size']:,}, end-of-document id {tok['eos_id']}.",
+              "", "![document lengths](doc_lengths.png)", ""]
+    return "\n".join(lines)
+
+
+def _histogram_png(stats: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    h = stats["doc_length_histogram"]
+    edges, counts = h["edges"], h["counts"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(edges[:-1], counts, width=[b - a for a, b in zip(edges[:-1], edges[1:], strict=True)], align="edge",
+           edgecolor="black", linewidth=0.4)
+    ax.set_xscale("log")
+    ax.set_xlabel(f"document length ({h['unit']})")
+    ax.set_ylabel("documents")
+    ax.set_title("Document lengths after cleaning and deduplication")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_report(report_dir: Path, stats: dict[str, Any]) -> None:
+    """Write report.json, report.md and doc_lengths.png into report_dir."""
+    report_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(report_dir / "report.json", (json.dumps(stats, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(report_dir / "report.md", _md(stats).encode())
+    _histogram_png(stats, report_dir / "doc_lengths.png")

@@ -1,0 +1,216 @@
+"""The market's invariants, stated once, checked by `runyard market admin audit` on a live store and
+by the tests after every random step.
+
+ 1. zero_sum            the posted balances of all ledger accounts sum to zero, and pending debits
+                        equal pending credits: money is never created or destroyed.
+ 2. counters            every account's counters equal what its transfers add up to.
+ 3. no_negative         no account flagged no_negative has debits (posted + pending) above its credits.
+ 4. pending_once        every post or void resolves a pending transfer, at most once, for no more
+                        than it held (a void for exactly what it held).
+ 5. settled_once        each lease's payments to provider and fees and its refunds, as transfers,
+                        equal what the lease records, never exceed its escrow, and a settled lease
+                        paid exactly the charge for its accepted usage: nothing is settled twice.
+ 6. closed_returned     every closed lease (settled, rejected, expired, cancelled) and every demand
+                        that ended without a lease has an empty escrow.
+ 7. demand_escrow       an open demand's hold is pending; a matched demand's hold was posted; a
+                        cancelled or expired demand's hold was voided.
+ 8. capacity            a listing's reserved devices equal the devices of its active leases.
+ 9. transitions         every entity's state is the last state its transition log records.
+10. idempotency         every stored idempotency key has its response.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from sqlalchemy import Connection, func, select
+
+from runyard.market.machines.demand import CANCELLED as D_CANCELLED
+from runyard.market.machines.demand import EXPIRED as D_EXPIRED
+from runyard.market.machines.demand import MATCHED, OPEN
+from runyard.market.machines.lease import ACTIVE, CLOSED, SETTLED
+from runyard.market.schema import (
+    accounts,
+    demands,
+    disputes,
+    idempotency_keys,
+    leases,
+    ledger_accounts,
+    listings,
+    transfers,
+    transitions,
+    usage_records,
+)
+from runyard.market.service import Market
+
+FAR_FUTURE = 2**62
+
+
+def check(conn: Connection) -> list[str]:
+    """Every violated invariant, as one line each; empty when the store is sound."""
+    problems: list[str] = []
+    accts = {a["id"]: dict(a) for a in conn.execute(select(ledger_accounts)).mappings()}
+    xfers = [dict(t) for t in conn.execute(select(transfers).order_by(transfers.c.id)).mappings()]
+    by_id = {t["id"]: t for t in xfers}
+    resolution = {t["pending_id"]: t for t in xfers if t["pending_id"] is not None}
+
+    # 1. zero_sum
+    posted = sum(a["credits_posted"] - a["debits_posted"] for a in accts.values())
+    pend = sum(a["credits_pending"] - a["debits_pending"] for a in accts.values())
+    if posted != 0 or pend != 0:
+        problems.append(f"zero_sum: posted balances sum to {posted}, pending to {pend}")
+
+    # 2. counters
+    expect: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for t in xfers:
+        d, c, amount = t["debit_account_id"], t["credit_account_id"], t["amount"]
+        if t["kind"] in ("single", "post"):
+            expect[d]["debits_posted"] += amount
+            expect[c]["credits_posted"] += amount
+        if t["kind"] == "pending" and t["id"] not in resolution:
+            expect[d]["debits_pending"] += amount
+            expect[c]["credits_pending"] += amount
+    for acc_id, acc in accts.items():
+        for counter in ("debits_pending", "debits_posted", "credits_pending", "credits_posted"):
+            if acc[counter] != expect[acc_id][counter]:
+                problems.append(
+                    f"counters: {acc['code']}.{counter} is {acc[counter]}, transfers say {expect[acc_id][counter]}"
+                )
+
+    # 3. no_negative
+    for acc in accts.values():
+        if acc["no_negative"] and acc["debits_posted"] + acc["debits_pending"] > acc["credits_posted"]:
+            problems.append(f"no_negative: {acc['code']} is overdrawn")
+
+    # 4. pending_once
+    seen: set[int] = set()
+    for t in xfers:
+        if t["kind"] not in ("post", "void"):
+            continue
+        pending = by_id.get(t["pending_id"])
+        if t["pending_id"] in seen:
+            problems.append(f"pending_once: pending transfer {t['pending_id']} resolved twice")
+        seen.add(t["pending_id"])
+        if pending is None or pending["kind"] != "pending":
+            problems.append(
+                f"pending_once: transfer {t['id']} resolves {t['pending_id']}, which is not pending"
+            )
+        elif t["kind"] == "post" and t["amount"] > pending["amount"]:
+            problems.append(f"pending_once: post {t['id']} moved {t['amount']} of a {pending['amount']} hold")
+        elif t["kind"] == "void" and t["amount"] != pending["amount"]:
+            problems.append(
+                f"pending_once: void {t['id']} released {t['amount']} of a {pending['amount']} hold"
+            )
+
+    # 5. settled_once and 6. closed_returned (leases)
+    from runyard.market.settlement import position
+
+    paid: dict[tuple[int, str], int] = defaultdict(int)
+    for t in xfers:
+        if t["lease_id"] is not None and t["kind"] == "single":
+            paid[(t["lease_id"], t["reason"])] += t["amount"]
+    for lease in conn.execute(select(leases)).mappings():
+        lid = lease["id"]
+        for reason, column in (
+            ("settle_provider", "paid_provider"),
+            ("settle_fee", "paid_fee"),
+            ("escrow_refund", "refunded"),
+        ):
+            if paid[(lid, reason)] != lease[column]:
+                problems.append(
+                    f"settled_once: lease {lid} {column} is {lease[column]}, its transfers {paid[(lid, reason)]}"
+                )
+        out = lease["paid_provider"] + lease["paid_fee"] + lease["refunded"]
+        if out > lease["escrow_amount"]:
+            problems.append(
+                f"settled_once: lease {lid} paid out {out} of an escrow of {lease['escrow_amount']}"
+            )
+        escrow = accts[lease["escrow_account_id"]]
+        if escrow["credits_posted"] - escrow["debits_posted"] != lease["escrow_amount"] - out:
+            problems.append(
+                f"settled_once: lease {lid} escrow holds {escrow['credits_posted'] - escrow['debits_posted']}, expected {lease['escrow_amount'] - out}"
+            )
+        if lease["state"] in CLOSED and (
+            escrow["credits_posted"] != escrow["debits_posted"] or escrow["credits_pending"]
+        ):
+            problems.append(f"closed_returned: lease {lid} is {lease['state']} but its escrow is not empty")
+        if lease["state"] == SETTLED:
+            pos = position(conn, dict(lease), FAR_FUTURE)
+            if pos["held_records"] or pos["charge"] != lease["paid_provider"] + lease["paid_fee"]:
+                problems.append(
+                    f"settled_once: settled lease {lid} paid {lease['paid_provider'] + lease['paid_fee']}, usage charges {pos['charge']}"
+                )
+
+    # 6 and 7. demands
+    for demand in conn.execute(select(demands)).mappings():
+        did, pid = demand["id"], demand["escrow_pending_id"]
+        resolved = resolution.get(pid)
+        state = demand["state"]
+        if state == OPEN and resolved is not None:
+            problems.append(f"demand_escrow: open demand {did} has its hold {resolved['kind']}ed")
+        if state == MATCHED and (resolved is None or resolved["kind"] != "post"):
+            problems.append(f"demand_escrow: matched demand {did} hold was not posted")
+        if state in (D_CANCELLED, D_EXPIRED):
+            escrow = accts[demand["escrow_account_id"]]
+            if resolved is None or resolved["kind"] != "void":
+                problems.append(f"demand_escrow: {state} demand {did} hold was not voided")
+            if escrow["credits_posted"] or escrow["credits_pending"]:
+                problems.append(f"closed_returned: {state} demand {did} escrow is not empty")
+
+    # 8. capacity
+    active = dict(
+        conn.execute(
+            select(leases.c.listing_id, func.sum(leases.c.devices))
+            .where(leases.c.state.in_(ACTIVE))
+            .group_by(leases.c.listing_id)
+        ).all()
+    )
+    for listing in conn.execute(select(listings)).mappings():
+        want = int(active.get(listing["id"], 0) or 0)
+        if listing["reserved"] != want or not 0 <= listing["reserved"] <= listing["capacity"]:
+            problems.append(
+                f"capacity: listing {listing['id']} reserves {listing['reserved']}, active leases hold {want}"
+            )
+
+    # 9. transitions
+    last: dict[tuple[str, int], str] = {}
+    for entity, entity_id, to_state in conn.execute(
+        select(transitions.c.entity, transitions.c.entity_id, transitions.c.to_state).order_by(
+            transitions.c.id
+        )
+    ).all():
+        last[(entity, entity_id)] = to_state
+    for entity, table in (
+        ("identity", accounts), ("demand", demands), ("lease", leases), ("listing", listings),
+        ("record", usage_records), ("dispute", disputes),
+    ):  # fmt: skip
+        for row_id, state in conn.execute(select(table.c.id, table.c.state)).all():
+            if last.get((entity, row_id)) != state:
+                problems.append(
+                    f"transitions: {entity} {row_id} is {state}, its log ends at {last.get((entity, row_id))}"
+                )
+
+    # 10. idempotency
+    missing = conn.execute(select(func.count()).where(idempotency_keys.c.response == "")).scalar_one()
+    if missing:
+        problems.append(f"idempotency: {missing} keys have no stored response")
+    return problems
+
+
+def audit_market(market: Market) -> dict:
+    """Run every check in one consistent snapshot; returns {'ok', 'violations', 'counts'}."""
+
+    def tx(conn: Connection, now: int) -> dict:
+        problems = check(conn)
+        counts = {
+            name: conn.execute(select(func.count()).select_from(table)).scalar_one()
+            for name, table in (
+                ("accounts", accounts),
+                ("transfers", transfers),
+                ("leases", leases),
+                ("demands", demands),
+            )
+        }
+        return {"ok": not problems, "violations": problems, "counts": counts}
+
+    return market.read(tx)

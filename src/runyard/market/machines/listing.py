@@ -1,0 +1,16 @@
+"""Listings: open -> withdrawn. A withdrawn listing takes no new leases; running ones go on."""
+
+from __future__ import annotations
+
+from runyard.market.machines import Machine, sides
+from runyard.market.schema import listings
+
+OPEN = "open"
+WITHDRAWN = "withdrawn"
+
+LISTING = Machine(
+    entity="listing",
+    table=listings,
+    initial=OPEN,
+    table_of_transitions={(OPEN, WITHDRAWN): sides("provider", "operator")},
+)

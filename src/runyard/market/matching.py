@@ -1,0 +1,148 @@
+"""The matching rule, as pure functions over plain values (no store), so that it is the same code
+in the service and in the benchmark, and easy to test on its own.
+
+Hard constraints first: accelerator kind, free device count, interconnect kind and bandwidth, region
+(or jurisdiction) within the demand's allowed set, start class accepted, expected start no later
+than the demand's latest start, the listing available for the whole duration, price within the
+demand's maximum. (Both parties being verified is checked by the store's query.) Among the listings
+that pass: lowest price, then earliest expected start, then lowest listing id, so that ties are
+broken the same way every time.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC
+
+from runyard.market.requirement import Interconnect, Requirement
+
+
+@dataclass(frozen=True, slots=True)
+class ListingView:
+    id: int
+    kind: str
+    price: int  # per device-hour, minor units
+    interconnect_rank: int
+    interconnect_gbps: int
+    region: str
+    jurisdiction: str
+    start_class: str
+    max_queue_s: int
+    available_from: int
+    available_until: int
+
+
+@dataclass(frozen=True, slots=True)
+class DemandView:
+    id: int
+    kinds: frozenset[str]
+    device_count: int
+    min_interconnect_rank: int
+    min_interconnect_gbps: int
+    duration_s: int
+    allowed: frozenset[str] | None
+    latest_start: int | None
+    start_classes: frozenset[str]
+    max_price: int
+
+    @classmethod
+    def of(cls, demand_id: int, requirement: Requirement, max_price: int) -> DemandView:
+        latest = requirement.latest_start
+        return cls(
+            id=demand_id,
+            kinds=frozenset(requirement.accelerator_kinds),
+            device_count=requirement.device_count,
+            min_interconnect_rank=Interconnect(requirement.min_interconnect).rank,
+            min_interconnect_gbps=requirement.min_interconnect_gbps,
+            duration_s=requirement.duration_s,
+            allowed=None if requirement.allowed_regions is None else frozenset(requirement.allowed_regions),
+            latest_start=None
+            if latest is None
+            else int((latest if latest.tzinfo else latest.replace(tzinfo=UTC)).timestamp()),
+            start_classes=frozenset(str(c) for c in requirement.start_classes),
+            max_price=max_price,
+        )
+
+
+def expected_start(listing: ListingView, now: int) -> int:
+    """When a lease on this listing would start at the latest: queued capacity may wait its queue time."""
+    begin = max(now, listing.available_from)
+    return begin + (listing.max_queue_s if listing.start_class == "queued" else 0)
+
+
+def fits(demand: DemandView, listing: ListingView, free: int, now: int) -> int | None:
+    """The expected start if `listing` (with `free` devices) meets every hard constraint, else None."""
+    if listing.kind not in demand.kinds or listing.price > demand.max_price or free < demand.device_count:
+        return None
+    if listing.start_class not in demand.start_classes:
+        return None
+    if listing.interconnect_rank < demand.min_interconnect_rank:
+        return None
+    if listing.interconnect_gbps < demand.min_interconnect_gbps:
+        return None
+    if (
+        demand.allowed is not None
+        and listing.region not in demand.allowed
+        and listing.jurisdiction not in demand.allowed
+    ):
+        return None
+    start = expected_start(listing, now)
+    if demand.latest_start is not None and start > demand.latest_start:
+        return None
+    if start + demand.duration_s > listing.available_until:
+        return None
+    return start
+
+
+def rank(listing: ListingView, start: int) -> tuple[int, int, int]:
+    return (listing.price, start, listing.id)
+
+
+def best_listing(
+    demand: DemandView, listings: list[ListingView], free: dict[int, int], now: int
+) -> tuple[ListingView, int] | None:
+    """The best listing for `demand` among `listings` (a linear scan), with its expected start."""
+    best: tuple[tuple[int, int, int], ListingView, int] | None = None
+    for listing in listings:
+        start = fits(demand, listing, free[listing.id], now)
+        if start is not None and (best is None or rank(listing, start) < best[0]):
+            best = (rank(listing, start), listing, start)
+    return None if best is None else (best[1], best[2])
+
+
+class OrderBook:
+    """Listings indexed by kind and sorted by price, with free capacity tracked as leases are made.
+
+    `match` gives the same answer as `best_listing` over all listings, but reads only the listings
+    of the demand's kinds at prices up to the best one found.
+    """
+
+    def __init__(self, listings: list[ListingView], free: dict[int, int]):
+        self.free = dict(free)
+        self._by_kind: dict[str, list[tuple[int, int, ListingView]]] = defaultdict(list)
+        for listing in listings:
+            self._by_kind[listing.kind].append((listing.price, listing.id, listing))
+        for book in self._by_kind.values():
+            book.sort(key=lambda entry: entry[:2])
+
+    def match(self, demand: DemandView, now: int) -> tuple[ListingView, int] | None:
+        """Find the best listing for `demand` and reserve its devices there."""
+        best: tuple[tuple[int, int, int], ListingView, int] | None = None
+        for kind in demand.kinds:
+            book = self._by_kind.get(kind)
+            if not book:
+                continue
+            stop = bisect.bisect_right(book, (demand.max_price, float("inf")), key=lambda e: e[:2])
+            for i in range(stop):
+                price, _, listing = book[i]
+                if best is not None and price > best[0][0]:
+                    break  # everything further is dearer than what we have
+                start = fits(demand, listing, self.free[listing.id], now)
+                if start is not None and (best is None or rank(listing, start) < best[0]):
+                    best = (rank(listing, start), listing, start)
+        if best is None:
+            return None
+        self.free[best[1].id] -= demand.device_count
+        return best[1], best[2]

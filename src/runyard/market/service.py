@@ -1,0 +1,223 @@
+"""The market's core: a store, a clock, the operator's settings, and the two ways an operation runs:
+`write` (one transaction) and `idempotent` (one transaction guarded by the caller's idempotency key).
+
+Operations live in their own modules (identity, funds, orders, leases, usage, settlement,
+statements) and take a `Market` plus the `Principal` who asks. The HTTP API and the tests call the
+same functions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import Connection, select, update
+
+from runyard.market import ledger
+from runyard.market.errors import BadRequest, Conflict, Forbidden, IdempotencyConflict, NotVerified
+from runyard.market.machines import Actor
+from runyard.market.machines.identity import VERIFIED
+from runyard.market.schema import audit_log, idempotency_keys, market_config
+from runyard.market.signing import canonical_bytes
+from runyard.market.store import Store
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What the operator sets when the market is created (the fee can be changed later)."""
+
+    currency: str = "USD"
+    fee_bps: int = 0
+    dispute_window_s: int = 86400
+    accept_timeout_s: int = 900
+    start_timeout_s: int = 3600
+    tolerance_bps: int = 500
+    test_clock: bool = False
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The authenticated caller."""
+
+    id: int
+    name: str
+    role: str
+    state: str
+    public_key: str
+
+    @property
+    def actor(self) -> Actor:
+        return Actor(self.role, self.id)
+
+    def require_role(self, *roles: str) -> None:
+        if self.role not in roles:
+            raise Forbidden(f"this needs a {' or '.join(roles)} account; {self.name} is a {self.role}")
+
+    def require_verified(self, what: str) -> None:
+        if self.state != VERIFIED:
+            raise NotVerified(f"{self.name} is {self.state}; only verified accounts may {what}")
+
+
+def audit(conn: Connection, actor: Actor | str, action: str, subject: str, now: int, **detail: Any) -> None:
+    """Append one row to the audit log."""
+    conn.execute(
+        audit_log.insert().values(
+            at=now,
+            actor=str(actor),
+            action=action,
+            subject=subject,
+            detail=json.dumps(detail, sort_keys=True),
+        )
+    )
+
+
+def check_idempotency_key(key: str | None) -> str:
+    if not key:
+        raise BadRequest("this request moves money: send an Idempotency-Key header (any unique string)")
+    if len(key) > 200 or not key.isprintable():
+        raise BadRequest("Idempotency-Key must be 1-200 printable characters")
+    return key
+
+
+class Market:
+    """A market over one store. Create it with `Market.open(url)`."""
+
+    def __init__(self, store: Store, verifier: Any = None):
+        from runyard.market.identity import OperatorVerifier
+
+        self.store = store
+        self.verifier = verifier or OperatorVerifier()
+        self._offset = store.read(lambda c: c.execute(select(market_config.c.clock_offset_s)).scalar_one())
+
+    @classmethod
+    def open(
+        cls,
+        url: str,
+        settings: Settings | None = None,
+        migrate: bool = True,
+        verifier: Any = None,
+        pool_size: int = 10,
+    ) -> Market:
+        """Open (and, on an empty database, create) the market stored at `url`."""
+        store = Store(url, pool_size=pool_size)
+        if migrate:
+            store.migrate()
+        settings = settings or Settings()
+
+        def init(conn: Connection) -> None:
+            if conn.execute(select(market_config.c.id)).scalar() is None:
+                conn.execute(
+                    market_config.insert().values(
+                        id=1,
+                        currency=settings.currency,
+                        fee_bps=settings.fee_bps,
+                        dispute_window_s=settings.dispute_window_s,
+                        accept_timeout_s=settings.accept_timeout_s,
+                        start_timeout_s=settings.start_timeout_s,
+                        tolerance_bps=settings.tolerance_bps,
+                        test_clock=settings.test_clock,
+                        clock_offset_s=0,
+                    )
+                )
+                ledger.open_account(conn, ledger.MARKET_FEES, "market_fees")
+                ledger.open_account(conn, ledger.EXTERNAL_DEPOSITS, "external_deposits")
+                ledger.open_account(conn, ledger.EXTERNAL_WITHDRAWALS, "external_withdrawals")
+
+        store.write(init)
+        return cls(store, verifier)
+
+    # -- time -------------------------------------------------------------------------------------
+
+    def now(self) -> int:
+        return int(time.time()) + self._offset
+
+    def advance_clock(self, seconds: int, actor: Actor) -> int:
+        """Move a test clock forward (only markets created with test_clock=True)."""
+        if seconds < 0 or seconds > 10 * 366 * 86400:
+            raise BadRequest(f"advance must be between 0 and ten years of seconds, got {seconds}")
+
+        def tx(conn: Connection) -> int:
+            if not self.config(conn)["test_clock"]:
+                raise Conflict("this market runs on the real clock; its time cannot be moved")
+            conn.execute(
+                update(market_config).values(clock_offset_s=market_config.c.clock_offset_s + seconds)
+            )
+            offset = conn.execute(select(market_config.c.clock_offset_s)).scalar_one()
+            audit(conn, actor, "clock.advance", "market", self.now(), seconds=seconds)
+            return offset
+
+        self._offset = self.store.write(tx)
+        return self.now()
+
+    # -- settings ---------------------------------------------------------------------------------
+
+    @staticmethod
+    def config(conn: Connection) -> dict:
+        return dict(conn.execute(select(market_config)).mappings().one())
+
+    def set_fee(self, fee_bps: int, actor: Actor) -> dict:
+        if not 0 <= fee_bps <= 5000:
+            raise BadRequest(f"fee_bps must be between 0 and 5000 (50%), got {fee_bps}")
+
+        def tx(conn: Connection) -> dict:
+            conn.execute(update(market_config).values(fee_bps=fee_bps))
+            audit(conn, actor, "market.fee", "market", self.now(), fee_bps=fee_bps)
+            return self.config(conn)
+
+        return self.store.write(tx)
+
+    # -- running operations -----------------------------------------------------------------------
+
+    def write(self, fn: Callable[[Connection, int], Any]) -> Any:
+        """Run `fn(conn, now)` in one write transaction."""
+        return self.store.write(lambda conn: fn(conn, self.now()))
+
+    def read(self, fn: Callable[[Connection, int], Any]) -> Any:
+        return self.store.read(lambda conn: fn(conn, self.now()))
+
+    def idempotent(
+        self,
+        principal: Principal,
+        key: str | None,
+        operation: str,
+        params: dict,
+        fn: Callable[[Connection, int], dict],
+    ) -> dict:
+        """Run a money-moving operation once per (caller, key).
+
+        The key row is inserted first, so a concurrent retry of the same key blocks on it and then
+        reads the first result instead of doing the work again. A failed operation rolls back with
+        its key, so it changed nothing and may be retried.
+        """
+        key = check_idempotency_key(key)
+        params_hash = hashlib.sha256(canonical_bytes({"operation": operation, "params": params})).hexdigest()
+
+        def tx(conn: Connection) -> dict:
+            table = idempotency_keys
+            found = conn.execute(
+                select(table.c.params_hash, table.c.response).where(
+                    table.c.account_id == principal.id, table.c.key == key
+                )
+            ).one_or_none()
+            if found is not None:
+                if found.params_hash != params_hash:
+                    raise IdempotencyConflict(
+                        f"Idempotency-Key {key!r} was already used for a different request; use a new key",
+                        operation=operation,
+                    )
+                return json.loads(found.response)
+            now = self.now()
+            key_id = conn.execute(
+                table.insert().values(
+                    account_id=principal.id, key=key, params_hash=params_hash, response="", created_at=now
+                )
+            ).inserted_primary_key[0]
+            result = fn(conn, now)
+            conn.execute(update(table).where(table.c.id == key_id).values(response=json.dumps(result)))
+            return result
+
+        return self.store.write(tx)

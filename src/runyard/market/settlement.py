@@ -1,0 +1,172 @@
+"""Settlement: pay accepted usage from escrow, hold what is disputed, return the rest.
+
+Settlement computes, from the records as they stand, what the provider and the market *should* have
+been paid so far, and moves only the difference from what was paid before. Running it twice
+therefore moves nothing the second time, and it is safe to run it whenever anything changes (a
+window closes, a dispute window passes, a dispute is resolved).
+
+A record counts as accepted:
+  acknowledged                      -> its device-seconds
+  part_acknowledged, window passed  -> the acknowledged part (the provider did not contest)
+  disputed, resolved or withdrawn   -> the resolution's device-seconds
+  reported, window passed           -> its device-seconds (silence is consent)
+and is held otherwise. The charge is accepted device-seconds x price / 3600, rounded down (in the
+tenant's favour); the fee is charge x fee_bps / 10000, rounded down, taken out of the charge.
+When nothing is held and no record can still arrive, the remainder returns to the tenant and the
+lease is settled.
+"""
+
+from __future__ import annotations
+
+from sqlalchemy import Connection, select, update
+
+from runyard.market import ledger
+from runyard.market.errors import InvalidTransition
+from runyard.market.machines import Actor, transition
+from runyard.market.machines.dispute import OPEN as DISPUTE_OPEN
+from runyard.market.machines.lease import LEASE, SETTLEABLE, SETTLED
+from runyard.market.machines.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, REPORTED
+from runyard.market.schema import disputes, leases, listings, usage_records
+from runyard.market.service import Market, Principal, audit
+
+
+def accepted_seconds(record: dict, dispute: dict | None, now: int, window: int) -> int | None:
+    """Device-seconds of `record` accepted as of `now`, or None while it is held."""
+    state = record["state"]
+    if state == ACKNOWLEDGED:
+        return record["device_seconds"]
+    if state == PART_ACKNOWLEDGED:
+        return record["acked_device_seconds"] if now > record["acked_at"] + window else None
+    if state == DISPUTED:
+        assert dispute is not None, f"record {record['id']} is disputed without a dispute row"
+        return None if dispute["state"] == DISPUTE_OPEN else dispute["resolved_device_seconds"]
+    if state == REPORTED:
+        return record["device_seconds"] if now > record["received_at"] + window else None
+    raise AssertionError(f"unknown record state {state!r}")
+
+
+def charge_for(device_seconds: int, price_per_device_hour: int) -> int:
+    return device_seconds * price_per_device_hour // 3600
+
+
+def fee_for(charge: int, fee_bps: int) -> int:
+    return charge * fee_bps // 10_000
+
+
+def position(conn: Connection, lease: dict, now: int) -> dict:
+    """What the lease owes as of `now`: accepted and held device-seconds, charge and fee."""
+    window = Market.config(conn)["dispute_window_s"]
+    records = (
+        conn.execute(select(usage_records).where(usage_records.c.lease_id == lease["id"])).mappings().all()
+    )
+    by_record = {
+        d["record_id"]: dict(d)
+        for d in conn.execute(select(disputes).where(disputes.c.lease_id == lease["id"])).mappings()
+    }
+    accepted = held = held_records = 0
+    for record in records:
+        value = accepted_seconds(dict(record), by_record.get(record["id"]), now, window)
+        if value is None:
+            held += record["device_seconds"]
+            held_records += 1
+        else:
+            accepted += value
+    charge = charge_for(accepted, lease["price_per_device_hour"])
+    fee = fee_for(charge, lease["fee_bps"])
+    reports_closed = lease["window_end"] is not None and now > lease["window_end"] + window
+    return {
+        "accepted_device_seconds": accepted,
+        "held_device_seconds": held,
+        "held_records": held_records,
+        "charge": charge,
+        "fee": fee,
+        "provider_share": charge - fee,
+        "final": held_records == 0 and reports_closed,
+    }
+
+
+def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dict:
+    """Bring a lease's payments up to date inside the caller's transaction (see module docstring)."""
+    from runyard.market.leases import lock_lease, refund_remainder
+
+    lease = lock_lease(conn, lease_id, None)
+    if lease["state"] == SETTLED:
+        return summary(conn, lease_id, now, moved=0)
+    if lease["state"] not in SETTLEABLE:
+        raise InvalidTransition(f"lease {lease_id} is {lease['state']}; it settles after its window closes")
+    pos = position(conn, lease, now)
+    to_provider = pos["provider_share"] - lease["paid_provider"]
+    to_fees = pos["fee"] - lease["paid_fee"]
+    if to_provider < 0 or to_fees < 0:  # accepted usage only grows; this would be a bug, never a refund
+        raise AssertionError(
+            f"lease {lease_id}: settlement would move money backwards ({to_provider}, {to_fees})"
+        )
+    escrow = lease["escrow_account_id"]
+    if to_provider:
+        earnings = ledger.account_id(conn, f"provider:{lease['provider_id']}:earnings")
+        ledger.transfer(
+            conn,
+            escrow,
+            earnings,
+            to_provider,
+            reason="settle_provider",
+            actor=str(actor),
+            now=now,
+            lease_id=lease_id,
+        )
+    if to_fees:
+        fees = ledger.account_id(conn, ledger.MARKET_FEES)
+        ledger.transfer(
+            conn, escrow, fees, to_fees, reason="settle_fee", actor=str(actor), now=now, lease_id=lease_id
+        )
+    if to_provider or to_fees:
+        conn.execute(
+            update(leases)
+            .where(leases.c.id == lease_id)
+            .values(paid_provider=pos["provider_share"], paid_fee=pos["fee"])
+        )
+        audit(
+            conn, actor, "lease.settle_payment", f"lease:{lease_id}", now, provider=to_provider, fee=to_fees
+        )
+    moved = to_provider + to_fees
+    if pos["final"]:
+        moved += refund_remainder(conn, lease, actor, now)
+        transition(conn, LEASE, lease_id, SETTLED, Actor("system"), f"settled by {actor}", now)
+        conn.execute(
+            update(listings)
+            .where(listings.c.id == lease["listing_id"])
+            .values(leases_completed=listings.c.leases_completed + 1)
+        )
+        audit(conn, actor, "lease.settled", f"lease:{lease_id}", now)
+    return summary(conn, lease_id, now, moved=moved)
+
+
+def summary(conn: Connection, lease_id: int, now: int, moved: int) -> dict:
+    lease = dict(conn.execute(select(leases).where(leases.c.id == lease_id)).mappings().one())
+    pos = position(conn, lease, now)
+    return {
+        "lease_id": lease_id,
+        "state": lease["state"],
+        "escrow_amount": lease["escrow_amount"],
+        "paid_provider": lease["paid_provider"],
+        "paid_fee": lease["paid_fee"],
+        "refunded": lease["refunded"],
+        "escrow_remaining": ledger.balance(conn, lease["escrow_account_id"]).available,
+        "moved_now": moved,
+        **{
+            k: pos[k]
+            for k in ("accepted_device_seconds", "held_device_seconds", "held_records", "charge", "fee")
+        },
+    }
+
+
+def settle(market: Market, principal: Principal, lease_id: int, key: str | None) -> dict:
+    """Settle a lease on request of a party or an operator (idempotent on `key`, and by design)."""
+
+    def tx(conn: Connection, now: int) -> dict:
+        from runyard.market.leases import lock_lease
+
+        lock_lease(conn, lease_id, principal)  # ownership
+        return settle_in_tx(conn, lease_id, principal.actor, now)
+
+    return market.idempotent(principal, key, "lease.settle", {"lease_id": lease_id}, tx)

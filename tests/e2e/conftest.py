@@ -1,0 +1,63 @@
+"""Fixtures for whole-run tests: a tiny but real spec over a slice of the stdlib sources."""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+TINY_SPEC = {
+    "name": "tiny",
+    "seed": 7,
+    "data": {
+        "sources": [{"path": "{stdlib}/json/*.py"}, {"path": "{stdlib}/email/*.py"}],
+        "heldout_fraction": 0.1,
+        "tokenizer": {"vocab_size": 512},
+        "shard_tokens": 16384,
+        "workers": 1,
+    },
+    "model": {"d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "context_length": 64, "dropout": 0.1},
+    "optim": {"lr": 0.02},
+    "schedule": {"warmup_steps": 3},
+    "train": {"steps": 16, "batch_size": 8},
+    "stages": [{"name": "main", "gates": {"min_loss_drop": 0.05}}],
+    "eval": {"interval": 4, "batches": 2, "final_batches": 4, "prompts": ["def "], "sample_tokens": 8},
+    "checkpoint": {"interval": 4, "keep_last": 3},
+    "resources": {"device": "cpu", "threads": 1},
+}
+
+
+def merge(base: dict, patch: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    def _write(patch: dict | None = None, name: str = "spec.yaml") -> Path:
+        path = tmp_path / name
+        path.write_text(yaml.safe_dump(merge(TINY_SPEC, patch or {})))
+        return path
+
+    return _write
+
+
+def runyard(*args: str, timeout: float = 300, check: bool = False, env: dict | None = None) -> subprocess.CompletedProcess:
+    """Run the real command line in a subprocess."""
+    full_env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.run(
+        [sys.executable, "-m", "runyard", *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+    if check and proc.returncode != 0:
+        raise AssertionError(f"runyard {' '.join(args)} exited {proc.returncode}:\n{proc.stdout}\n{proc.stderr}")
+    return proc

@@ -1,0 +1,166 @@
+"""The spine end to end through the real command line: run, checkpoint, SIGTERM, resume, gates,
+evaluation, export and generate. Tiny model, real data (a slice of the stdlib), real processes."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from runyard.errors import EXIT_GATE_FAILED, EXIT_PREEMPTED
+from runyard.serve.export import load_export
+from runyard.train import checkpoint as ckpt
+
+from .conftest import TINY_SPEC, merge, runyard
+
+pytestmark = pytest.mark.slow
+
+STEPS = 60
+PATCH = {"train": {"steps": STEPS}, "checkpoint": {"interval": 10}}
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    """One uninterrupted run that the other tests compare against."""
+    import yaml
+
+    root = tmp_path_factory.mktemp("reference")
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump(merge(TINY_SPEC, PATCH)))
+    run_dir = root / "run"
+    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True)
+    return spec, run_dir, proc
+
+
+def final_weights(run_dir: Path, stage: str = "main") -> dict[str, torch.Tensor]:
+    ref = ckpt.latest_good(run_dir / "stages" / stage / "checkpoints")
+    assert ref is not None and ref.step == STEPS
+    tensors, _ = ckpt.read_checkpoint(ref.path)
+    return tensors["model"]
+
+
+def losses(run_dir: Path, stage: str = "main") -> list[tuple[int, float]]:
+    rows = [json.loads(line) for line in (run_dir / "stages" / stage / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in rows]
+
+
+def test_run_directory_is_complete(reference_run):
+    _spec, run_dir, proc = reference_run
+    for rel in [
+        "spec.yaml", "manifest.json", "data/report.md", "data/report.json",
+        "stages/main/metrics.jsonl", "stages/main/gates.json",
+        "eval/report.md", "eval/report.json", "eval/loss.png", "eval/lr.png",
+        "export/model.safetensors", "export/tokenizer.json", "export/config.json",
+    ]:
+        assert (run_dir / rel).is_file(), rel
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    for key in ("spec_sha256", "seeds", "code", "packages", "hardware", "command_line", "started_at", "finished_at", "data"):
+        assert manifest.get(key) is not None, key
+    assert manifest["packages"]["torch"] == torch.__version__.split("+")[0] or manifest["packages"]["torch"].startswith(torch.__version__[:4])
+    assert manifest["data"]["inputs"], "input fingerprints recorded"
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    m = report["metrics"]
+    assert m["heldout_loss"] < m["unigram_loss"], "the model must beat a context-free baseline"
+    assert "held-out perplexity" in proc.stdout and "unigram" in proc.stdout
+    gates = json.loads((run_dir / "stages/main/gates.json").read_text())
+    assert gates["passed"] and {g["name"] for g in gates["gates"]} >= {"finite", "loss_drop", "checkpoint_roundtrip"}
+    assert [s for s, _ in losses(run_dir)] == list(range(1, STEPS + 1))
+
+
+def test_export_gives_the_same_logits_as_the_trained_model(reference_run):
+    _spec, run_dir, _ = reference_run
+    model, cfg, _tok = load_export(run_dir / "export")
+    from runyard.model.transformer import Transformer
+
+    live = Transformer(cfg)
+    live.load_state_dict(final_weights(run_dir))
+    live.eval()
+    idx = torch.randint(0, cfg.vocab_size, (2, cfg.context_length), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(model.eval()(idx), live(idx))
+
+
+def test_generate_cli_is_deterministic_for_a_seed(reference_run):
+    _spec, run_dir, _ = reference_run
+    a = runyard("generate", str(run_dir), "--prompt", "def ", "--max-tokens", "12", "--seed", "3", check=True)
+    b = runyard("generate", str(run_dir), "--prompt", "def ", "--max-tokens", "12", "--seed", "3", check=True)
+    assert a.stdout == b.stdout and a.stdout.startswith("def ")
+    show = runyard("show", str(run_dir), "--json", check=True)
+    assert json.loads(show.stdout)["exported"] is True
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if metrics.exists():
+            lines = metrics.read_text().splitlines()
+            if len(lines) >= step:
+                return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early with {proc.returncode}: {proc.stderr.read()}")
+        time.sleep(0.02)
+    raise AssertionError("run did not reach the step in time")
+
+
+@pytest.mark.parametrize("corrupt_newest", [False, True], ids=["resume", "resume-after-corrupt-checkpoint"])
+def test_sigterm_then_resume_is_bitwise_identical(reference_run, tmp_path, corrupt_newest):
+    spec, ref_dir, _ = reference_run
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    wait_for_step(run_dir / "stages/main/metrics.jsonl", 23, proc)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert "stopped by SIGTERM" in err
+    refs = ckpt.list_checkpoints(run_dir / "stages/main/checkpoints")
+    stopped_at = refs[-1].step
+    assert 23 <= stopped_at < STEPS
+    if corrupt_newest:
+        model_file = refs[-1].path / "model.pt"
+        data = bytearray(model_file.read_bytes())
+        data[-100] ^= 0xFF
+        model_file.write_bytes(bytes(data))
+
+    resumed = runyard("resume", str(run_dir), "--no-progress", check=True)
+    if corrupt_newest:
+        assert "fails its sha256" in resumed.stderr + resumed.stdout
+    reference, result = final_weights(ref_dir), final_weights(run_dir)
+    assert reference.keys() == result.keys()
+    for name in reference:
+        assert torch.equal(reference[name], result[name]), f"{name} differs after resume"
+    assert losses(run_dir) == losses(ref_dir), "the same loss at every step"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert len(manifest["sessions"]) == 2
+
+
+def test_failed_gate_stops_the_run_before_later_stages(write_spec, tmp_path):
+    spec = write_spec(
+        {
+            "train": {"steps": 8},
+            "stages": [
+                {"name": "smoke", "gates": {"max_heldout_loss": 0.001}},
+                {"name": "full"},
+            ],
+        }
+    )
+    run_dir = tmp_path / "run"
+    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == EXIT_GATE_FAILED, proc.stderr
+    assert "heldout_loss" in proc.stderr and "later stages not started" in proc.stderr
+    gates = json.loads((run_dir / "stages/smoke/gates.json").read_text())
+    assert gates["passed"] is False
+    assert [g["name"] for g in gates["gates"] if not g["passed"]] == ["heldout_loss"]
+    assert not (run_dir / "stages/full").exists()
+    assert not (run_dir / "export").exists()
+    # Resuming a run whose gate failed refuses again rather than starting the next stage.
+    again = runyard("resume", str(run_dir), "--no-progress")
+    assert again.returncode == EXIT_GATE_FAILED and not (run_dir / "stages/full").exists()

@@ -1,0 +1,96 @@
+"""Spec validation: every bad spec is refused up front with the field path, the value and the expectation."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from runyard.errors import EXIT_BAD_SPEC, SpecError
+from runyard.spec import load_spec, parse_spec, resolved_stage
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stdlib-code.yaml"
+
+
+def base() -> dict:
+    return {"name": "t", "data": {"sources": [{"path": "corpus/*.txt"}]}}
+
+
+def problems_of(raw) -> list[tuple[str, object, str]]:
+    with pytest.raises(SpecError) as info:
+        parse_spec(raw, "test.yaml")
+    return info.value.problems
+
+
+def test_example_spec_is_valid_and_stages_inherit():
+    spec = load_spec(EXAMPLE)
+    smoke = resolved_stage(spec, "smoke")
+    full = resolved_stage(spec, "full")
+    assert smoke.model.d_model == 64 and smoke.model.context_length == spec.model.context_length
+    assert full.model == spec.model
+    assert smoke.train.steps == 40 and smoke.train.grad_accum == spec.train.grad_accum
+
+
+@pytest.mark.parametrize(
+    "patch, path, fragment",
+    [
+        ({"model": {"d_model": "big"}}, "model.d_model", "valid integer"),
+        ({"modle": {}}, "modle", "unknown key"),
+        ({"optim": {"lr": -1}}, "optim.lr", "greater than 0"),
+        ({"schedule": {"decay": "exp"}}, "schedule.decay", "'cosine', 'linear' or 'constant'"),
+        ({"stages": [{"name": "s", "train": {"steps": 0}}]}, "stages[0].train.steps", "greater than or equal to 1"),
+        ({"stages": [{"name": "s", "model": {"n_heads": 7}}]}, "stages[0].model", "divisible by n_heads"),
+        ({"stages": [{"name": "a"}, {"name": "a"}]}, "(top level)", "unique"),
+        ({"resources": {"device": "tpu"}}, "resources.device", "'cpu', 'cuda' or 'auto'"),
+        ({"resources": {"requirement": {"accelerator_kinds": ["h1000"]}}}, "resources.requirement", "unknown accelerator"),
+        ({"data": {"sources": []}}, "data.sources", "at least 1"),
+        ({"name": "../escape"}, "name", "letters, digits"),
+    ],
+)
+def test_bad_field_is_named_with_value_and_expectation(patch, path, fragment):
+    raw = base() | patch
+    problems = problems_of(raw)
+    assert any(p == path and fragment in expected for p, _value, expected in problems), problems
+
+
+def test_missing_section_and_value_reported():
+    problems = problems_of({"name": "t"})
+    assert ("data", "(missing)", "Field required") in problems
+
+
+def test_message_names_file_path_value_and_expectation():
+    with pytest.raises(SpecError) as info:
+        parse_spec(base() | {"optim": {"betas": [0.9, 1.5]}}, "bad.yaml")
+    text = str(info.value)
+    assert "bad.yaml" in text and "optim.betas" in text and "[0, 1)" in text
+
+
+def test_invalid_yaml_reports_line(tmp_path):
+    bad = tmp_path / "spec.yaml"
+    bad.write_text("name: t\ndata: [unclosed\n")
+    with pytest.raises(SpecError) as info:
+        load_spec(bad)
+    assert "line" in info.value.problems[0][0]
+
+
+def test_fingerprint_changes_with_any_setting():
+    a = parse_spec(base())
+    b = parse_spec(base() | {"seed": 1})
+    assert a.fingerprint() == parse_spec(base()).fingerprint()
+    assert a.fingerprint() != b.fingerprint()
+
+
+def test_cli_exits_2_before_any_work(tmp_path):
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(base() | {"train": {"steps": "many"}}))
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir)],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == EXIT_BAD_SPEC
+    assert "train.steps" in proc.stderr and "'many'" in proc.stderr
+    assert not run_dir.exists()
