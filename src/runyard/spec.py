@@ -239,6 +239,17 @@ def _loc_to_path(loc: tuple[Any, ...]) -> str:
     return path or "(top level)"
 
 
+def _lookup(raw: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
+    """The user's own value at `loc`, so messages quote what they wrote rather than a merged default."""
+    node = raw
+    for part in loc:
+        try:
+            node = node[part]
+        except (KeyError, IndexError, TypeError):
+            return False, None
+    return True, node
+
+
 def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[str, object, str]]:
     problems = []
     for err in exc.errors():
@@ -248,7 +259,9 @@ def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> l
             # An override that makes a stage invalid: report it under stages[i].<section>.<field>.
             problems += _problems(ctx_exc.exc, raw, ("stages", ctx_exc.index, ctx_exc.section))
             continue
-        value = err.get("input")
+        found, value = _lookup(raw, loc)
+        if not found:
+            value = err.get("input")
         if err["type"] == "missing":
             value = "(missing)"
         msg = err["msg"]

@@ -99,9 +99,9 @@ class ControlLoop:
     # -- watching attempts ------------------------------------------------------------------------
 
     def _watch(self, job: Job, now: float) -> None:
-        if job.state == S.RECOVERING and not self.backend.allocates_itself:
+        if job.state == S.RECOVERING and job.pid is None and job.backend_id is None:
             if job.next_start_at is not None and now >= job.next_start_at:
-                self._launch(job, relaunch=True)
+                self._launch(job, relaunch=True)  # same allocation, next attempt
             return
         if job.state == S.CANCELLING and job.pid is None and job.backend_id is None:
             self.store.transition(job.id, S.CANCELLED, actor=ACTOR, reason="nothing was running", **self._release(job))
@@ -169,7 +169,7 @@ class ControlLoop:
                 job.id, S.RECOVERING, actor=ACTOR,
                 reason=f"{failure}: {detail}; restarting from the last checkpoint in {decision.delay_s:g}s",
                 failures=failures, exit_code=code, next_start_at=now + decision.delay_s,
-                pid=None, pid_start_time=None, signalled_at=None, **self._usage(job, now),
+                pid=None, pid_start_time=None, backend_id=None, signalled_at=None, **self._usage(job, now),
             )
             return
         self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=decision.final_reason, failures=failures,

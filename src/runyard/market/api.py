@@ -11,8 +11,10 @@ changed nothing. Bodies above `max_body_bytes` are refused with 413 before they 
 from __future__ import annotations
 
 import logging
+from contextlib import asynccontextmanager
 from typing import Annotated
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -20,8 +22,8 @@ from fastapi.responses import JSONResponse
 from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
 from runyard.market.errors import MarketError, PayloadTooLarge
 from runyard.market.models import (
-    AckIn,
     AcceptIn,
+    AckIn,
     AmountIn,
     ClockIn,
     ContestIn,
@@ -76,13 +78,22 @@ async def _too_large(limit: int, send) -> None:  # type: ignore[no-untyped-def]
     await response({"type": "http"}, None, send)
 
 
-def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAPI:
-    """The FastAPI application serving `market`."""
+def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: int = 64) -> FastAPI:
+    """The FastAPI application serving `market`. Endpoints are synchronous (the store is) and run
+    in AnyIO's thread pool, raised to `threads` so that many clients are served at once."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
+        yield
+
     app = FastAPI(
+        lifespan=lifespan,
         title="runyard market",
         version="1",
         description="Verified identities, listings, escrow-backed demands, leases, signed usage, settlement.",
     )
+    app.add_middleware(BodyLimit, limit=max_body_bytes)
 
     @app.exception_handler(MarketError)
     async def _market_error(_: Request, exc: MarketError) -> JSONResponse:
@@ -95,7 +106,9 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAP
             for e in exc.errors()
         ]
         message = "; ".join(f"{p['where']}: {p['problem']}" for p in problems)
-        return JSONResponse({"error": "invalid_request", "message": message, "detail": {"problems": problems}}, 422)
+        return JSONResponse(
+            {"error": "invalid_request", "message": message, "detail": {"problems": problems}}, 422
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
@@ -296,4 +309,6 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY) -> FastAP
 
 def _short(value: object) -> object:
     text = repr(value)
-    return value if len(text) <= 200 and isinstance(value, int | str | float | bool | type(None)) else text[:200]
+    return (
+        value if len(text) <= 200 and isinstance(value, int | str | float | bool | type(None)) else text[:200]
+    )

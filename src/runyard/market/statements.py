@@ -19,7 +19,9 @@ from runyard.market.service import Market, Principal
 
 def _sum(conn: Connection, *where) -> int:  # type: ignore[no-untyped-def]
     # int(): PostgreSQL sums BIGINT into NUMERIC, which arrives as a Decimal.
-    return int(conn.execute(select(func.coalesce(func.sum(transfers.c.amount), 0)).where(*where)).scalar_one())
+    return int(
+        conn.execute(select(func.coalesce(func.sum(transfers.c.amount), 0)).where(*where)).scalar_one()
+    )
 
 
 def _lease_lines(conn: Connection, column) -> list[dict]:  # type: ignore[no-untyped-def]

@@ -1,0 +1,362 @@
+"""`MarketClient`: the Python client of the market's HTTP API (used by `runyard market ...` and by
+the control plane's market agent). It imports no torch.
+
+    from runyard.market.client import MarketClient
+
+    provider = MarketClient("http://127.0.0.1:8470")
+    provider.register("gpu-farm", "provider")       # makes an Ed25519 key pair, keeps token and key
+    provider.save_identity("provider.json")         # later: MarketClient.from_identity_file(url, path)
+    provider.request_verification("company number 123")
+    provider.verify_status()                        # {'state': 'pending' | 'verified' | ...}
+    provider.create_listing(accelerator_kind="h100-80gb", devices_per_node=8, node_count=2,
+                            region="eu-west", jurisdiction="eu", price_per_device_hour=250,
+                            available_until=now + 30 * 86400, start_class="immediate")
+
+    tenant = MarketClient(url); tenant.register("lab", "tenant"); ...
+    tenant.deposit(100_000)                          # minor units; idempotent (see below)
+    demand = tenant.place_demand({"accelerator_kinds": ["h100-80gb"], "device_count": 4,
+                                  "duration_s": 7200}, max_price_per_device_hour=300)
+
+    lease = provider.leases(state="offered")[0]
+    provider.accept_lease(lease["id"])               # signs the lease terms with the provider's key
+    provider.start_lease(lease["id"])
+    provider.report_usage(lease["id"], seq=1, interval_start=t0, interval_end=t0 + 600,
+                          device_seconds=4 * 600, evidence="sha256:...")   # signed record
+    tenant.acknowledge(record_id) / tenant.dispute(record_id, "reason", claimed_device_seconds=...)
+    tenant.submit_measurement(lease_id, t0, t0 + 600, device_seconds)      # tenant's signed view
+    provider.close_lease(lease["id"]); tenant.settle(lease["id"]); tenant.statement()
+
+Money-moving calls take an optional `idempotency_key`; without one the client makes a fresh key per
+call and reuses it for its own retries (connection errors and 503), so a retried call is applied
+once. Every method returns the server's JSON (dicts and lists); an error answer raises
+`MarketClientError` with `status`, `code` and the server's message. Lease-state names are in
+`runyard.market.machines.lease`; signed payloads are built by `runyard.market.payloads`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from runyard.errors import RunyardError
+from runyard.market import payloads
+from runyard.market.requirement import Requirement
+from runyard.market.signing import generate_keypair, public_key_of, sign
+
+RETRY_STATUSES = {502, 503, 504}
+
+
+class MarketClientError(RunyardError):
+    """The market refused a request (or could not be reached)."""
+
+    def __init__(self, status: int, code: str, message: str, detail: dict | None = None):
+        super().__init__(f"market said {status} {code}: {message}")
+        self.status, self.code, self.message, self.detail = status, code, message, detail or {}
+
+
+class MarketClient:
+    """A client for one market, acting as one account (token + Ed25519 private key)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str | None = None,
+        private_key: str | None = None,
+        timeout: float = 30.0,
+        retries: int = 3,
+        transport: httpx.BaseTransport | None = None,
+    ):
+        self.base_url = base_url.rstrip("/")
+        self.token = token
+        self.private_key = private_key
+        self.retries = retries
+        self._http = httpx.Client(base_url=self.base_url, timeout=timeout, transport=transport)
+        self._currency: str | None = None
+
+    # -- plumbing ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self) -> MarketClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def request(self, method: str, path: str, body: Any = None, key: str | None = None, **params: Any) -> Any:
+        """Send one request (retrying transport failures with the same idempotency key)."""
+        headers = {}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        if key is not None:
+            headers["Idempotency-Key"] = key
+        query = {k: v for k, v in params.items() if v is not None}
+        for attempt in range(self.retries + 1):
+            try:
+                response = self._http.request(method, path, json=body, headers=headers, params=query)
+            except httpx.TransportError as exc:
+                if attempt == self.retries:
+                    raise MarketClientError(0, "unreachable", f"{self.base_url}: {exc}") from exc
+                time.sleep(0.1 * 2**attempt)
+                continue
+            if response.status_code in RETRY_STATUSES and attempt < self.retries:
+                time.sleep(0.1 * 2**attempt)
+                continue
+            if response.status_code >= 400:
+                try:
+                    data = response.json()
+                except ValueError:
+                    data = {"error": "http_error", "message": response.text[:500]}
+                raise MarketClientError(
+                    response.status_code,
+                    data.get("error", "error"),
+                    data.get("message", ""),
+                    data.get("detail"),
+                )
+            return response.json()
+        raise AssertionError("unreachable")
+
+    def _money(self, method: str, path: str, body: Any = None, key: str | None = None) -> Any:
+        return self.request(method, path, body, key=key or uuid.uuid4().hex)
+
+    def _sign(self, payload: dict) -> str:
+        if not self.private_key:
+            raise MarketClientError(0, "no_key", "this client has no private key to sign with")
+        return sign(self.private_key, payload)
+
+    @property
+    def currency(self) -> str:
+        if self._currency is None:
+            self._currency = self.market_info()["currency"]
+        return self._currency
+
+    # -- identity ----------------------------------------------------------------------------------
+
+    def market_info(self) -> dict:
+        """Currency, fee rate, windows and the market's clock."""
+        return self.request("GET", "/v1/market")
+
+    def register(self, name: str, role: str, public_key: str | None = None) -> dict:
+        """Register as 'tenant' or 'provider'. Without `public_key` a key pair is made and kept here."""
+        if public_key is None:
+            if self.private_key is None:
+                self.private_key, public_key = generate_keypair()
+            else:
+                public_key = public_key_of(self.private_key)
+        result = self.request("POST", "/v1/accounts", {"name": name, "role": role, "public_key": public_key})
+        self.token = result["token"]
+        return result
+
+    def save_identity(self, path: str | Path) -> None:
+        """Write token and private key to `path` (mode 0600, atomically)."""
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as handle:
+            json.dump({"url": self.base_url, "token": self.token, "private_key": self.private_key}, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_identity_file(cls, path: str | Path, base_url: str | None = None, **kwargs: Any) -> MarketClient:
+        data = json.loads(Path(path).read_text())
+        return cls(
+            base_url or data["url"], token=data.get("token"), private_key=data.get("private_key"), **kwargs
+        )
+
+    def me(self) -> dict:
+        return self.request("GET", "/v1/accounts/me")
+
+    def request_verification(self, evidence: str = "") -> dict:
+        return self.request("POST", "/v1/accounts/me/verification", {"evidence": evidence})
+
+    def verify_status(self) -> str:
+        """unverified | pending | verified | rejected."""
+        return self.me()["state"]
+
+    # -- money -------------------------------------------------------------------------------------
+
+    def deposit(self, amount: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", "/v1/funds/deposit", {"amount": amount}, idempotency_key)
+
+    def withdraw(self, amount: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", "/v1/funds/withdraw", {"amount": amount}, idempotency_key)
+
+    def balances(self) -> dict:
+        return self.request("GET", "/v1/funds/balances")
+
+    def statement(self) -> dict:
+        """Balances, ledger entries, per-lease lines (with fees) and reconciled totals."""
+        return self.request("GET", "/v1/statement")
+
+    # -- listings and demands ----------------------------------------------------------------------
+
+    def create_listing(self, idempotency_key: str | None = None, **fields: Any) -> dict:
+        """Offer capacity; fields as in `runyard.market.models.ListingIn`."""
+        return self.request("POST", "/v1/listings", fields, key=idempotency_key)
+
+    def listings(self, mine: bool = False) -> list[dict]:
+        return self.request("GET", "/v1/listings", mine=str(mine).lower())
+
+    def withdraw_listing(self, listing_id: int) -> dict:
+        return self.request("POST", f"/v1/listings/{listing_id}/withdraw")
+
+    def place_demand(
+        self,
+        requirement: Requirement | dict,
+        max_price_per_device_hour: int,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """Place a demand; its escrow (max price x devices x duration) is reserved at once."""
+        req = requirement.model_dump(mode="json") if isinstance(requirement, Requirement) else requirement
+        body = {"requirement": req, "max_price_per_device_hour": max_price_per_device_hour}
+        return self._money("POST", "/v1/demands", body, idempotency_key)
+
+    def demands(self) -> list[dict]:
+        return self.request("GET", "/v1/demands")
+
+    def demand(self, demand_id: int) -> dict:
+        return self.request("GET", f"/v1/demands/{demand_id}")
+
+    def cancel_demand(self, demand_id: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", f"/v1/demands/{demand_id}/cancel", None, idempotency_key)
+
+    # -- leases ------------------------------------------------------------------------------------
+
+    def leases(self, state: str | None = None) -> list[dict]:
+        return self.request("GET", "/v1/leases", state=state)
+
+    def lease(self, lease_id: int) -> dict:
+        """One lease, with the `terms` a provider signs to accept it."""
+        return self.request("GET", f"/v1/leases/{lease_id}")
+
+    def accept_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
+        """Sign the lease's terms with this provider's key and accept it."""
+        lease = self.lease(lease_id)
+        signature = self._sign(payloads.lease_terms(lease, self.currency))
+        return self._money("POST", f"/v1/leases/{lease_id}/accept", {"signature": signature}, idempotency_key)
+
+    def reject_lease(self, lease_id: int, reason_code: str = "capacity_unavailable", note: str = "") -> dict:
+        return self._money(
+            "POST", f"/v1/leases/{lease_id}/reject", {"reason_code": reason_code, "note": note}
+        )
+
+    def start_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", f"/v1/leases/{lease_id}/start", None, idempotency_key)
+
+    def close_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
+        """Mark the window as over (allowed once the window's end has come)."""
+        return self._money("POST", f"/v1/leases/{lease_id}/close", None, idempotency_key)
+
+    def terminate_lease(
+        self, lease_id: int, reason_code: str, note: str = "", idempotency_key: str | None = None
+    ) -> dict:
+        body = {"reason_code": reason_code, "note": note}
+        return self._money("POST", f"/v1/leases/{lease_id}/terminate", body, idempotency_key)
+
+    def cancel_lease(self, lease_id: int, reason_code: str = "tenant_request", note: str = "") -> dict:
+        return self._money(
+            "POST", f"/v1/leases/{lease_id}/cancel", {"reason_code": reason_code, "note": note}
+        )
+
+    def settle(self, lease_id: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", f"/v1/leases/{lease_id}/settle", None, idempotency_key)
+
+    # -- usage -------------------------------------------------------------------------------------
+
+    def report_usage(
+        self,
+        lease_id: int,
+        seq: int,
+        interval_start: int,
+        interval_end: int,
+        device_seconds: int,
+        evidence: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """Report one usage record, signed with this provider's key."""
+        payload = payloads.usage_record(lease_id, seq, interval_start, interval_end, device_seconds, evidence)
+        body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
+        body["signature"] = self._sign(payload)
+        return self._money("POST", f"/v1/leases/{lease_id}/usage", body, idempotency_key)
+
+    def submit_measurement(
+        self,
+        lease_id: int,
+        interval_start: int,
+        interval_end: int,
+        device_seconds: int,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """The tenant's own signed view of an interval; a mismatch beyond tolerance opens a dispute."""
+        payload = payloads.measurement(lease_id, interval_start, interval_end, device_seconds)
+        body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
+        body["signature"] = self._sign(payload)
+        return self._money("POST", f"/v1/leases/{lease_id}/measurements", body, idempotency_key)
+
+    def usage(self, lease_id: int) -> dict:
+        """Records, measurements and disputes of a lease."""
+        return self.request("GET", f"/v1/leases/{lease_id}/usage")
+
+    def acknowledge(
+        self, record_id: int, accepted_device_seconds: int | None = None, idempotency_key: str | None = None
+    ) -> dict:
+        body = {"accepted_device_seconds": accepted_device_seconds}
+        return self._money("POST", f"/v1/usage/{record_id}/ack", body, idempotency_key)
+
+    def dispute(
+        self, record_id: int, reason: str, claimed_device_seconds: int = 0, idempotency_key: str | None = None
+    ) -> dict:
+        body = {"reason": reason, "claimed_device_seconds": claimed_device_seconds}
+        return self._money("POST", f"/v1/usage/{record_id}/dispute", body, idempotency_key)
+
+    def contest(self, record_id: int, reason: str, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", f"/v1/usage/{record_id}/contest", {"reason": reason}, idempotency_key)
+
+    def disputes(self) -> list[dict]:
+        return self.request("GET", "/v1/disputes")
+
+    def withdraw_dispute(self, dispute_id: int, idempotency_key: str | None = None) -> dict:
+        return self._money("POST", f"/v1/disputes/{dispute_id}/withdraw", None, idempotency_key)
+
+    # -- operator ----------------------------------------------------------------------------------
+
+    def pending_accounts(self) -> list[dict]:
+        return self.request("GET", "/v1/admin/accounts/pending")
+
+    def decide(self, account: str | int, approve: bool, reason: str) -> dict:
+        return self.request(
+            "POST", f"/v1/admin/accounts/{account}/decision", {"approve": approve, "reason": reason}
+        )
+
+    def resolve_dispute(
+        self,
+        dispute_id: int,
+        outcome: str,
+        reason: str,
+        device_seconds: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        body = {"outcome": outcome, "reason": reason, "device_seconds": device_seconds}
+        return self._money("POST", f"/v1/admin/disputes/{dispute_id}/resolve", body, idempotency_key)
+
+    def set_fee(self, fee_bps: int) -> dict:
+        return self.request("POST", "/v1/admin/fee", {"fee_bps": fee_bps})
+
+    def advance_clock(self, seconds: int) -> int:
+        """Move a test market's clock forward; returns the new market time."""
+        return self.request("POST", "/v1/admin/clock", {"seconds": seconds})["now"]
+
+    def sweep(self) -> dict:
+        return self.request("POST", "/v1/admin/sweep")
+
+    def audit(self) -> dict:
+        return self.request("GET", "/v1/admin/audit")

@@ -1,0 +1,127 @@
+"""Running the market: `serve` (what `runyard market serve` calls) and `ServerThread`, a real
+uvicorn server on a loopback port inside this process, for tests and benchmarks.
+
+A background thread runs the sweep (deadlines, window ends, settlement) every `sweep_interval_s`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+
+from runyard.market import identity, leases
+from runyard.market.api import DEFAULT_MAX_BODY, create_app
+from runyard.market.service import Market
+
+log = logging.getLogger("runyard.market.server")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class Sweeper(threading.Thread):
+    """Runs `leases.sweep` every `interval` seconds until stopped."""
+
+    def __init__(self, market: Market, interval: float):
+        super().__init__(name="market-sweeper", daemon=True)
+        self.market, self.interval = market, interval
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.wait(self.interval):
+            try:
+                leases.sweep(self.market)
+            except Exception:  # a failed sweep is retried next time; it never takes the server down
+                log.exception("sweep failed")
+
+    def stop(self) -> None:
+        self._stop_event.set()
+
+
+def write_operator_token(market: Market, path: Path, name: str = "operator") -> str | None:
+    """Create an operator account and write its token to `path` (mode 0600) unless the file exists."""
+    if path.exists():
+        return None
+    token = identity.create_operator(market, name)["token"]
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(token + "\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
+    return token
+
+
+def serve(
+    market: Market,
+    host: str = "127.0.0.1",
+    port: int = 8470,
+    sweep_interval_s: float = 5.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY,
+) -> None:
+    """Serve `market` over HTTP until interrupted."""
+    sweeper = Sweeper(market, sweep_interval_s) if sweep_interval_s > 0 else None
+    if sweeper:
+        sweeper.start()
+    try:
+        config = uvicorn.Config(
+            create_app(market, max_body_bytes), host=host, port=port, log_level="warning", access_log=False
+        )
+        uvicorn.Server(config).run()
+    finally:
+        if sweeper:
+            sweeper.stop()
+
+
+class ServerThread:
+    """A real HTTP server for `market` on a free loopback port, in a background thread.
+
+    with ServerThread(market) as server:
+        client = MarketClient(server.url)
+    """
+
+    def __init__(
+        self, market: Market, host: str = "127.0.0.1", port: int | None = None, sweep_interval_s: float = 0
+    ):
+        self.market = market
+        self.host = host
+        self.port = port or free_port(host)
+        self.url = f"http://{host}:{self.port}"
+        self.sweeper = Sweeper(market, sweep_interval_s) if sweep_interval_s > 0 else None
+        config = uvicorn.Config(
+            create_app(market),
+            host=host,
+            port=self.port,
+            log_level="warning",
+            access_log=False,
+            lifespan="on",
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, name="market-http", daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError(f"market server on {self.url} did not start")
+            time.sleep(0.02)
+        if self.sweeper:
+            self.sweeper.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.sweeper:
+            self.sweeper.stop()
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
