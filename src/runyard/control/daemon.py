@@ -72,7 +72,9 @@ def make_backend(options: DaemonOptions):
     if options.backend == "local":
         from runyard.control.backends.local import LocalBackend
 
-        return LocalBackend()
+        from runyard.control.procs import instance_id
+
+        return LocalBackend(instance_id(options.config.state_dir))
     if options.backend == "slurm":
         from runyard.control.backends.slurm import SlurmBackend
 

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runyard.control import scheduler
+from runyard.control import procs, scheduler
 from runyard.control.backends.base import Backend, Ended, Requeued
 from runyard.control.retry import RetryPolicy, decide
 from runyard.control.states import FailureReason, JobState, classify_exit
@@ -41,6 +41,7 @@ class ControlConfig:
 class ControlLoop:
     def __init__(self, config: ControlConfig, store: JobStore, backend: Backend):
         self.config, self.store, self.backend = config, store, backend
+        self.instance = procs.instance_id(config.state_dir)
         self.mutex = threading.RLock()
         self.wake = threading.Event()
         self.sched_config = scheduler.SchedulerConfig(
@@ -255,7 +256,7 @@ class ControlLoop:
         env.update(job.env)
         cuda = [d.split(":", 1)[1] for d in job.allocation if d.startswith("cuda:")]
         env.update(
-            RUNYARD_CONTROL_JOB=f"{job.id}:{job.attempt}",
+            RUNYARD_CONTROL_JOB=procs.marker(self.instance, job.id, job.attempt),
             RUNYARD_JOB_ID=str(job.id),
             RUNYARD_RESTART_COUNT=str(job.restart_count),
             RUNYARD_RUN_DIR=job.run_dir,

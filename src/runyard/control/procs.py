@@ -8,6 +8,7 @@ recorded their pids.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 from pathlib import Path
@@ -40,9 +41,19 @@ def is_alive(pid: int | None, expected_start: int | None) -> bool:
     return now_start is not None and (expected_start is None or now_start == expected_start)
 
 
-def processes_of_job(job_id: int) -> list[int]:
-    """Live pids whose environment says they belong to `job_id` (any attempt)."""
-    wanted = f"{MARKER}={job_id}:".encode()
+def instance_id(state_dir: str | Path) -> str:
+    """A short stable name for the control plane that owns `state_dir`."""
+    return hashlib.sha256(str(Path(state_dir).resolve()).encode()).hexdigest()[:12]
+
+
+def marker(instance: str, job_id: int, attempt: int) -> str:
+    """The value of RUNYARD_CONTROL_JOB for one attempt."""
+    return f"{instance}:{job_id}:{attempt}"
+
+
+def processes_of_job(instance: str, job_id: int) -> list[int]:
+    """Live pids whose environment says they belong to `job_id` of this instance (any attempt)."""
+    wanted = f"{MARKER}={instance}:{job_id}:".encode()
     found = []
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
@@ -58,10 +69,10 @@ def processes_of_job(job_id: int) -> list[int]:
     return found
 
 
-def kill_job_processes(job_id: int, sig: int = signal.SIGKILL) -> int:
+def kill_job_processes(instance: str, job_id: int, sig: int = signal.SIGKILL) -> int:
     """Signal every live process of a job. Returns how many were signalled."""
     count = 0
-    for pid in processes_of_job(job_id):
+    for pid in processes_of_job(instance, job_id):
         try:
             os.kill(pid, sig)
             count += 1

@@ -1,8 +1,9 @@
 """Sizing a run from its spec alone: parameters, training FLOPs, memory per device, time and the
 requirement a market or scheduler can act on.
 
-FLOPs follow the usual accounting (Kaplan et al. 2020; Chinchilla appendix): 6 FLOPs per parameter
-per training token (2 forward, 4 backward) plus attention's 12 * layers * d_model * context per token.
+FLOPs follow the usual accounting (Kaplan et al. 2020; PaLM appendix B; see
+`Transformer.flops_per_token`): 6 FLOPs per matmul weight per training token plus attention's
+12 * layers * d_model * context.
 Memory counts fp32 weights, gradients and AdamW's two moments (16 bytes/parameter; divided over ranks
 under FSDP) plus activations estimated per layer for the micro-batch.
 """
@@ -30,20 +31,25 @@ class StagePlan:
     estimated_seconds: float | None
 
 
+def _shape_only(cfg: ModelConfig):
+    """The model built on the meta device: shapes without memory, so counts come from the model's own
+    definition rather than a second copy of its arithmetic."""
+    import torch
+
+    from runyard.model.transformer import Transformer
+
+    with torch.device("meta"):
+        return Transformer(cfg)
+
+
 def count_parameters(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, non-embedding) parameters of the Llama-style decoder, from its shape alone."""
-    d, h = cfg.d_model, cfg.head_dim
-    attn = d * (cfg.n_heads * h) + 2 * d * (cfg.n_kv_heads * h) + (cfg.n_heads * h) * d
-    mlp = 3 * d * cfg.ffn_hidden
-    per_layer = attn + mlp + 2 * d  # two RMSNorm weights
-    non_embedding = cfg.n_layers * per_layer + d  # final norm
-    embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
-    return non_embedding + embeddings, non_embedding
+    """(total, non-embedding) parameters of the decoder, from its shape alone."""
+    model = _shape_only(cfg)
+    return model.num_parameters(), model.num_parameters(non_embedding=True)
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
-    total, _ = count_parameters(cfg)
-    return 6.0 * total + 12.0 * cfg.n_layers * cfg.d_model * cfg.context_length
+    return _shape_only(cfg).flops_per_token()
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:

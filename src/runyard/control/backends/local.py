@@ -25,7 +25,8 @@ class LocalBackend:
     name = "local"
     allocates_itself = False
 
-    def __init__(self) -> None:
+    def __init__(self, instance: str) -> None:
+        self.instance = instance  # see procs.instance_id: whose jobs these are
         self._children: dict[int, subprocess.Popen] = {}  # pids this daemon started: reaped here
 
     def launch(self, job: Job, env: dict[str, str]) -> Launched:
@@ -76,7 +77,7 @@ class LocalBackend:
             raw = json.loads(status.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             # The shim itself died (kill -9 of the group, OOM): the job's processes may linger.
-            procs.kill_job_processes(job.id)
+            procs.kill_job_processes(self.instance, job.id)
             return Ended(None, lost=True, detail="the job's process vanished without an exit status")
         return Ended(raw.get("returncode"), raw.get("signal"), detail=raw.get("launch_error", ""))
 
@@ -88,7 +89,7 @@ class LocalBackend:
 
     def kill(self, job: Job) -> None:
         self._signal_group(job, signal.SIGKILL)
-        procs.kill_job_processes(job.id)  # stragglers that left the group
+        procs.kill_job_processes(self.instance, job.id)  # stragglers that left the group
 
     def _signal_group(self, job: Job, sig: int) -> None:
         if job.pid is None or not procs.is_alive(job.pid, job.pid_start_time):
@@ -98,8 +99,8 @@ class LocalBackend:
 
     def adopt(self, job: Job) -> Launched | None:
         """Find the shim of the current attempt by its environment marker."""
-        marker = f"{job.id}:{job.attempt}"
-        for pid in procs.processes_of_job(job.id):
+        marker = procs.marker(self.instance, job.id, job.attempt)
+        for pid in procs.processes_of_job(self.instance, job.id):
             try:
                 env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
                 pgid = os.getpgid(pid)
