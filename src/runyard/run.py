@@ -21,6 +21,7 @@ from runyard.evaluate.heldout import HeldoutMetrics, summarise, train_token_coun
 from runyard.evaluate.report import verdict, write_report
 from runyard.plan import sizing
 from runyard.plan.stages import evaluate_gates, format_failures, read_gates, write_gates
+from runyard.serve.drift import DriftReference
 from runyard.serve.engine import Generator
 from runyard.serve.export import export_model, load_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
@@ -196,6 +197,8 @@ def evaluate_and_export(
     export_dir = run_dir / "export"
     export_model(model, config, prepared.tokenizer_path, export_dir,
                  extra_config={"run": spec.name, "spec_sha256": spec.fingerprint()})
+    # The training token distribution, for drift monitoring of live requests (serve/drift.py).
+    DriftReference([int(c) for c in counts]).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
     generator = Generator(exported, tokenizer, device=str(device))
     samples = []

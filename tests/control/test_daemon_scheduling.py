@@ -1,5 +1,7 @@
 """Scheduling with a real daemon and real job processes: priority order, gang, backfill, preemption."""
 
+import time
+
 import pytest
 
 from tests.control.conftest import job
@@ -69,7 +71,7 @@ def test_preemption_checkpoints_and_resumes_to_the_same_result(daemon_factory):
     low = c.submit([job("low", "--steps", "30", "--step-s", "0.05", priority=0)])[0]
     c.wait(low["id"], ("running",))
     while not any(int(e["job"]) == low["id"] for e in d.events_of("start")):
-        pass
+        time.sleep(0.02)
     high = c.submit([job("high", "--steps", "2", priority=10)])[0]
     assert c.wait(high["id"])["state"] == "succeeded"
     final = c.wait(low["id"])

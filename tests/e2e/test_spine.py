@@ -56,7 +56,7 @@ def test_run_directory_is_complete(reference_run):
         "spec.yaml", "manifest.json", "data/report.md", "data/report.json",
         "stages/main/metrics.jsonl", "stages/main/gates.json",
         "eval/report.md", "eval/report.json", "eval/loss.png", "eval/lr.png",
-        "export/model.safetensors", "export/tokenizer.json", "export/config.json",
+        "export/model.safetensors", "export/tokenizer.json", "export/config.json", "export/drift_reference.json",
     ]:
         assert (run_dir / rel).is_file(), rel
     manifest = json.loads((run_dir / "manifest.json").read_text())

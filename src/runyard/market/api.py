@@ -6,9 +6,11 @@ demands, leases or statement (they answer 404, as if they did not exist), a prov
 own listings and leases, and /v1/admin/* is for operators. Every money-moving request needs an
 `Idempotency-Key` header. Errors are JSON: {"error": code, "message": text, "detail": {...}}; a 4xx
 changed nothing. Bodies above `max_body_bytes` are refused with 413 before they are read in full.
+
+(No `from __future__ import annotations` here: FastAPI resolves the endpoints' annotations, which
+name dependencies defined inside `create_app`.)
 """
 
-from __future__ import annotations
 
 import logging
 from contextlib import asynccontextmanager

@@ -1,17 +1,33 @@
-"""Process layout: which rank this is, which device it drives, and collective helpers.
+"""Process layout: which rank this is, which device it drives, data parallelism and collective helpers.
 
 A single process is world size 1 and every collective is the identity, so the loop has one code path.
 Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) the process group is set up with gloo
-on CPU and nccl on CUDA.
+on CPU and nccl on CUDA (plus gloo beside nccl, which async checkpointing needs for its CPU tensors).
+
+The model never knows it is parallelised: `wrap_model` applies DDP or FSDP2 from outside
+(torchtitan's `parallelize.py` idea). Checkpoint saving and loading route through `save_checkpoint`,
+`latest_good` and `load_checkpoint` here, which pick the single-file format (one process) or sharded
+torch.distributed.checkpoint (several), see train/dist_checkpoint.py.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+# How long a collective may wait for a peer before failing; a dead peer usually fails faster (gloo sees
+# the closed connection), this bounds the rest.
+COLLECTIVE_TIMEOUT = timedelta(seconds=float(os.environ.get("RUNYARD_DIST_TIMEOUT_S", "600")))
 
 
 @dataclass(frozen=True)
@@ -20,6 +36,9 @@ class DistContext:
     world_size: int
     local_rank: int
     device: torch.device
+    # A second gloo group for checkpoint traffic, so an async save's collectives (run from a background
+    # thread) never interleave with the training loop's on the default group.
+    ckpt_group: Any = None
 
     @property
     def is_main(self) -> bool:
@@ -45,26 +64,73 @@ def setup(requested_device: str) -> DistContext:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    # torchrun counts its own restarts; record them as runyard's unless a supervisor set its own count.
+    if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        os.environ.setdefault("RUNYARD_RESTART_COUNT", os.environ["TORCHELASTIC_RESTART_COUNT"])
     device = resolve_device(requested_device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    ckpt_group = None
+    if world_size > 1:
+        if not dist.is_initialized():
+            backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+        ckpt_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
+    return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, ckpt_group=ckpt_group)
 
 
 def teardown() -> None:
+    from runyard.train import dist_checkpoint
+
+    dist_checkpoint.wait_pending()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+# -- collectives ---------------------------------------------------------------------------------------
+def _scalar(value: float, ctx: DistContext) -> torch.Tensor:
+    return torch.tensor([value], dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
 
 
 def all_reduce_mean(value: float, ctx: DistContext) -> float:
     if not ctx.distributed:
         return value
-    t = torch.tensor([value], dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    t = _scalar(value, ctx)
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return float(t.item()) / ctx.world_size
+
+
+def all_reduce_max(value: float, ctx: DistContext) -> float:
+    if not ctx.distributed:
+        return value
+    t = _scalar(value, ctx)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def any_rank(flag: bool, ctx: DistContext) -> bool:
+    """True on every rank when it is true on any: decisions such as stopping are taken together."""
+    return all_reduce_max(1.0 if flag else 0.0, ctx) > 0.5
+
+
+def agree_stop(stop, ctx: DistContext) -> bool:
+    """Whether the job stops at this step boundary: a signal seen by any rank stops every rank, so they
+    all write the same checkpoint and exit together (one all-reduce of a flag per step)."""
+    if not any_rank(stop.requested, ctx):
+        return False
+    if not stop.requested:
+        stop.request("a signal on another rank")
+    return True
+
+
+def broadcast_object(obj: Any, ctx: DistContext) -> Any:
+    """Rank 0's `obj` on every rank (e.g. gate results, so all ranks stop or continue together)."""
+    if not ctx.distributed:
+        return obj
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def barrier(ctx: DistContext) -> None:
@@ -72,9 +138,37 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+# -- data parallelism ----------------------------------------------------------------------------------
+def seed_rank_stream(ctx: DistContext) -> None:
+    """After every rank built the identical initial model, give each rank its own torch RNG stream, so
+    dropout differs between the ranks' micro-batches (as it does between rows of one large batch)."""
+    if ctx.distributed:
+        from runyard.train.rng import derive_seed
+
+        torch.manual_seed(derive_seed(torch.initial_seed(), "rank", ctx.rank))
+
+
 def wrap_model(model: torch.nn.Module, ctx: DistContext, resources) -> torch.nn.Module:
-    """Apply data parallelism from outside the model (the model never knows it is parallelised)."""
+    """Apply data parallelism from outside the model (the model never knows it is parallelised).
+
+    ddp: the model replicated, gradients all-reduced in buckets during backward.
+    fsdp: FSDP2 `fully_shard` on each transformer block, then on the root (embedding, final norm, head):
+    parameters, gradients and optimizer state are sharded; with bf16 on CUDA, parameters are gathered in
+    bf16 and gradients reduced in fp32.
+    """
     if not ctx.distributed:
+        return model
+    parallel = getattr(resources, "parallel", "ddp")
+    seed_rank_stream(ctx)
+    if parallel == "fsdp":
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kwargs: dict[str, Any] = {}
+        if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
+            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        for block in model.blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
@@ -82,19 +176,79 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, resources) -> torch.nn.
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
-def grad_sync(module: torch.nn.Module, ctx: DistContext, last_micro: bool):
-    """Skip the gradient all-reduce on all but the last micro-batch of an accumulated step."""
-    import contextlib
+def is_fsdp(module: torch.nn.Module) -> bool:
+    from torch.distributed.fsdp import FSDPModule
 
-    if ctx.distributed and not last_micro and hasattr(module, "no_sync"):
+    return isinstance(module, FSDPModule)
+
+
+@contextlib.contextmanager
+def _fsdp_sync(module, sync: bool):
+    module.set_requires_gradient_sync(sync)
+    try:
+        yield
+    finally:
+        module.set_requires_gradient_sync(True)
+
+
+def grad_sync(module: torch.nn.Module, ctx: DistContext, last_micro: bool):
+    """Skip the gradient reduction on all but the last micro-batch of an accumulated step."""
+    if not ctx.distributed or last_micro:
+        return contextlib.nullcontext()
+    if hasattr(module, "no_sync"):  # DDP
         return module.no_sync()
+    if is_fsdp(module):
+        return _fsdp_sync(module, False)
     return contextlib.nullcontext()
 
 
-def save_checkpoint(save_fn, setup, ckpt_dir, step: int, extra: dict, ctx: DistContext):
-    """Rank 0 writes the (replicated) state; every rank waits until it is committed."""
-    from runyard.train.checkpoint import step_dir_name
+def consolidated_model(model: torch.nn.Module, config, ctx: DistContext) -> torch.nn.Module:
+    """A whole (unsharded) copy of the model on rank 0, for gates, evaluation and export; other ranks
+    get the model back unchanged. Collective under FSDP: every rank must call it."""
+    if not ctx.distributed or not is_fsdp(model):
+        return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    path = save_fn(setup, ckpt_dir, step, extra) if ctx.is_main else ckpt_dir / step_dir_name(step)
-    barrier(ctx)
-    return path
+    from runyard.model.transformer import Transformer
+
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not ctx.is_main:
+        return model
+    with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+        whole = Transformer(config)
+    whole.load_state_dict(full)
+    return whole.to(ctx.device)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+def save_checkpoint(save_fn, setup, ckpt_dir: Path, step: int, extra: dict, ctx: DistContext,
+                    retain=None, wait: bool = False) -> Path:
+    """Write the checkpoint for `step`; return its final path (committed now, or soon when async).
+
+    One process: `save_fn` writes the single-file format synchronously. Several: every rank writes its
+    shards through torch.distributed.checkpoint in the background; rank 0 commits the directory when
+    all shards are down. `retain()` (retention) runs on rank 0 after the commit. `wait` blocks until
+    the commit (the last checkpoint of a stage, or before exiting on a signal).
+    """
+    from runyard.train import dist_checkpoint
+
+    if not ctx.distributed:
+        return dist_checkpoint.save_single(save_fn, setup, ckpt_dir, step, extra, retain)
+    return dist_checkpoint.save_sharded(setup, ckpt_dir, step, extra, ctx, retain=retain, wait=wait)
+
+
+def latest_good(ckpt_dir: Path, ctx: DistContext):
+    """Rank 0 picks the newest checkpoint that verifies and tells the others, so all load the same one."""
+    from runyard.train import checkpoint as ckpt
+
+    ref = ckpt.latest_good(ckpt_dir) if ctx.is_main else None
+    return broadcast_object(ref, ctx)
+
+
+def load_checkpoint(load_fn, setup, ref, ctx: DistContext) -> dict:
+    """Restore model, optimizer, loader position and RNG from `ref`, whatever world size wrote it."""
+    from runyard.train import dist_checkpoint
+
+    if not ctx.distributed and not dist_checkpoint.is_sharded(ref.path):
+        return load_fn(setup, ref, ctx.device)
+    return dist_checkpoint.load_any(setup, ref, ctx)
