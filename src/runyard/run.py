@@ -27,7 +27,7 @@ from runyard.serve.export import export_model, load_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
-from runyard.train.loop import StageResult, build_setup, evaluate_loss, train_stage
+from runyard.train.loop import StageResult, evaluate_loss, train_stage
 from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest, stop_on_signals
 
@@ -157,6 +157,7 @@ def run_stages(
                     stage.gates, last.losses, last.heldout_loss, last.tokens_per_s, last.checkpoint, last.model
                 )
                 record = write_gates(sdir, name, results)
+            record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:
                 raise GateFailed(f"stage {name} failed its gates: {format_failures(record)}; later stages not started")
         trained_now = last if last is not None and last.name == name else None
@@ -168,14 +169,19 @@ def run_stages(
 
 def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: parallel.DistContext):
     """The last stage's model as its final checkpoint holds it (for a run resumed after training)."""
+    from runyard.model.transformer import ModelConfig, Transformer
+
     stage = resolved_stage(spec, spec.stages[-1].name)
-    setup = build_setup(spec, stage, prepared, ctx)
+    # A plain model, not build_setup's: this runs on rank 0 alone, where a DDP/FSDP wrapper would wait
+    # for the other ranks.
+    config = ModelConfig.from_spec(stage.model, prepared.vocab_size)
+    model = Transformer(config).to(ctx.device)
     ref = ckpt.latest_good(stage_dir(run_dir, stage.name) / "checkpoints")
     if ref is None:
         raise RunyardError(f"stage {stage.name} passed but has no readable checkpoint in {run_dir}")
     tensors, _ = ckpt.read_checkpoint(ref.path)
-    setup.model.load_state_dict(tensors["model"])
-    return setup.model, setup.config
+    model.load_state_dict(tensors["model"])
+    return model, config
 
 
 def evaluate_and_export(

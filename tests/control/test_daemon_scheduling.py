@@ -1,10 +1,8 @@
 """Scheduling with a real daemon and real job processes: priority order, gang, backfill, preemption."""
 
-import time
-
 import pytest
 
-from tests.control.conftest import job
+from .helpers import job
 
 pytestmark = pytest.mark.slow
 
@@ -69,9 +67,7 @@ def test_preemption_checkpoints_and_resumes_to_the_same_result(daemon_factory):
     d = daemon_factory("--cpu-slots", "1", "--stop-grace", "20")
     c = d.client
     low = c.submit([job("low", "--steps", "30", "--step-s", "0.05", priority=0)])[0]
-    c.wait(low["id"], ("running",))
-    while not any(int(e["job"]) == low["id"] for e in d.events_of("start")):
-        time.sleep(0.02)
+    d.wait_event(low["id"])
     high = c.submit([job("high", "--steps", "2", priority=10)])[0]
     assert c.wait(high["id"])["state"] == "succeeded"
     final = c.wait(low["id"])

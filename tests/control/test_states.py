@@ -1,6 +1,13 @@
 import pytest
 
-from runyard.control.states import TRANSITIONS, FailureReason, IllegalTransition, JobState, check_transition, classify_exit
+from runyard.control.states import (
+    TRANSITIONS,
+    FailureReason,
+    IllegalTransition,
+    JobState,
+    check_transition,
+    classify_exit,
+)
 
 S = JobState
 

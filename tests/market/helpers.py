@@ -69,3 +69,17 @@ def listing(**overrides) -> dict:
 def requirement(**overrides) -> dict:
     body = {"accelerator_kinds": ["h100-80gb"], "device_count": 4, "duration_s": 2 * HOUR}
     return {**body, **overrides}
+
+
+def fingerprint(market: Market) -> dict:
+    """Row counts of every table and every ledger counter: equal before and after = nothing changed."""
+    from sqlalchemy import func, select
+
+    from runyard.market.schema import ledger_accounts, metadata
+
+    def read(conn, now):
+        counts = {t.name: conn.execute(select(func.count()).select_from(t)).scalar_one() for t in metadata.sorted_tables}
+        counters = [tuple(r) for r in conn.execute(select(ledger_accounts).order_by(ledger_accounts.c.id)).all()]
+        return {"counts": counts, "ledger": counters}
+
+    return market.read(read)

@@ -243,3 +243,22 @@ def test_training_step_reduces_loss_and_dropout_is_active_in_train_mode():
         opt.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] * 0.7
+
+
+@pytest.mark.slow
+def test_model_traces_under_torch_compile_with_the_same_loss_and_grads():
+    """The fused ops' autograd Functions must survive graph capture (train/ compiles on request)."""
+    model = build(tiny()).train()
+    idx = torch.randint(0, 97, (2, 16))
+
+    def loss_and_grads(forward):
+        model.zero_grad()
+        loss = F.cross_entropy(forward(idx).reshape(-1, 97), idx.reshape(-1))
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in model.parameters()]
+
+    eager_loss, eager_grads = loss_and_grads(model)
+    compiled_loss, compiled_grads = loss_and_grads(torch.compile(model, backend="aot_eager"))
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for a, b in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

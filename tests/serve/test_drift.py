@@ -18,7 +18,11 @@ def test_monitor_flags_token_drift_only_when_inputs_change(tmp_path):
 
     same = DriftMonitor(reference, window=200, min_requests=20, baseline=20)
     for _ in range(100):
-        same.observe(rng.choice(100, size=int(rng.integers(10, 30)), p=reference_probs / reference_probs.sum()).tolist())
+        same.observe(
+            rng.choice(
+                100, size=int(rng.integers(10, 30)), p=reference_probs / reference_probs.sum()
+            ).tolist()
+        )
     report = same.report()
     assert report.token_js is not None and report.token_js < 0.05 and not report.drifting
 

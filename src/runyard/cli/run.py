@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from runyard.errors import RunyardError
+from runyard.train.launch import run_worker
 
 RUN_DIR_HELP = "run directory (default: runs/<spec name>, or $RUNYARD_RUNS_DIR/<spec name>)"
 
@@ -103,7 +104,7 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
 
 
-def _maybe_launch(args, spec, worker_argv: list[str]) -> int | None:
+def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = None) -> int | None:
     """When more than one worker is asked for and we are not a worker yet, start them via torchrun."""
     from runyard.train.launch import launch, under_launcher
 
@@ -113,6 +114,7 @@ def _maybe_launch(args, spec, worker_argv: list[str]) -> int | None:
     return launch(
         worker_argv,
         nproc,
+        run_dir=run_dir,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         rdzv_endpoint=args.rdzv_endpoint,
@@ -131,15 +133,20 @@ def cmd_run(args) -> int:
         worker_argv += ["--stage", args.stage]
     if args.no_progress:
         worker_argv.append("--no-progress")
-    launched = _maybe_launch(args, spec, worker_argv)
+    launched = _maybe_launch(args, spec, worker_argv, run_dir)
     if launched is not None:
         return launched
     _setup_logging()
-    summary = execute_run(
-        spec, run_dir, argv=sys.argv, only_stage=args.stage, show_progress=not args.no_progress, evaluate=args.evaluate
-    )
-    _print_summary(summary)
-    return 0
+
+    def work() -> int:
+        summary = execute_run(
+            spec, run_dir, argv=sys.argv, only_stage=args.stage, show_progress=not args.no_progress,
+            evaluate=args.evaluate,
+        )
+        _print_summary(summary)
+        return 0
+
+    return run_worker(work)  # under torchrun: an outcome (exit 3, 4) is reported, not restarted
 
 
 def cmd_resume(args) -> int:
@@ -151,13 +158,17 @@ def cmd_resume(args) -> int:
         raise RunyardError(f"{args.run_dir} is not a run directory: it has no {SPEC_FILE}")
     spec = load_spec(spec_path)
     worker_argv = ["resume", str(args.run_dir)] + (["--no-progress"] if args.no_progress else [])
-    launched = _maybe_launch(args, spec, worker_argv)
+    launched = _maybe_launch(args, spec, worker_argv, args.run_dir)
     if launched is not None:
         return launched
     _setup_logging()
-    summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress)
-    _print_summary(summary)
-    return 0
+
+    def work() -> int:
+        summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress)
+        _print_summary(summary)
+        return 0
+
+    return run_worker(work)
 
 
 def _print_summary(summary) -> None:

@@ -44,6 +44,7 @@ class DaemonOptions:
     market_url: str | None = None
     provider_key: str | None = None
     usage_interval_s: float = 30.0
+    lease_jobs: str | None = None  # where tenants drop lease jobs when the market does not carry them
 
 
 def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -> list[str]:
@@ -71,7 +72,6 @@ def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -
 def make_backend(options: DaemonOptions):
     if options.backend == "local":
         from runyard.control.backends.local import LocalBackend
-
         from runyard.control.procs import instance_id
 
         return LocalBackend(instance_id(options.config.state_dir))
@@ -109,7 +109,8 @@ def run_daemon(options: DaemonOptions) -> int:
     if options.market_url:
         from runyard.control.agent import MarketAgent
 
-        agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s)
+        agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s,
+                            lease_jobs=options.lease_jobs)
         agent.start(stop)
     log.info("control plane on http://%s:%s, state in %s, backend %s, devices %s", options.host,
              info["port"], state_dir, options.backend, ",".join(options.config.inventory))

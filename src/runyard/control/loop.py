@@ -69,8 +69,8 @@ class ControlLoop:
             now = time.time()
             for job in self.store.jobs(HOLDING):
                 self._watch(job, now)
-            self._fail_orphaned_dependents()
-            self._schedule(time.time())
+            pending = self._fail_orphaned_dependents(self.store.jobs([S.PENDING]))
+            self._schedule(pending, time.time())
 
     # -- restart after a daemon crash -------------------------------------------------------------
 
@@ -133,7 +133,8 @@ class ControlLoop:
                 "attempt_started_at": None}
 
     def _release(self, job: Job) -> dict:
-        return {"allocation": [], "pid": None, "pid_start_time": None, "backend_id": None, "ended_at": time.time(),
+        # backend_id stays: `job show` can name the Slurm job of the last attempt.
+        return {"allocation": [], "pid": None, "pid_start_time": None, "ended_at": time.time(),
                 "signalled_at": None, **self._usage(job, time.time())}
 
     def _ended(self, job: Job, out: Ended, now: float) -> None:
@@ -179,27 +180,30 @@ class ControlLoop:
 
     # -- dependencies ------------------------------------------------------------------------------
 
-    def _fail_orphaned_dependents(self) -> None:
-        for job in self.store.jobs([S.PENDING]):
-            if job.depends_on is None:
-                continue
-            dep = self.store.get(job.depends_on)
-            if dep.state in (S.FAILED, S.CANCELLED):
+    def _fail_orphaned_dependents(self, pending: list[Job]) -> list[Job]:
+        """Fail pending jobs whose dependency ended badly; return the pending jobs left."""
+        left = []
+        for job in pending:
+            dep = self.store.get(job.depends_on) if job.depends_on is not None else None
+            if dep is None or dep.state not in (S.FAILED, S.CANCELLED):
+                left.append(job)
+            else:
                 why = f"job {dep.id} ({dep.name}) it depends on ended {dep.state}" + (
                     f": {dep.failure}" if dep.failure else "")
                 self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=why, detail=why, ended_at=time.time(),
                                       failure=str(FailureReason.DEPENDENCY_FAILED))
+        return left
 
     def _eligible(self, pending: list[Job]) -> list[Job]:
         if not any(j.depends_on for j in pending):
             return pending
-        done = {j.id for j in self.store.jobs([S.SUCCEEDED])}
+        done = self.store.ids_in([S.SUCCEEDED])
         return [j for j in pending if j.depends_on is None or j.depends_on in done]
 
     # -- scheduling and launching -----------------------------------------------------------------
 
-    def _schedule(self, now: float) -> None:
-        pending = self._eligible(self.store.jobs([S.PENDING]))
+    def _schedule(self, pending: list[Job], now: float) -> None:
+        pending = self._eligible(pending)
         if not pending:
             return
         holders = self.store.jobs(HOLDING)
@@ -228,7 +232,7 @@ class ControlLoop:
             job.id, S.STARTING, actor="scheduler", expect=[S.PENDING],
             reason=f"allocated {','.join(devices) or 'by the cluster'}", allocation=devices,
             attempt=job.attempt + 1, restart_count=job.attempt, started_at=job.started_at or time.time(),
-            ended_at=None, exit_code=None,
+            ended_at=None, exit_code=None, pid=None, pid_start_time=None, backend_id=None,
         )
         self._launch(job, relaunch=False)
 

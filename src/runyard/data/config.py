@@ -120,6 +120,9 @@ class DataSpec(_Strict):
     cache_dir: str | None = Field(default=None, description="token cache; default ~/.cache/runyard/data")
     residency: list[str] | None = Field(default=None, description="regions where the data may sit")
     workers: int | None = Field(default=None, ge=1, description="processes; default the core count")
+    chunk_bytes: int = Field(
+        default=1 << 21, ge=1, description="text per tokenization chunk (the unit of resume; not in the fingerprint)"
+    )
     normalize: NormalizeSpec = Field(default_factory=NormalizeSpec)
     filters: FilterSpec = Field(default_factory=FilterSpec)
     pii: PiiSpec = Field(default_factory=PiiSpec)

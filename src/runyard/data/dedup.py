@@ -15,9 +15,10 @@ import numpy as np
 from runyard.data.minhash import EMPTY
 
 
-def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
-    """(bands, rows) with bands*rows <= num_perm minimising equal-weight false positive and false
-    negative probability mass around `threshold` (the rule datasketch uses)."""
+def optimal_bands(threshold: float, num_perm: int, fn_weight: float = 0.8) -> tuple[int, int]:
+    """(bands, rows) with bands*rows <= num_perm minimising the weighted false positive and false
+    negative probability mass around `threshold` (datasketch's rule). Missed pairs weigh more than
+    extra candidates by default, because every candidate is confirmed against its signatures later."""
     xs = np.linspace(0.0, 1.0, 1001)
     best, best_err = (1, num_perm), float("inf")
     for b in range(1, num_perm + 1):
@@ -27,8 +28,9 @@ def optimal_bands(threshold: float, num_perm: int) -> tuple[int, int]:
         p = 1.0 - (1.0 - xs**r) ** b
         fp = np.trapezoid(np.where(xs < threshold, p, 0.0), xs)
         fn = np.trapezoid(np.where(xs >= threshold, 1.0 - p, 0.0), xs)
-        if fp + fn < best_err:
-            best, best_err = (b, r), fp + fn
+        err = (1 - fn_weight) * fp + fn_weight * fn
+        if err < best_err:
+            best, best_err = (b, r), err
     return best
 
 

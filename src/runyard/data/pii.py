@@ -18,7 +18,7 @@ PHONE = re.compile(
     r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w])"
 )
 IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w.])")
-IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{1,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])")
+IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{1,4}(?![\w:])")
 CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
 
 
@@ -60,7 +60,7 @@ def scrub_pii(text: str, spec: PiiSpec, counts: Counter) -> str:
         text = sub(CARD, "<CARD>", "credit_card", text, lambda s: _luhn_ok(re.sub(r"\D", "", s)))
     if spec.ip_addresses:
         text = sub(IPV4, "<IP>", "ip_address", text, _valid_ip)
-        text = sub(IPV6, "<IP>", "ip_address", text, lambda s: s.count(":") >= 2 and _valid_ip(s))
+        text = sub(IPV6, "<IP>", "ip_address", text, lambda s: s.count(":") >= 3 and _valid_ip(s))
     if spec.phones:
         text = sub(PHONE, "<PHONE>", "phone", text, lambda s: 7 <= sum(c.isdigit() for c in s) <= 15)
     return text

@@ -39,7 +39,7 @@ from runyard.data.config import DataSpec
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
-from runyard.data.shards import atomic_write_json
+from runyard.data.shards import atomic_write_json, sha256_file
 from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
 from runyard.data.split import SPLIT_METHOD, heldout_mask
 from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
@@ -47,7 +47,7 @@ from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from runyard.errors import DataError
 
 PIPELINE_VERSION = 1  # bump when a step's output changes for the same inputs
-_NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region"}
+_NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region", "chunk_bytes"}
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,8 @@ def _locked(directory: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _load_prepared(dataset_dir: Path) -> PreparedData | None:
+def load_prepared(dataset_dir: Path) -> PreparedData | None:
+    """The PreparedData of a complete dataset directory, or None if it is absent or incomplete."""
     path = dataset_dir / "prepared.json"
     if not path.exists():
         return None
@@ -137,9 +138,10 @@ def prepare_data(data_spec: DataSpec, seed: int, report_dir: Path | None, cache_
     fp = dataset_fingerprint(data_spec, seed, inputs)
     dataset_dir = root / "datasets" / fp[:32]
     with _locked(dataset_dir):
-        prepared = _load_prepared(dataset_dir)
+        prepared = load_prepared(dataset_dir)
         if prepared is None:
             prepared = _prepare(data_spec, seed, files, inputs, fp, dataset_dir, progress)
+        (dataset_dir / ".last_used").touch()  # for least-recently-used eviction
     if report_dir is not None:
         write_report(Path(report_dir), prepared.stats)
     return prepared
@@ -271,7 +273,8 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
         for split, docs in split_docs.items():
             total = sum(len(d) for d in docs)
             task = bars.add_task(f"tokenize {split}", total=total, info=f"{len(docs)} docs")
-            chunks = tokenize_chunks(tok, docs, eos, work, split, on_chunk=lambda n, task=task: bars.advance(task, n))
+            chunks = tokenize_chunks(tok, docs, eos, work, split, spec.chunk_bytes,
+                                     on_chunk=lambda n, task=task: bars.advance(task, n))
             result = assemble_shards(chunks, dataset_dir, split, shard_tokens=spec.shard_tokens,
                                      vocab_size=vocab, eos=eos)
             chars = sum(len(d) for d in docs)
@@ -303,8 +306,11 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
     }
     meta = {"fingerprint": fp, "vocab_size": vocab, "eos_id": eos, "tokenizer_path": "tokenizer.json",
             "train_index": "train.json", "heldout_index": "heldout.json", "stats": stats,
-            "input_fingerprints": inputs}
+            "input_fingerprints": {
+                **inputs,
+                **{f"shards {n}.json": sha256_file(dataset_dir / f"{n}.json") for n in ("train", "heldout")},
+            }}
     atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
-    prepared = _load_prepared(dataset_dir)
+    prepared = load_prepared(dataset_dir)
     assert prepared is not None
     return prepared

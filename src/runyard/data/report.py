@@ -10,7 +10,8 @@ from typing import Any
 from runyard.data.shards import atomic_write_bytes
 
 
-def _md(stats: dict[str, Any]) -> str:
+def markdown_report(stats: dict[str, Any]) -> str:
+    """The report as Markdown text."""
     lines = ["# Data report", "", f"Dataset fingerprint: `{stats['fingerprint']}`  ", f"Seed: {stats['seed']}", ""]
     lines += ["## Documents at each step", "", "| step | documents | characters |", "|---|---:|---:|"]
     lines += [f"| {s['step']} | {s['documents']:,} | {s['chars']:,} |" for s in stats["steps"]]
@@ -74,5 +75,5 @@ def write_report(report_dir: Path, stats: dict[str, Any]) -> None:
     """Write report.json, report.md and doc_lengths.png into report_dir."""
     report_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_bytes(report_dir / "report.json", (json.dumps(stats, indent=1, sort_keys=True) + "\n").encode())
-    atomic_write_bytes(report_dir / "report.md", _md(stats).encode())
+    atomic_write_bytes(report_dir / "report.md", markdown_report(stats).encode())
     _histogram_png(stats, report_dir / "doc_lengths.png")

@@ -2,7 +2,7 @@
 
 Chunk k of a split is a pure function of (its documents, the tokenizer): `encode_batch` (parallel
 inside `tokenizers`) plus an end-of-document token after each document, saved atomically as
-`<split>_<k>.npz`. A rerun after an interruption reuses every finished chunk, so the work resumes where
+`<split>_<first doc>_<end doc>.npz`. A rerun after an interruption reuses every finished chunk, so the work resumes where
 it stopped; on a cluster each chunk could be one array task. Assembly then streams the chunks, in
 order, through a ShardWriter: fixed-size shards, each written atomically, then the index last, so a
 split is complete exactly when its index exists.
@@ -50,12 +50,13 @@ def encode_documents(tok: Tokenizer, texts: list[str], eos: int, dtype: np.dtype
 
 
 def tokenize_chunks(tok: Tokenizer, texts: list[str], eos: int, work_dir: Path, split: str,
-                    on_chunk: Callable[[int], None] | None = None) -> list[Path]:
+                    chunk_bytes: int = CHUNK_BYTES, on_chunk: Callable[[int], None] | None = None) -> list[Path]:
     """Encode `texts` chunk by chunk into work_dir, skipping chunks already there; returns the chunk files."""
     dtype = dtype_for_vocab(tok.get_vocab_size())
     paths = []
-    for k, (lo, hi) in enumerate(chunk_ranges(texts)):
-        path = work_dir / f"{split}_{k:05d}.npz"
+    for lo, hi in chunk_ranges(texts, chunk_bytes):
+        # Named by document range, so a resume with another chunk size never reuses a wrong chunk.
+        path = work_dir / f"{split}_{lo:09d}_{hi:09d}.npz"
         if not path.exists():
             tokens, lengths = encode_documents(tok, texts[lo:hi], eos, dtype)
             buf = io.BytesIO()

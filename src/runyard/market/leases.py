@@ -10,7 +10,7 @@ from __future__ import annotations
 from sqlalchemy import Connection, or_, select, update
 
 from runyard.market import ledger
-from runyard.market.errors import BadRequest, Conflict, NotFound
+from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
 from runyard.market.machines import SYSTEM, Actor, transition
 from runyard.market.machines.demand import DEMAND
 from runyard.market.machines.demand import EXPIRED as DEMAND_EXPIRED
@@ -53,7 +53,7 @@ def _party(principal: Principal, row) -> bool:  # type: ignore[no-untyped-def]
     return principal.role == "operator" or principal.id in (row["tenant_id"], row["provider_id"])
 
 
-def _release_capacity(conn: Connection, lease: dict) -> None:
+def release_capacity(conn: Connection, lease: dict) -> None:
     conn.execute(
         update(listings)
         .where(listings.c.id == lease["listing_id"])
@@ -78,7 +78,7 @@ def refund_remainder(conn: Connection, lease: dict, actor: Actor, now: int) -> i
 
 def _end_before_start(conn: Connection, lease: dict, to: str, actor: Actor, reason: str, now: int) -> None:
     transition(conn, LEASE, lease["id"], to, actor, reason, now, end_reason=reason)
-    _release_capacity(conn, lease)
+    release_capacity(conn, lease)
     refund_remainder(conn, lease, actor, now)
     if to == EXPIRED:
         conn.execute(
@@ -105,6 +105,8 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
         lease = lock_lease(conn, lease_id, principal)
         if lease["provider_id"] != principal.id:
             raise NotFound(f"no lease {lease_id} of yours")
+        if lease["state"] != OFFERED:
+            raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an offered lease can be accepted")
         if now > lease["accept_by"]:
             raise Conflict(f"lease {lease_id} had to be accepted by {lease['accept_by']}; it is expiring")
         verify(
@@ -159,6 +161,8 @@ def start(market: Market, principal: Principal, lease_id: int, key: str | None) 
         lease = lock_lease(conn, lease_id, principal)
         if lease["provider_id"] != principal.id:
             raise NotFound(f"no lease {lease_id} of yours")
+        if lease["state"] != ACCEPTED:
+            raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an accepted lease can start")
         if now > lease["start_by"]:
             raise Conflict(f"lease {lease_id} had to start by {lease['start_by']}; it is expiring")
         transition(
@@ -184,7 +188,7 @@ def close_window(market: Market, principal: Principal, lease_id: int, key: str |
                 f"lease {lease_id}'s window ends at {lease['window_end']}; to stop early, terminate it"
             )
         transition(conn, LEASE, lease_id, WINDOW_CLOSED, principal.actor, "window ended", now, expect=RUNNING)
-        _lease_done(conn, lease)
+        release_capacity(conn, lease)
         audit(conn, principal.actor, "lease.window_closed", f"lease:{lease_id}", now)
         return _reread(conn, lease_id)
 
@@ -200,18 +204,13 @@ def terminate(market: Market, principal: Principal, lease_id: int, body: EndIn, 
             conn, LEASE, lease_id, TERMINATED, principal.actor, f"{body.reason_code}: {body.note}".rstrip(": "), now,
             expect=RUNNING, end_reason=body.reason_code, window_end=min(now, lease["window_end"] or now),
         )  # fmt: skip
-        _lease_done(conn, lease)
+        release_capacity(conn, lease)
         audit(conn, principal.actor, "lease.terminate", f"lease:{lease_id}", now, reason=body.reason_code)
         return _reread(conn, lease_id)
 
     return market.idempotent(
         principal, key, "lease.terminate", {"lease_id": lease_id, **body.model_dump()}, tx
     )
-
-
-def _lease_done(conn: Connection, lease: dict) -> None:
-    """The devices of a lease whose window is over go back to the listing."""
-    _release_capacity(conn, lease)
 
 
 def list_leases(market: Market, principal: Principal, state: str | None = None) -> list[dict]:
@@ -290,7 +289,7 @@ def sweep(market: Market) -> dict:
         if lease["state"] != RUNNING or lease["window_end"] > now:
             return 0
         transition(conn, LEASE, lease_id, WINDOW_CLOSED, SYSTEM, "window ended", now)
-        _lease_done(conn, lease)
+        release_capacity(conn, lease)
         return 1
 
     def expire_demand(conn: Connection, demand_id: int) -> int:

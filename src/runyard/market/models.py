@@ -29,7 +29,8 @@ class VerifyRequestIn(Strict):
 
 
 class AmountIn(Strict):
-    amount: int = Field(gt=0, le=MAX_AMOUNT, description="minor units of the market's currency")
+    # strict: money is an integer in the JSON, never a string or a float that happens to convert.
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True, description="minor units of the market's currency")
 
 
 class ListingIn(Strict):
@@ -40,7 +41,7 @@ class ListingIn(Strict):
     interconnect_gbps: int = Field(default=0, ge=0, le=100_000)
     region: str = Field(min_length=1, max_length=64)
     jurisdiction: str = Field(min_length=1, max_length=64)
-    price_per_device_hour: int = Field(gt=0, le=MAX_PRICE)
+    price_per_device_hour: int = Field(gt=0, le=MAX_PRICE, strict=True)
     available_from: int | None = Field(
         default=None, ge=0, le=MAX_TIME, description="Unix seconds; default now"
     )
@@ -70,7 +71,7 @@ class ListingIn(Strict):
 
 class DemandIn(Strict):
     requirement: Requirement
-    max_price_per_device_hour: int = Field(gt=0, le=MAX_PRICE)
+    max_price_per_device_hour: int = Field(gt=0, le=MAX_PRICE, strict=True)
 
 
 class AcceptIn(Strict):

@@ -24,7 +24,7 @@ from runyard.market import ledger
 from runyard.market.errors import InvalidTransition
 from runyard.market.machines import Actor, transition
 from runyard.market.machines.dispute import OPEN as DISPUTE_OPEN
-from runyard.market.machines.lease import LEASE, SETTLEABLE, SETTLED
+from runyard.market.machines.lease import LEASE, RUNNING, SETTLEABLE, SETTLED, WINDOW_CLOSED
 from runyard.market.machines.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, REPORTED
 from runyard.market.schema import disputes, leases, listings, usage_records
 from runyard.market.service import Market, Principal, audit
@@ -87,9 +87,14 @@ def position(conn: Connection, lease: dict, now: int) -> dict:
 
 def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dict:
     """Bring a lease's payments up to date inside the caller's transaction (see module docstring)."""
-    from runyard.market.leases import lock_lease, refund_remainder
+    from runyard.market.leases import lock_lease, refund_remainder, release_capacity
 
     lease = lock_lease(conn, lease_id, None)
+    if lease["state"] == RUNNING and lease["window_end"] <= now:
+        # The window is over even if no sweep has said so yet: close it first, as the sweep would.
+        transition(conn, LEASE, lease_id, WINDOW_CLOSED, Actor("system"), "window ended", now)
+        release_capacity(conn, lease)
+        lease["state"] = WINDOW_CLOSED
     if lease["state"] == SETTLED:
         return summary(conn, lease_id, now, moved=0)
     if lease["state"] not in SETTLEABLE:

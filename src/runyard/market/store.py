@@ -13,6 +13,7 @@ is a pure function of the database, so running it again is safe.
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -99,9 +100,18 @@ class Store:
         self.url = normalise_url(url)
         self.engine = make_engine(self.url, pool_size=pool_size)
         self.dialect = self.engine.dialect.name
+        self._writer_lock = threading.Lock() if self.dialect == "sqlite" else None
 
     def write(self, fn: Callable[[Connection], T]) -> T:
         """Run `fn(conn)` in a write transaction, retrying it whole on contention."""
+        if self._writer_lock is not None:
+            # SQLite has one writer at a time anyway. Queueing this process's writers on a lock
+            # hands the database over at once, where SQLite's busy handler would sleep and poll.
+            with self._writer_lock:
+                return self._write(fn)
+        return self._write(fn)
+
+    def _write(self, fn: Callable[[Connection], T]) -> T:
         for attempt in range(MAX_ATTEMPTS):
             try:
                 with self.engine.begin() as conn:

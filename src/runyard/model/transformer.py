@@ -4,10 +4,11 @@ RMSNorm pre-normalisation, rotary position embeddings, grouped-query attention t
 `F.scaled_dot_product_attention`, and a SwiGLU feed-forward. Parallelism, compilation and the
 training loop live elsewhere (train/); this module never knows how it is run.
 
-Speed notes (CPU and GPU alike): Q, K and V come from one fused projection, the SwiGLU gate and up
-projections are one matmul, rotary embeddings rotate Q and K in a single op on the fused output,
-and RMSNorm uses the fused `F.rms_norm` kernel. The rotary convention (rotate the two halves of each
-head) is the one HF's Llama uses, so weights map one to one.
+Speed notes: Q, K and V come from one fused projection and the SwiGLU gate and up projections are
+one matmul; RMSNorm, rotary embeddings and the SwiGLU activation are fused ops with hand-written
+backwards (model/ops.py) that save less and copy less than autograd's chains. The rotary convention
+(rotate the two halves of each head) is the one HF's Llama uses, so weights map one to one
+(benchmarks/train_throughput.py checks both give the same logits).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch import nn
 
 from runyard.model.config import ModelConfig, default_ffn_hidden
 from runyard.model.kv_cache import KVCache
+from runyard.model.ops import rms_norm, rotary_qk, rotary_tables, swiglu
 
 __all__ = ["KVCache", "ModelConfig", "Transformer", "default_ffn_hidden"]
 
@@ -33,50 +35,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-
-
-def rotary_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of each position times each rotary frequency, shape [length, 1, head_dim/2], fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
-    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """(x1, x2) -> (x1*cos - sign*x2*sin, x2*cos + sign*x1*sin), written into one output (no cat)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = torch.empty_like(x)
-    o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1)
-    o1.addcmul_(x2, sin, value=-sign)
-    torch.mul(x2, cos, out=o2)
-    o2.addcmul_(x1, sin, value=sign)
-    return out
-
-
-class _Rotary(torch.autograd.Function):
-    """Rotary embedding with a hand-written backward: the gradient of a rotation is the inverse rotation,
-    so nothing but the cos/sin tables is saved (autograd's version keeps the inputs and the slices)."""
-
-    @staticmethod
-    def forward(ctx, x, cos, sin):
-        ctx.save_for_backward(cos, sin)
-        return _rotate(x, cos, sin, 1.0)
-
-    @staticmethod
-    def backward(ctx, grad):
-        cos, sin = ctx.saved_tensors
-        return _rotate(grad.contiguous(), cos, sin, -1.0), None, None
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (x[i], x[i + d/2]) of each head by its position's angle. x: [B, T, heads, d];
-    cos, sin: [T, 1, d/2]."""
-    if torch.is_grad_enabled() and x.requires_grad:
-        return _Rotary.apply(x, cos, sin)
-    return _rotate(x, cos, sin, 1.0)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -101,7 +60,7 @@ class Attention(nn.Module):
         qkv = self.wqkv(x).view(B, T, H + 2 * KV, self.head_dim)
         # split (not slicing) so the backward is one cat rather than a zero-filled buffer per slice.
         qk, v = qkv.split([H + KV, KV], dim=2)
-        q, k = apply_rotary(qk, cos, sin).split([H, KV], dim=2)
+        q, k = rotary_qk(qk, cos, sin, H)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
         mask, causal = None, True
@@ -134,8 +93,7 @@ class SwiGLU(nn.Module):
         self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.w_gate_up(x).chunk(2, dim=-1)
-        return self.w_down(F.silu(gate) * up)
+        return self.w_down(swiglu(self.w_gate_up(x)))
 
 
 class Block(nn.Module):

@@ -79,8 +79,15 @@ class DriftReport:
 class DriftMonitor:
     """Thread-safe sliding window over the last `window` requests."""
 
-    def __init__(self, reference: DriftReference, window: int = 500, min_requests: int = 20, baseline: int = 100,
-                 token_js_threshold: float = 0.2, length_psi_threshold: float = 0.25):
+    def __init__(
+        self,
+        reference: DriftReference,
+        window: int = 500,
+        min_requests: int = 20,
+        baseline: int = 100,
+        token_js_threshold: float = 0.2,
+        length_psi_threshold: float = 0.25,
+    ):
         self.reference_tokens = np.asarray(reference.token_counts, dtype=np.int64)
         self.window: deque[list[int]] = deque(maxlen=window)
         self.baseline_lengths: list[int] = []
@@ -104,11 +111,15 @@ class DriftMonitor:
         if len(requests) < self.min_requests or n_tokens == 0:
             return DriftReport(len(requests), n_tokens, None, None, False)
         vocab = len(self.reference_tokens)
-        live = np.bincount(np.concatenate([np.asarray(r, dtype=np.int64) for r in requests if r]), minlength=vocab)[:vocab]
+        live = np.bincount(
+            np.concatenate([np.asarray(r, dtype=np.int64) for r in requests if r]), minlength=vocab
+        )[:vocab]
         token_js = js_divergence(self.reference_tokens, live)
         length_psi = None
         if len(baseline) >= self.baseline:
-            length_psi = round(psi(length_histogram(baseline), length_histogram([len(r) for r in requests])), 6)
+            length_psi = round(
+                psi(length_histogram(baseline), length_histogram([len(r) for r in requests])), 6
+            )
         drifting = token_js > self.token_js_threshold or (
             length_psi is not None and length_psi > self.length_psi_threshold
         )

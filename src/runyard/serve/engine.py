@@ -8,7 +8,7 @@ the context (a sliding window), so generation can run past `context_length`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -131,16 +131,22 @@ class Generator:
         return list(self.iter_ids(prompt_ids, **kwargs))
 
     def stream(self, prompt: str, **kwargs) -> Iterator[str]:
-        """Yield completion text in pieces as tokens arrive. A piece is held back while it ends in an
-        incomplete UTF-8 sequence (byte-level BPE can split a character across tokens)."""
+        """Yield completion text in pieces as tokens arrive; keyword arguments as `iter_ids`."""
         prompt_ids = self.encode(prompt)
+        return self.decode_stream(prompt_ids, self.iter_ids(prompt_ids, **kwargs))
+
+    def decode_stream(self, prompt_ids: Sequence[int], token_ids: Iterable[int]) -> Iterator[str]:
+        """Turn completion token ids into text pieces. A piece is held back while it ends in an
+        incomplete UTF-8 sequence (byte-level BPE can split a character across tokens)."""
+        prompt_ids = list(prompt_ids)
         completion: list[int] = []
         emitted = ""
-        for token in self.iter_ids(prompt_ids, **kwargs):
+        for token in token_ids:
             completion.append(token)
             text = self._completion_text(prompt_ids, completion)
             if not text.endswith("\ufffd") and text.startswith(emitted):
-                yield text[len(emitted) :]
+                if len(text) > len(emitted):
+                    yield text[len(emitted) :]
                 emitted = text
         text = self._completion_text(prompt_ids, completion)
         if text.startswith(emitted) and len(text) > len(emitted):

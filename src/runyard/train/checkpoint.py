@@ -139,6 +139,10 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tup
     for rel in manifest["files"]:
         if rel.endswith(".pt") and "/" not in rel:
             tensors[rel[:-3]] = torch.load(path / rel, map_location=map_location, weights_only=True)
+    if "model" not in tensors and (path / "dcp").is_dir():  # sharded (torch.distributed.checkpoint)
+        from runyard.train.dist_checkpoint import read_full_state
+
+        tensors.update(read_full_state(path, map_location))
     state = json.loads((path / STATE).read_text())
     return tensors, state
 

@@ -1,17 +1,39 @@
-"""Launching several worker processes under torchrun (torch.distributed.run).
+"""Launching worker processes under torchrun (torch.distributed.run), and reading how they ended.
 
-`runyard run SPEC --nproc N` re-runs the same command line in N workers through torchrun; each
-worker finds RANK/WORLD_SIZE in its environment and joins the process group (train/parallel.py).
-Multi-node is the same command with --nnodes, --node-rank and a rendezvous endpoint.
+`runyard run SPEC --nproc N` re-runs the same command line in N workers through torchrun; each worker
+finds RANK/WORLD_SIZE in its environment and joins the process group (train/parallel.py). Multi-node is
+the same command on every node with --nnodes, --node-rank and --rdzv-endpoint HOST:PORT (c10d rendezvous).
+
+How a job ends is decided in two places:
+- a worker that stops *on purpose* (gates failed, preempted after its checkpoint, a bad spec: any
+  RunyardError) writes its exit code to a status file and exits 0, so torchrun does not restart it;
+  the launcher returns that code (3, 4, ...), the same as a single process would;
+- a worker that *dies* (an exception, SIGKILL, the OOM killer, a lost node) exits non-zero; torchrun
+  restarts all workers up to --max-restarts times and they resume from the last good checkpoint.
+  Each failure is reported in `run_dir/failures.json` (from torchrun's per-attempt log directory under
+  `run_dir/launch/`), and the recovery figures are in `run_dir/recovery.json` (train/recovery.py).
+
+SIGTERM or SIGINT to the launcher is passed to torchrun, which passes SIGTERM to the workers: they agree
+to stop at the next step boundary, checkpoint, and the launcher exits 4. torchrun SIGKILLs workers
+that have not exited 30 s later, so the stop is bounded.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runyard.errors import EXIT_FAILURE, RunyardError
 
 UNDER_LAUNCHER = "RUNYARD_UNDER_TORCHRUN"
+STATUS_DIR = "RUNYARD_STATUS_DIR"
+FAILURES_FILE = "failures.json"
 
 
 def under_launcher() -> bool:
@@ -25,19 +47,160 @@ def torchrun_command(
     node_rank: int = 0,
     rdzv_endpoint: str | None = None,
     max_restarts: int = 0,
+    log_dir: Path | None = None,
 ) -> list[str]:
+    """The torchrun command line that runs `runyard <worker_argv>` in each worker."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}"]
     if nnodes > 1:
         if not rdzv_endpoint:
-            raise ValueError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT")
+            raise RunyardError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
         cmd += [f"--nnodes={nnodes}", f"--node-rank={node_rank}", "--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
     else:
         cmd += ["--standalone"]
+    if log_dir is not None:
+        cmd += [f"--log-dir={log_dir}"]
     return cmd + ["-m", "runyard", *worker_argv]
 
 
-def launch(worker_argv: list[str], nproc: int, **kwargs) -> int:
-    """Run the workers and return torchrun's exit status (the first failing worker's)."""
-    env = dict(os.environ, **{UNDER_LAUNCHER: "1"})
+# -- worker side ---------------------------------------------------------------------------------------
+def _attempt() -> int:
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _write_status(code: int, message: str) -> None:
+    status_dir = Path(os.environ[STATUS_DIR])
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    path = status_dir / f"attempt_{_attempt()}_rank_{rank}.json"
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"exit_code": code, "message": message, "rank": int(os.environ.get("RANK", "0"))}))
+    os.replace(tmp, path)
+
+
+def run_worker(fn: Callable[[], int]) -> int:
+    """Run a worker's body. Under the runyard launcher a RunyardError is an outcome, not a crash: it is
+    reported through the status file and the worker exits 0 (see the module docstring). Any other
+    exception propagates (torchrun's `record` writes it to the attempt's error file first)."""
+    if not os.environ.get(STATUS_DIR):
+        return fn()
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    try:
+        code = record(fn)()
+    except RunyardError as exc:
+        print(f"runyard: {exc}", file=sys.stderr)
+        _write_status(exc.exit_code, str(exc))
+        return 0
+    _write_status(int(code or 0), "")
+    return int(code or 0)
+
+
+# -- launcher side -------------------------------------------------------------------------------------
+def _pdeathsig() -> None:
+    """Ask Linux to SIGTERM torchrun if the launcher dies, since it runs in its own session."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def _statuses(status_dir: Path) -> dict[int, dict[int, dict]]:
+    """{attempt: {local rank: status}} from the workers' status files."""
+    out: dict[int, dict[int, dict]] = {}
+    for path in status_dir.glob("attempt_*_rank_*.json"):
+        _, attempt, _, rank = path.stem.split("_")
+        out.setdefault(int(attempt), {})[int(rank)] = json.loads(path.read_text())
+    return out
+
+
+def failure_report(log_dir: Path, statuses: dict[int, dict[int, dict]], nproc: int) -> list[dict]:
+    """One entry per failed attempt: which ranks died and how (their error file, or none: a signal)."""
+    attempts = sorted({int(p.name.split("_")[1]) for p in log_dir.glob("*/attempt_*")} | set(statuses))
+    report = []
+    for attempt in attempts:
+        done = statuses.get(attempt, {})
+        if len(done) == nproc:
+            continue
+        ranks = []
+        for rank in range(nproc):
+            if rank in done:
+                continue
+            errors = list(log_dir.glob(f"*/attempt_{attempt}/{rank}/error.json"))
+            message = "ended without an error record (killed by a signal, e.g. SIGKILL or the OOM killer)"
+            if errors:
+                try:
+                    err = json.loads(errors[0].read_text())["message"]
+                    message = (err.get("message") if isinstance(err, dict) else str(err)) or message
+                    message = message.strip().splitlines()[0][:500] if message.strip() else message
+                except (json.JSONDecodeError, KeyError, OSError):
+                    pass
+            ranks.append({"local_rank": rank, "error": message})
+        report.append({"attempt": attempt, "failed_ranks": ranks})
+    return report
+
+
+def _write_failures(run_dir: Path, entry: dict) -> None:
+    path = run_dir / FAILURES_FILE
+    runs = json.loads(path.read_text()).get("launches", []) if path.is_file() else []
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"launches": runs + [entry]}, indent=1))
+    os.replace(tmp, path)
+
+
+def launch(worker_argv: list[str], nproc: int, run_dir: Path | None = None, **kwargs) -> int:
+    """Run the workers under torchrun and return the job's exit code: the workers' own code when they
+    ended on purpose (0, 3, 4, ...), else 1 with a report of each failure (also when restarts recovered)."""
+    import tempfile
+
+    status_dir = Path(tempfile.mkdtemp(prefix="runyard-launch-"))
+    stamp = time.strftime("%Y%m%dT%H%M%S") + f"-{os.getpid()}"
+    log_dir = (run_dir / "launch" / stamp) if run_dir is not None else status_dir / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, **{UNDER_LAUNCHER: "1", STATUS_DIR: str(status_dir)})
     env.setdefault("OMP_NUM_THREADS", "1")
-    return subprocess.call(torchrun_command(worker_argv, nproc, **kwargs), env=env)
+    cmd = torchrun_command(worker_argv, nproc, log_dir=log_dir, **kwargs)
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True, preexec_fn=_pdeathsig)
+
+    def forward(signum, _frame):
+        proc.send_signal(signal.SIGTERM)  # torchrun SIGTERMs its workers: checkpoint, exit 4
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    statuses = _statuses(status_dir)
+    report = failure_report(log_dir, statuses, nproc)
+    final = max(statuses) if statuses else None
+    ended_on_purpose = final is not None and len(statuses[final]) == nproc and not any(
+        r["attempt"] >= final for r in report
+    )
+    code = min(statuses[final].items())[1]["exit_code"] if ended_on_purpose else (rc or EXIT_FAILURE)
+    if code < 0 or code > 255:
+        code = EXIT_FAILURE
+    if report and run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        _write_failures(run_dir, {"logs": str(log_dir), "torchrun_exit": rc, "exit_code": code, "failures": report})
+        _print_failures(report, run_dir, recovered=ended_on_purpose)
+    return code
+
+
+def _print_failures(report: list[dict], run_dir: Path, recovered: bool) -> None:
+    from runyard.train.recovery import read_recovery
+
+    print(f"runyard: {len(report)} worker failure(s){', recovered' if recovered else ''}:", file=sys.stderr)
+    for entry in report:
+        for r in entry["failed_ranks"]:
+            print(f"  attempt {entry['attempt']}: local rank {r['local_rank']} {r['error']}", file=sys.stderr)
+    for e in read_recovery(run_dir):
+        if e.get("kind") == "restart":
+            print(
+                f"  restart {e['restart_count']}: resumed stage {e['stage']} from step {e['resumed_from_step']}, "
+                f"{e['steps_lost']} step(s) lost, first resumed step {e['seconds_to_first_resumed_step']} s "
+                "after the last step before the failure",
+                file=sys.stderr,
+            )
+    print(f"  details: {run_dir / FAILURES_FILE}", file=sys.stderr)

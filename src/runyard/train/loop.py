@@ -30,6 +30,7 @@ from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
 from runyard.train.progress import StepProgress
+from runyard.train.recovery import RecoveryTracker
 from runyard.train.rng import capture_rng, derive_seed, restore_rng, seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
@@ -167,20 +168,25 @@ def train_stage(
     )
 
     step, best_loss, best_step, resumed_from, last_heldout = 0, math.inf, None, None, None
-    ref = ckpt.latest_good(ckpt_dir)
+    ref = parallel.latest_good(ckpt_dir, ctx)
+    recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
     if ref is not None:
-        state = load_state(setup, ref, device)
+        state = parallel.load_checkpoint(load_state, setup, ref, ctx)
         step = resumed_from = state["step"]
         best_loss = state.get("best_heldout_loss") or math.inf
         best_step = state.get("best_step")
         last_heldout = state.get("last_heldout_loss")
         log.info("stage %s: resuming from %s (step %d)", stage.name, ref.path, step)
     if ctx.is_main:
+        if ref is not None:
+            recovery.on_resume(metrics.read(), step, ctx.world_size)
         metrics.truncate_after(step)
     losses = [row["loss"] for row in metrics.read() if "loss" in row] if ctx.is_main else []
 
     tokens_per_micro = train_cfg.batch_size * setup.config.context_length
-    tokens_per_step = tokens_per_micro * train_cfg.grad_accum * ctx.world_size
+    # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
+    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx, state if ref else None)
+    tokens_per_step = tokens_per_micro * grad_accum * ctx.world_size
     # Each rank divides its summed loss by its own share of the step's tokens; DDP's mean over ranks
     # then makes the gradient that of the whole global batch.
     loss_scale = ctx.world_size / tokens_per_step
@@ -199,10 +205,14 @@ def train_stage(
             "best_step": best_step,
             "last_heldout_loss": last_heldout,
             "world_size": ctx.world_size,
+            "grad_accum": grad_accum,
         }
-        last_path = parallel.save_checkpoint(save_state, setup, ckpt_dir, at_step, extra, ctx)
-        if ctx.is_main:
-            ckpt.apply_retention(ckpt_dir, spec.checkpoint.keep_last, best_step if spec.checkpoint.keep_best else None)
+        keep_best = best_step if spec.checkpoint.keep_best else None
+        last_path = parallel.save_checkpoint(
+            save_state, setup, ckpt_dir, at_step, extra, ctx,
+            retain=lambda: ckpt.apply_retention(ckpt_dir, spec.checkpoint.keep_last, keep_best),
+            wait=at_step >= total_steps or stop.requested,
+        )
         return last_path
 
     setup.module.train()
@@ -213,10 +223,10 @@ def train_stage(
             for group in setup.optimizer.param_groups:
                 group["lr"] = lr
             step_loss = torch.zeros((), device=device)
-            for micro in range(train_cfg.grad_accum):
+            for micro in range(grad_accum):
                 x, y = setup.loader.next_batch()
                 x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                last_micro = micro == train_cfg.grad_accum - 1
+                last_micro = micro == grad_accum - 1
                 with parallel.grad_sync(setup.module, ctx, last_micro):
                     step_loss += forward_backward(setup.module, x, y, loss_scale, device, precision)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
@@ -237,6 +247,7 @@ def train_stage(
                 "grad_norm": float(grad_norm),
                 "tokens_per_s": tok_s,
                 "tokens": step * tokens_per_step,
+                "time": time.time(),
             }
             step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
             if step_mfu is not None:
@@ -249,9 +260,10 @@ def train_stage(
             losses.append(loss_value)
             if ctx.is_main:
                 metrics.write(row)
+                recovery.after_step(step)
             bar.update(step, loss=loss_value, tok_s=tok_s, heldout=last_heldout)
 
-            if stop.requested:
+            if parallel.agree_stop(stop, ctx):
                 path = checkpoint_now(step)
                 raise Preempted(
                     f"stage {stage.name} stopped by {stop.signal_name} at step {step}; checkpoint {path}. "
@@ -270,6 +282,6 @@ def train_stage(
         tokens_per_s=sum(steady) / len(steady) if steady else 0.0,
         resumed_from=resumed_from,
         checkpoint=last_path,
-        model=setup.model,
+        model=parallel.consolidated_model(setup.model, setup.config, ctx),
         config=setup.config,
     )

@@ -59,6 +59,18 @@ def resolve_device(requested: str) -> torch.device:
     return torch.device(requested)
 
 
+def _attempt_store(rank: int, world_size: int) -> dict:
+    """Under torchrun, the workers share the agent's key-value store across restarts; the addresses the
+    dead attempt's ranks published there would be read again by the new attempt (gloo then dials dead
+    ports). A prefix per attempt keeps each attempt's keys apart."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return {}
+    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return {"store": dist.PrefixStore(f"runyard/attempt_{attempt}", base), "rank": rank, "world_size": world_size}
+
+
 def setup(requested_device: str) -> DistContext:
     """Join the process group if launched under torchrun, else describe a single process."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -67,6 +79,8 @@ def setup(requested_device: str) -> DistContext:
     # torchrun counts its own restarts; record them as runyard's unless a supervisor set its own count.
     if "TORCHELASTIC_RESTART_COUNT" in os.environ:
         os.environ.setdefault("RUNYARD_RESTART_COUNT", os.environ["TORCHELASTIC_RESTART_COUNT"])
+    if rank != 0:  # one rank narrates; the others speak up only for warnings and errors
+        logging.getLogger("runyard").setLevel(logging.WARNING)
     device = resolve_device(requested_device)
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
@@ -75,7 +89,7 @@ def setup(requested_device: str) -> DistContext:
     if world_size > 1:
         if not dist.is_initialized():
             backend = "cuda:nccl,cpu:gloo" if device.type == "cuda" else "gloo"
-            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT)
+            dist.init_process_group(backend=backend, timeout=COLLECTIVE_TIMEOUT, **_attempt_store(rank, world_size))
         ckpt_group = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank, device=device, ckpt_group=ckpt_group)
 
@@ -218,6 +232,26 @@ def consolidated_model(model: torch.nn.Module, config, ctx: DistContext) -> torc
         whole = Transformer(config)
     whole.load_state_dict(full)
     return whole.to(ctx.device)
+
+
+def grad_accum_for(spec_accum: int, batch_size: int, ctx: DistContext, saved: dict | None) -> int:
+    """Micro-batches per step. A fresh stage uses the spec's. A stage resumed onto another world size
+    keeps the checkpoint's global batch (batch_size x grad_accum x world_size) when the new world size
+    divides it, so every step still reads the same sequences and the loss curve continues; otherwise
+    the spec's accumulation is used and the change of global batch is logged."""
+    if not saved or "world_size" not in saved:
+        return spec_accum
+    saved_global = batch_size * int(saved.get("grad_accum", spec_accum)) * int(saved["world_size"])
+    if saved_global % (batch_size * ctx.world_size) == 0:
+        accum = saved_global // (batch_size * ctx.world_size)
+        if accum != spec_accum:
+            log.info("world size %d -> %d: %d micro-batches per step keep the global batch of %d sequences",
+                     saved["world_size"], ctx.world_size, accum, saved_global)
+        return accum
+    log.warning("world size %d -> %d cannot keep the global batch of %d sequences with batch_size %d; "
+                "it becomes %d", saved["world_size"], ctx.world_size, saved_global, batch_size,
+                batch_size * spec_accum * ctx.world_size)
+    return spec_accum
 
 
 # -- checkpoints ---------------------------------------------------------------------------------------

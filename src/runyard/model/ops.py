@@ -1,0 +1,112 @@
+"""Fused building blocks of the decoder, each with a hand-written backward.
+
+Autograd's versions of these are chains of small ops that each keep their inputs alive and, where a
+fused projection's output is split, pay a zero-fill or a `cat` in backward. The versions here save
+only what backward needs and write gradients straight into one buffer. Each is checked against plain
+autograd (tests/model/test_ops.py); the math is unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class _RMSNorm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, rstd, weight)
+        return x * rstd * weight
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, rstd, weight = ctx.saved_tensors
+        x_hat = x * rstd
+        grad_x_hat = grad * weight
+        # d/dx of x * rstd is rstd * (g - x_hat * mean(g * x_hat)) along the normalised dimension.
+        grad_x = (grad_x_hat - x_hat * (grad_x_hat * x_hat).mean(-1, keepdim=True)) * rstd
+        grad_w = (grad * x_hat).reshape(-1, x.shape[-1]).sum(0)
+        return grad_x, grad_w, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) * weight over the last dimension. On CPU fp32, `F.rms_norm` is a chain of ops that
+    keeps its intermediates, so the hand-written version is used; elsewhere the fused kernel."""
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return _RMSNorm.apply(x, weight, eps)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def rotary_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of each position times each rotary frequency, shape [length, 1, head_dim/2], fp32."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
+    return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
+
+
+def _rotate_into(
+    out: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float
+) -> None:
+    """out = (x1*cos - sign*x2*sin, x2*cos + sign*x1*sin) for the two halves x1, x2 of the last dim."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    o1, o2 = out[..., :half], out[..., half:]
+    torch.mul(x1, cos, out=o1)
+    o1.addcmul_(x2, sin, value=-sign)
+    torch.mul(x2, cos, out=o2)
+    o2.addcmul_(x1, sin, value=sign)
+
+
+class _RotaryQK(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qk, cos, sin, n_q):
+        ctx.save_for_backward(cos, sin)
+        ctx.n_q = n_q
+        q = qk.new_empty(qk.shape[:2] + (n_q, qk.shape[3]))
+        k = qk.new_empty(qk.shape[:2] + (qk.shape[2] - n_q, qk.shape[3]))
+        _rotate_into(q, qk[:, :, :n_q], cos, sin, 1.0)
+        _rotate_into(k, qk[:, :, n_q:], cos, sin, 1.0)
+        return q, k
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        # A rotation's gradient is the inverse rotation; both land in one buffer (no cat).
+        cos, sin = ctx.saved_tensors
+        n_q = ctx.n_q
+        grad = grad_q.new_empty(grad_q.shape[:2] + (n_q + grad_k.shape[2], grad_q.shape[3]))
+        _rotate_into(grad[:, :, :n_q], grad_q, cos, sin, -1.0)
+        _rotate_into(grad[:, :, n_q:], grad_k, cos, sin, -1.0)
+        return grad, None, None, None
+
+
+def rotary_qk(
+    qk: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotary position embedding of queries and keys held together in `qk` [B, T, n_q + n_k, head_dim]:
+    each pair (x[i], x[i + d/2]) is rotated by its position's angle (the Llama / HF convention).
+    cos, sin: [T, 1, head_dim/2]. Returns (q [B, T, n_q, d], k [B, T, n_k, d])."""
+    return _RotaryQK.apply(qk, cos, sin, n_q)
+
+
+class _SwiGLU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        ctx.save_for_backward(gate_up)
+        return F.silu(gate).mul_(up)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        grad_in = torch.empty_like(gate_up)
+        grad_gate, grad_up = grad_in.chunk(2, dim=-1)
+        torch.mul(grad, F.silu(gate), out=grad_up)  # silu(gate) recomputed rather than kept
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        return grad_in
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up, where `gate_up` holds gate and up side by side in its last dimension."""
+    return _SwiGLU.apply(gate_up)

@@ -1,0 +1,87 @@
+"""The Slurm backend against a real single-node Slurm (.ci/setup_slurm.sh starts it; its config is
+in tests/control/fixtures/slurm/): submit with GRES, run, cancel, and a Slurm requeue that
+resumes from the job's checkpoint."""
+
+import os
+import subprocess
+
+import pytest
+
+from runyard.control.backends.slurm import parse_sacct, parse_scontrol
+
+from .helpers import job
+
+
+def _x_after(steps):
+    x = 7
+    for step in range(steps):
+        x = (x * 31 + step) % 1_000_003
+    return x
+
+
+@pytest.fixture
+def slurm_daemon(daemon_factory):
+    if not os.environ.get("RUNYARD_TEST_SLURM"):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("RUNYARD_TEST_SLURM is not set, and CI=true: run .ci/setup_slurm.sh and source .ci/env")
+        pytest.skip("RUNYARD_TEST_SLURM is not set (run .ci/setup_slurm.sh, then `source .ci/env`)")
+    return daemon_factory("--backend", "slurm", "--slurm-gres", "gpu", "--stop-grace", "20")
+
+
+def _scontrol(slurm_id: str) -> dict:
+    out = subprocess.run(["scontrol", "show", "job", "-o", slurm_id], capture_output=True, text=True).stdout
+    return parse_scontrol(out)
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_submit_with_gres_and_run(slurm_daemon):
+    d = slurm_daemon
+    j = d.client.submit([job("gres", "--steps", "3", devices=2, time_limit_s=600)])[0]
+    final = d.client.wait(j["id"], timeout_s=60)
+    assert final["state"] == "succeeded" and final["exit_code"] == 0
+    info = _scontrol(final["backend_id"])
+    assert info["TresPerNode"] == "gres:gpu:2" and info["Requeue"] == "1"
+    script = (d.state_dir / "jobs" / str(j["id"]) / "attempt-1.sbatch").read_text()
+    assert "#SBATCH --signal=B:TERM@60" in script and "#SBATCH --time=10" in script
+    assert "step 3" in d.client.logs(j["id"])["text"]
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_cancel(slurm_daemon):
+    d = slurm_daemon
+    j = d.client.submit([job("long", "--steps", "600", "--step-s", "0.1")])[0]
+    d.wait_event(j["id"])
+    slurm_id = d.client.job(j["id"])["job"]["backend_id"]
+    d.client.cancel(j["id"])
+    final = d.client.wait(j["id"], timeout_s=60)
+    assert final["state"] == "cancelled"
+    assert _scontrol(slurm_id)["JobState"] == "CANCELLED"
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_requeue_resumes_from_the_checkpoint(slurm_daemon):
+    d = slurm_daemon
+    j = d.client.submit([job("resumable", "--steps", "40", "--step-s", "0.1")])[0]
+    d.wait_event(j["id"])
+    slurm_id = d.client.job(j["id"])["job"]["backend_id"]
+    subprocess.run(["scontrol", "requeue", slurm_id], check=True)  # what Slurm does after a node failure
+    final = d.client.wait(j["id"], timeout_s=120)
+    assert final["state"] == "succeeded" and final["backend_id"] == slurm_id  # the same Slurm job ran it again
+    events = [e for e in d.events_of() if int(e["job"]) == j["id"]]
+    assert [e["kind"] for e in events] == ["start", "preempted", "start", "done"]
+    assert events[2]["restart"] == 1 and events[2]["step"] == events[1]["step"] > 0
+    assert events[-1]["x"] == _x_after(40)
+    states = [h["to_state"] for h in d.client.job(j["id"])["history"]]
+    assert states[-3:] == ["recovering", "running", "succeeded"]
+
+
+def test_parsers_read_real_output_shapes():
+    line = ("JobId=12 JobName=runyard-3-x UserId=root(0) JobState=RUNNING Reason=None Dependency=(null) "
+            "Requeue=1 Restarts=1 ExitCode=0:0 TRES=cpu=1,node=1,billing=1,gres/gpu=2")
+    parsed = parse_scontrol(line)
+    assert parsed["JobState"] == "RUNNING" and parsed["Restarts"] == "1" and parsed["TRES"].endswith("gres/gpu=2")
+    assert parse_sacct("12|COMPLETED|0:0\n12.batch|COMPLETED|0:0\n") == {"State": "COMPLETED", "ExitCode": "0:0"}
+    assert parse_sacct("12|CANCELLED by 0|0:15\n") == {"State": "CANCELLED", "ExitCode": "0:15"}

@@ -1,0 +1,50 @@
+"""`runyard prepare` and `runyard hydrate` through the real command-line entry point."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import yaml
+from data_fixtures import write_corpus
+
+from runyard.cli import data as data_cli
+from runyard.errors import EXIT_BAD_SPEC, RunyardError
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="runyard")
+    data_cli.register(parser.add_subparsers(dest="verb", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except RunyardError as exc:
+        return exc.exit_code
+
+
+def write_spec(tmp_path: Path, corpus: Path, **data) -> Path:
+    spec = {"name": "t", "seed": 3, "data": {"sources": [{"path": str(corpus / "*.txt")}],
+                                             "tokenizer": {"vocab_size": 300}, "workers": 1,
+                                             "shard_tokens": 1024, **data}}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+def test_prepare_then_hydrate(tmp_path: Path, capsys):
+    corpus = write_corpus(tmp_path / "corpus", n_docs=30)
+    spec = write_spec(tmp_path, corpus, store={"url": str(tmp_path / "store")})
+    assert run_cli(["prepare", str(spec), "--cache-dir", str(tmp_path / "c"), "--no-progress",
+                    "--report-dir", str(tmp_path / "rep")]) == 0
+    out = capsys.readouterr().out
+    assert "Data report" in out and "published to" in out
+    assert (tmp_path / "rep" / "report.md").exists()
+    assert run_cli(["hydrate", str(spec), "--cache-dir", str(tmp_path / "node"), "--no-progress"]) == 0
+    assert "MB/s" in capsys.readouterr().out
+    assert list((tmp_path / "node" / "datasets").glob("*/prepared.json"))
+
+
+def test_bad_spec_exits_2(tmp_path: Path):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump({"name": "t", "data": {"sources": [{"path": "x", "format": "csv"}]}}))
+    assert run_cli(["prepare", str(path)]) == EXIT_BAD_SPEC

@@ -1,0 +1,157 @@
+"""prepare_data end to end on small real corpora: outputs, cache reuse, report, errors, crash resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from data_fixtures import spec_for, write_corpus
+
+from runyard.data.loader import TokenLoader, TokenStream, heldout_batches
+from runyard.data.pipeline import PreparedData, prepare_data
+from runyard.data.shards import load_index, verify_index
+from runyard.data.tokenizer import load_tokenizer
+from runyard.errors import DataError
+
+
+def shard_hashes(prepared: PreparedData) -> dict[str, list[str]]:
+    return {name: [s["sha256"] for s in load_index(idx)["shards"]]
+            for name, idx in (("train", prepared.train_index), ("heldout", prepared.heldout_index))}
+
+
+def test_prepare_produces_a_usable_dataset(corpus: Path, tmp_path: Path):
+    spec = spec_for(str(corpus / "*.txt"))
+    prepared = prepare_data(spec, seed=0, report_dir=tmp_path / "report", cache_dir=tmp_path / "cache")
+    assert prepared.vocab_size == 320 and prepared.eos_id == 0
+    assert prepared.tokenizer_path.name == "tokenizer.json" and prepared.tokenizer_path.exists()
+    verify_index(prepared.train_index)
+    verify_index(prepared.heldout_index)
+    split = prepared.stats["split"]
+    assert split["train"]["documents"] + split["heldout"]["documents"] == 40
+    assert split["heldout"]["documents"] >= 1
+    json.dumps(prepared.stats)  # JSON-serialisable
+    assert any(k.startswith("sources[0]") for k in prepared.input_fingerprints)
+    # The tokens decode back to the documents (end-of-document separated).
+    tok = load_tokenizer(prepared.tokenizer_path)
+    first = TokenLoader(prepared.train_index, 16, 2, seed=0, shuffle=False).next_batch()[0][0].tolist()
+    assert tok.decode(first).startswith("# document")
+    assert heldout_batches(prepared.heldout_index, 16, 2, 2)[0][0].shape == (2, 16)
+    for name in ("report.md", "report.json", "doc_lengths.png"):
+        assert (tmp_path / "report" / name).stat().st_size > 0
+    assert "## Deduplication" in (tmp_path / "report" / "report.md").read_text()
+
+
+def test_second_prepare_reuses_the_cache(corpus: Path, tmp_path: Path):
+    spec = spec_for(str(corpus / "*.txt"))
+    a = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "cache", progress=False)
+    marker = (a.dataset_dir / "prepared.json").stat().st_mtime_ns
+    b = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "cache", progress=False)
+    assert b.fingerprint == a.fingerprint and b.train_index == a.train_index
+    assert (b.dataset_dir / "prepared.json").stat().st_mtime_ns == marker  # not rebuilt
+    # A change of input or seed is a different dataset.
+    (corpus / "doc_0000.txt").write_text("changed text " * 50)
+    c = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "cache", progress=False)
+    d = prepare_data(spec, seed=1, report_dir=None, cache_dir=tmp_path / "cache", progress=False)
+    assert len({a.fingerprint, c.fingerprint, d.fingerprint}) == 3
+
+
+def test_cache_dir_from_environment(corpus: Path, tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("RUNYARD_CACHE_DIR", str(tmp_path / "envcache"))
+    prepared = prepare_data(spec_for(str(corpus / "*.txt")), seed=0, report_dir=None, progress=False)
+    assert prepared.dataset_dir.is_relative_to(tmp_path / "envcache")
+
+
+def test_empty_input_is_a_clear_error(tmp_path: Path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match=r"data.sources\[0\].path .* matched no files"):
+        prepare_data(spec_for(str(tmp_path / "empty" / "*.txt")), seed=0, report_dir=None,
+                     cache_dir=tmp_path / "c", progress=False)
+    for i in range(3):
+        (tmp_path / "empty" / f"{i}.txt").write_text("")
+    with pytest.raises(DataError, match="only 0 document"):
+        prepare_data(spec_for(str(tmp_path / "empty" / "*.txt")), seed=0, report_dir=None,
+                     cache_dir=tmp_path / "c", progress=False)
+
+
+_KILLER = textwrap.dedent("""
+    import os, signal, sys
+    from pathlib import Path
+    import runyard.data.tokenize as t
+    sys.path.insert(0, sys.argv[3])
+    from data_fixtures import spec_for
+    calls = 0
+    real = t.encode_documents
+    def dying(*a, **k):
+        global calls
+        calls += 1
+        if calls == int(sys.argv[4]):
+            os.kill(os.getpid(), signal.SIGKILL)  # a hard kill: no cleanup handlers run
+        return real(*a, **k)
+    t.encode_documents = dying
+    from runyard.data.pipeline import prepare_data
+    spec = spec_for(sys.argv[1], chunk_bytes=3000)
+    prepare_data(spec, seed=0, report_dir=None, cache_dir=Path(sys.argv[2]), progress=False)
+""")
+
+
+def test_killed_prepare_resumes_to_identical_shards(tmp_path: Path, monkeypatch):
+    corpus = write_corpus(tmp_path / "corpus", n_docs=60)
+    pattern = str(corpus / "*.txt")
+    whole = prepare_data(spec_for(pattern), seed=0, report_dir=None, cache_dir=tmp_path / "c1", progress=False)
+
+    script = tmp_path / "killer.py"
+    script.write_text(_KILLER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    proc = subprocess.run([sys.executable, str(script), pattern, str(tmp_path / "c2"),
+                           str(Path(__file__).parent), "5"], env=env, capture_output=True, timeout=120)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
+    dataset = next((tmp_path / "c2" / "datasets").iterdir())
+    assert not (dataset / "prepared.json").exists()
+    done_chunks = sorted((dataset / "work").glob("*.npz"))
+    assert len(done_chunks) == 4  # the four chunks before the kill were kept
+    import runyard.data.tokenize as tokenize_module
+
+    calls = []
+    real = tokenize_module.encode_documents
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(tokenize_module, "encode_documents", counting)
+    resumed = prepare_data(spec_for(pattern, chunk_bytes=3000), seed=0, report_dir=None,
+                           cache_dir=tmp_path / "c2", progress=False)
+    assert resumed.fingerprint == whole.fingerprint
+    assert shard_hashes(resumed) == shard_hashes(whole)
+    assert resumed.tokenizer_path.read_bytes() == whole.tokenizer_path.read_bytes()
+    assert not (dataset / "work").exists()
+    # Resumed work encoded only the chunks that were not finished before the kill.
+    whole_calls = []
+    monkeypatch.setattr(tokenize_module, "encode_documents", lambda *a, **k: whole_calls.append(1) or real(*a, **k))
+    prepare_data(spec_for(pattern, chunk_bytes=3000), seed=0, report_dir=None, cache_dir=tmp_path / "c3",
+                 progress=False)
+    assert len(calls) == len(whole_calls) - 4
+
+
+def test_split_is_by_document_and_seeded(corpus: Path, tmp_path: Path):
+    spec = spec_for(str(corpus / "*.txt"), heldout_fraction=0.3)
+    a = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "c", progress=False)
+    b = prepare_data(spec, seed=7, report_dir=None, cache_dir=tmp_path / "c", progress=False)
+    held_a = json.loads((a.dataset_dir / "split.json").read_text())["heldout"]
+    held_b = json.loads((b.dataset_dir / "split.json").read_text())["heldout"]
+    assert held_a and held_b and held_a != held_b
+    assert a.stats["split"]["heldout"]["documents"] == len(held_a)
+    # A held-out document's text is in the held-out stream and never in the train stream.
+    tok = load_tokenizer(a.tokenizer_path)
+    train = TokenStream(a.train_index)
+    held = TokenStream(a.heldout_index)
+    train_text = tok.decode(train.read(0, train.total).tolist(), skip_special_tokens=False)
+    held_text = tok.decode(held.read(0, held.total).tolist(), skip_special_tokens=False)
+    first_line = Path(held_a[0]).read_text().split("\n")[0] + "\n"
+    assert first_line in held_text and first_line not in train_text

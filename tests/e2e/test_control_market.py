@@ -1,0 +1,106 @@
+"""The market, a provider's control plane with its agent, and a tenant, end to end over real HTTP:
+the tenant's demand is matched, the agent accepts the lease (signed), the job (a real tiny
+`runyard run`) runs on the control plane, signed usage is reported, the lease closes and settles,
+and the tenant gets the run directory with its evaluation report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from runyard.control.client import ControlClient
+from runyard.market.client import MarketClient
+from runyard.market.server import ServerThread
+from runyard.market.service import Market, Settings
+
+from .conftest import TINY_SPEC, merge
+
+pytestmark = pytest.mark.slow
+PRICE = 36_000  # per device-hour: 10 minor units per device-second, so seconds of work are billable
+
+
+def _runyard(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "runyard", *args], capture_output=True, text=True, timeout=60,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def _until(what, timeout_s: float = 120, poll_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = what()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what.__doc__ or what}")
+        time.sleep(poll_s)
+
+
+def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path):
+    market = Market.open(str(tmp_path / "market.db"), Settings(test_clock=True, dispute_window_s=60))
+    with ServerThread(market) as server:
+        from runyard.market import identity
+
+        ops = MarketClient(server.url, token=identity.create_operator(market, "ops")["token"])
+        provider, tenant = MarketClient(server.url), MarketClient(server.url)
+        provider.register("cpu-farm", "provider")
+        tenant.register("lab", "tenant")
+        for name, party in (("cpu-farm", provider), ("lab", tenant)):
+            party.request_verification("papers")
+            ops.decide(name, True, "checked")
+        provider.save_identity(tmp_path / "provider.json")
+        provider.create_listing(accelerator_kind="cpu", devices_per_node=1, node_count=1, region="eu-west",
+                                jurisdiction="eu", price_per_device_hour=PRICE,
+                                available_until=ops.market_info()["now"] + 86400, start_class="immediate")
+        tenant.deposit(100_000)
+        demand = tenant.place_demand({"accelerator_kinds": ["cpu"], "device_count": 1, "duration_s": 3600}, PRICE)
+        assert demand["state"] == "matched"
+        lease_id = demand["lease_id"]
+
+        # The tenant hands the job to the provider (locally: a drop directory the agent watches).
+        drop = tmp_path / "lease-jobs" / f"demand-{demand['id']}"
+        drop.mkdir(parents=True)
+        (drop / "spec.yaml").write_text(yaml.safe_dump(merge(TINY_SPEC, {"train": {"steps": 12}})))
+
+        state = tmp_path / "control"
+        started = _runyard("control", "start", "--state-dir", str(state), "--cpu-slots", "1", "--market", server.url,
+                           "--provider-key", str(tmp_path / "provider.json"), "--usage-interval", "1",
+                           "--lease-jobs", str(tmp_path / "lease-jobs"))
+        assert started.returncode == 0, started.stderr + (state / "daemon.log").read_text()
+        try:
+            control = ControlClient.for_state_dir(state)
+            jobs = _until(lambda: control.jobs(lease=str(lease_id)))
+            assert jobs[0]["priority"] == 100 and jobs[0]["devices"] == 1
+            assert _until(lambda: tenant.lease(lease_id)["state"] == "running")
+            final = control.wait(jobs[0]["id"], timeout_s=180, poll_s=0.5)
+            assert final["state"] == "succeeded", control.logs(final["id"])["text"][-3000:]
+
+            results = drop / "results"
+            _until(lambda: (results / "eval" / "report.md").exists())
+            report = json.loads((results / "eval" / "report.json").read_text())
+            assert report and (results / "export" / "model.safetensors").exists()
+            assert not list(results.rglob("checkpoints")), "checkpoints stay with the provider"
+
+            records = _until(lambda: tenant.usage(lease_id)["records"])
+            assert all(r["evidence"].startswith("sha256:") for r in records)
+            reported = sum(r["device_seconds"] for r in records)
+            assert 0 < reported <= final["device_seconds"] + 1
+
+            ops.advance_clock(3600)  # the window ends: the agent closes the lease
+            assert _until(lambda: tenant.lease(lease_id)["state"] in ("window_closed", "settled"))
+            ops.advance_clock(120)  # past the dispute window
+            ops.sweep()
+            lease = tenant.lease(lease_id)
+            assert lease["state"] == "settled"
+            charged = sum(r["device_seconds"] for r in tenant.usage(lease_id)["records"]) * PRICE // 3600
+            assert lease["paid_provider"] + lease["paid_fee"] == charged > 0
+            assert lease["refunded"] == lease["escrow_amount"] - charged
+            assert ops.audit()["ok"]
+        finally:
+            _runyard("control", "stop", "--state-dir", str(state))
+    market.store.dispose()

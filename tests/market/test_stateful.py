@@ -1,0 +1,306 @@
+"""A hypothesis state machine drives the market's service layer with random operations (money in
+and out, listings, escrow-backed demands, every lease transition, usage, acknowledgements, disputes
+and their resolution, settlement, clock jumps, idempotent retries) and checks every invariant
+(runyard.market.invariants) after every step, on SQLite and on PostgreSQL."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from sqlalchemy import select
+
+from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
+from runyard.market.errors import IdempotencyConflict, MarketError
+from runyard.market.models import AckIn, AcceptIn, ContestIn, DemandIn, DisputeIn, EndIn, ListingIn, ResolveIn, UsageIn
+from runyard.market.payloads import lease_terms, usage_record
+from runyard.market.schema import disputes, leases as leases_table, usage_records
+from runyard.market.signing import generate_keypair, sign
+
+from .helpers import FAR, open_market
+
+KINDS = ["h100-80gb", "l40s"]
+REACHED: Counter = Counter()
+SETTINGS = settings(
+    max_examples=20,
+    stateful_step_count=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def machine_for(url_factory, backend: str):
+    class MarketMachine(RuleBasedStateMachine):
+        def __init__(self):
+            super().__init__()
+            self.market = open_market(
+                url_factory(backend), fee_bps=150, dispute_window_s=900, accept_timeout_s=5000, start_timeout_s=5000
+            )
+            self.operator = identity.authenticate(self.market, identity.create_operator(self.market, "ops")["token"])
+            self.tokens, self.keys, self.deposited, self.used_keys = {}, {}, {}, {}
+            for name, role in (("t1", "tenant"), ("t2", "tenant"), ("p1", "provider"), ("p2", "provider")):
+                private, public = generate_keypair()
+                account = identity.register(self.market, name, role, public)
+                self.tokens[name], self.keys[name] = account["token"], private
+                identity.request_verification(self.market, self.who(name), "")
+                identity.decide(self.market, self.operator.actor, name, True, "ok")
+            # Start funded, so that the random walk reaches leases and settlement quickly.
+            self.deposited = {"t1": 200_000, "t2": 200_000}
+            for tenant, amount in self.deposited.items():
+                funds.deposit(self.market, self.who(tenant), amount, "opening-deposit")
+            self.last_money: tuple | None = None
+
+        def teardown(self):
+            # Reported by --hypothesis-show-statistics: how far the random walks got.
+            for state in self.market.read(lambda c, n: c.execute(select(leases_table.c.state)).scalars().all()):
+                event(f"lease reached {state}")
+                REACHED[f"lease {state}"] += 1
+            for state in self.market.read(lambda c, n: c.execute(select(usage_records.c.state)).scalars().all()):
+                event(f"record {state}")
+                REACHED[f"record {state}"] += 1
+            for state in self.market.read(lambda c, n: c.execute(select(disputes.c.state)).scalars().all()):
+                event(f"dispute {state}")
+                REACHED[f"dispute {state}"] += 1
+            self.market.store.dispose()
+
+        def who(self, name):
+            return identity.authenticate(self.market, self.tokens[name])
+
+        def ids(self, table, **where):
+            def read(conn, now):
+                query = select(table.c.id).order_by(table.c.id)
+                for column, values in where.items():
+                    query = query.where(table.c[column].in_(values))
+                return conn.execute(query).scalars().all()
+
+            return self.market.read(read)
+
+        def row(self, table, row_id):
+            return self.market.read(lambda c, n: dict(c.execute(select(table).where(table.c.id == row_id)).mappings().one()))
+
+        def attempt(self, fn, *args):
+            try:
+                return fn(*args)
+            except MarketError:
+                return None
+
+        @initialize(price=st.integers(50, 300), queued=st.booleans())
+        def opening_listings(self, price, queued):
+            # Generous capacity from the start, so that most demands match and leases get going.
+            for provider, kind in (("p1", "h100-80gb"), ("p2", "l40s")):
+                self.list_capacity(provider, kind, 8, price, queued, nodes=4)
+
+        @rule(data=st.data(), steps=st.integers(1, 4))
+        def progress(self, data, steps):
+            """Move random leases along the happy path (accept, start, report usage, let time pass),
+            or place a demand; the other rules then hit them from every side."""
+            for _ in range(steps):
+                self._progress_one(data)
+
+        def _progress_one(self, data):
+            ids = self.ids(leases_table, state=["offered", "accepted", "running"])
+            if len(ids) < 2 and data.draw(st.booleans()):
+                tenant = data.draw(st.sampled_from(["t1", "t2"]))
+                kinds = data.draw(st.sets(st.sampled_from(KINDS), min_size=1))
+                self.demand(tenant, kinds, data.draw(st.integers(1, 8)), data.draw(st.integers(600, 7200)), 400, False)
+                return
+            if not ids:
+                return
+            lease = self.row(leases_table, data.draw(st.sampled_from(ids[:2])))  # the oldest: finish them
+            action = {"offered": "accept", "accepted": "start", "running": "report"}[lease["state"]]
+            if action == "report" and data.draw(st.integers(0, 2)) == 0:
+                self.advance(data.draw(st.sampled_from([600, 1800])))
+                self.sweep()
+            elif action == "report":
+                self.advance(data.draw(st.sampled_from([60, 600])))  # some time to report on
+                self.report(data, data.draw(st.integers(0, 100)), False, lease_id=lease["id"])
+            else:
+                self.lease_action(data, action, lease_id=lease["id"])
+
+        # -- money ----------------------------------------------------------------------------------
+
+        @rule(tenant=st.sampled_from(["t1", "t2"]), amount=st.integers(1, 60_000), key=st.integers(0, 5))
+        def deposit(self, tenant, amount, key):
+            k = f"dep-{key}"
+            try:
+                funds.deposit(self.market, self.who(tenant), amount, k)
+            except IdempotencyConflict:
+                assert self.used_keys[(tenant, k)] != ("deposit", amount)
+                return
+            if (tenant, k) not in self.used_keys:
+                self.deposited[tenant] += amount
+                self.used_keys[(tenant, k)] = ("deposit", amount)
+            self.last_money = (tenant, k, amount)
+
+        @rule()
+        def retry_last_deposit(self):
+            """A retry with the key of an earlier deposit returns that deposit and moves nothing."""
+            if self.last_money:
+                tenant, k, amount = self.last_money
+                first = funds.deposit(self.market, self.who(tenant), amount, k)
+                assert funds.deposit(self.market, self.who(tenant), amount, k)["transfer_id"] == first["transfer_id"]
+
+        @rule(name=st.sampled_from(["t1", "t2", "p1", "p2"]), amount=st.integers(1, 80_000))
+        def withdraw(self, name, amount):
+            self.attempt(funds.withdraw, self.market, self.who(name), amount, f"wd-{name}-{amount}")
+
+        # -- orders ---------------------------------------------------------------------------------
+
+        @rule(
+            provider=st.sampled_from(["p1", "p2"]), kind=st.sampled_from(KINDS), devices=st.integers(1, 8),
+            price=st.integers(50, 500), queued=st.booleans(),
+        )  # fmt: skip
+        def list_capacity(self, provider, kind, devices, price, queued, nodes=1):
+            body = ListingIn(
+                accelerator_kind=kind, devices_per_node=devices, node_count=nodes, region="eu", jurisdiction="eu",
+                price_per_device_hour=price, available_until=FAR, start_class="queued" if queued else "immediate",
+                max_queue_s=600 if queued else 0,
+            )  # fmt: skip
+            orders.create_listing(self.market, self.who(provider), body)
+
+        @rule(
+            tenant=st.sampled_from(["t1", "t2"]), kinds=st.sets(st.sampled_from(KINDS), min_size=1),
+            devices=st.integers(1, 8), duration=st.integers(600, 7200), price=st.integers(50, 600),
+            immediate_only=st.booleans(),
+        )  # fmt: skip
+        def demand(self, tenant, kinds, devices, duration, price, immediate_only):
+            body = DemandIn(
+                requirement={
+                    "accelerator_kinds": sorted(kinds), "device_count": devices, "duration_s": duration,
+                    "start_classes": ["immediate"] if immediate_only else ["immediate", "queued"],
+                },
+                max_price_per_device_hour=price,
+            )  # fmt: skip
+            self.attempt(orders.place_demand, self.market, self.who(tenant), body, f"dem-{self.market.now()}-{id(body)}")
+
+        @rule(data=st.data())
+        def cancel_demand(self, data):
+            open_ids = self.ids(orders.demands, state=["open"])
+            if open_ids:
+                demand = self.row(orders.demands, data.draw(st.sampled_from(open_ids)))
+                owner = "t1" if self.who("t1").id == demand["tenant_id"] else "t2"
+                orders.cancel_demand(self.market, self.who(owner), demand["id"], f"cancel-{demand['id']}")
+
+        # -- leases ---------------------------------------------------------------------------------
+
+        def party(self, lease, side):
+            account_id = lease[f"{side}_id"]
+            return next(n for n in self.tokens if self.who(n).id == account_id)
+
+        @rule(data=st.data(), action=st.sampled_from(["accept", "reject", "start", "cancel", "terminate", "close"]))
+        def lease_action(self, data, action, lease_id=None):
+            ids = [lease_id] if lease_id else self.ids(leases_table)
+            if not ids:
+                return
+            lease = self.row(leases_table, data.draw(st.sampled_from(ids)))
+            provider, tenant = self.party(lease, "provider"), self.party(lease, "tenant")
+            key = f"{action}-{lease['id']}-{self.market.now()}"
+            end = EndIn(reason_code="other")
+            if action == "accept":
+                signature = sign(self.keys[provider], lease_terms(lease, "USD"))
+                self.attempt(leases.accept, self.market, self.who(provider), lease["id"], AcceptIn(signature=signature), key)
+            elif action == "reject":
+                self.attempt(leases.reject, self.market, self.who(provider), lease["id"], end, key)
+            elif action == "start":
+                self.attempt(leases.start, self.market, self.who(provider), lease["id"], key)
+            elif action == "cancel":
+                self.attempt(leases.cancel, self.market, self.who(tenant), lease["id"], end, key)
+            elif action == "terminate":
+                side = data.draw(st.sampled_from([provider, tenant]))
+                self.attempt(leases.terminate, self.market, self.who(side), lease["id"], end, key)
+            else:
+                self.attempt(leases.close_window, self.market, self.who(provider), lease["id"], key)
+
+        @rule(seconds=st.sampled_from([30, 300, 1000, 4000]))
+        def advance(self, seconds):
+            self.market.advance_clock(seconds, self.operator.actor)
+
+        @rule()
+        def sweep(self):
+            leases.sweep(self.market)
+
+        @rule(data=st.data())
+        def settle(self, data):
+            ids = self.ids(leases_table)
+            if ids:
+                lease_id = data.draw(st.sampled_from(ids))
+                key = f"settle-{lease_id}-{self.market.now()}"
+                result = self.attempt(settlement.settle, self.market, self.operator, lease_id, key)
+                if result is not None:
+                    assert settlement.settle(self.market, self.operator, lease_id, key + "b")["moved_now"] == 0
+
+        # -- usage ----------------------------------------------------------------------------------
+
+        @rule(data=st.data(), fraction=st.integers(0, 100), replay=st.booleans())
+        def report(self, data, fraction, replay, lease_id=None):
+            ids = [lease_id] if lease_id else self.ids(leases_table, state=["running", "window_closed", "terminated"])
+            if not ids:
+                return
+            lease = self.row(leases_table, data.draw(st.sampled_from(ids)))
+            provider = self.party(lease, "provider")
+            start = lease["last_interval_end"] or lease["started_at"]
+            end = min(self.market.now(), lease["window_end"])
+            if end <= start:
+                return
+            seq = lease["last_seq"] if replay and lease["last_seq"] else lease["last_seq"] + 1
+            used = lease["devices"] * (end - start) * fraction // 100
+            signature = sign(self.keys[provider], usage_record(lease["id"], seq, start, end, used))
+            body = UsageIn(seq=seq, interval_start=start, interval_end=end, device_seconds=used, signature=signature)
+            result = self.attempt(usage.report, self.market, self.who(provider), lease["id"], body, f"use-{lease['id']}-{seq}-{end}")
+            if replay and lease["last_seq"]:
+                assert result is None, "a replayed sequence number was accepted"
+
+        @rule(data=st.data(), action=st.sampled_from(["ack", "part", "dispute", "contest"]))
+        def respond(self, data, action):
+            ids = self.ids(usage_records)
+            if not ids:
+                return
+            record = self.row(usage_records, data.draw(st.sampled_from(ids)))
+            lease = self.row(leases_table, record["lease_id"])
+            tenant, provider = self.party(lease, "tenant"), self.party(lease, "provider")
+            key, half = f"{action}-{record['id']}", record["device_seconds"] // 2
+            if action == "ack":
+                self.attempt(usage.acknowledge, self.market, self.who(tenant), record["id"], AckIn(), key)
+            elif action == "part":
+                self.attempt(usage.acknowledge, self.market, self.who(tenant), record["id"], AckIn(accepted_device_seconds=half), key)
+            elif action == "dispute":
+                body = DisputeIn(reason="too much", claimed_device_seconds=half)
+                self.attempt(usage.dispute, self.market, self.who(tenant), record["id"], body, key)
+            else:
+                self.attempt(usage.contest, self.market, self.who(provider), record["id"], ContestIn(reason="no"), key)
+
+        @rule(data=st.data(), outcome=st.sampled_from(["upheld", "partial", "rejected"]))
+        def resolve(self, data, outcome):
+            ids = self.ids(disputes, state=["open"])
+            if ids:
+                d = self.row(disputes, data.draw(st.sampled_from(ids)))
+                value = (d["claimed_device_seconds"] + d["counter_device_seconds"]) // 2 if outcome == "partial" else None
+                body = ResolveIn(outcome=outcome, device_seconds=value, reason="decided")
+                usage.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
+
+        # -- the invariants, after every step --------------------------------------------------------
+
+        @invariant()
+        def market_invariants_hold(self):
+            problems = self.market.read(lambda conn, now: invariants.check(conn))
+            assert problems == [], problems
+
+        @invariant()
+        def statements_reconcile(self):
+            for name in ("t1", "t2", "p1", "p2"):
+                totals = statements.statement(self.market, self.who(name))["totals"]
+                assert totals["reconciles"], (name, totals)
+                if name in self.deposited:
+                    assert totals["deposited"] == self.deposited[name]
+
+    return MarketMachine
+
+
+@pytest.mark.slow
+def test_random_operations_keep_every_invariant(backend, url_factory):
+    REACHED.clear()
+    run_state_machine_as_test(machine_for(url_factory, backend), settings=SETTINGS)
+    print(dict(REACHED))

@@ -1,0 +1,124 @@
+"""Sharded checkpoints and world-size arithmetic, in one process (no process group): the same code the
+distributed loop runs, with real files, a real model, optimizer and token loader."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from runyard.data.loader import TokenLoader
+from runyard.data.shards import ShardWriter, write_index
+from runyard.model.transformer import ModelConfig, Transformer
+from runyard.train import checkpoint as ckpt
+from runyard.train import dist_checkpoint, parallel
+from runyard.train.loop import TrainSetup, forward_backward, load_state, save_state
+
+CPU = torch.device("cpu")
+CTX = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
+
+
+@pytest.fixture(scope="module")
+def index(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tokens")
+    writer = ShardWriter(root, "train", 4096, np.dtype(np.uint16))
+    tokens = np.random.default_rng(0).integers(0, 97, 20000).astype(np.uint16)
+    writer.add_tokens(tokens, np.array([10000, 10000]))
+    write_index(root / "index.json", writer.finish(), dtype=np.dtype(np.uint16), vocab_size=97, eos_id=0,
+                shard_tokens=4096, num_documents=2)
+    return root / "index.json"
+
+
+def make_setup(index: Path, seed: int = 0) -> TrainSetup:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64,
+                      context_length=16, dropout=0.1)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2)
+    loader = TokenLoader(index, seq_len=16, batch_size=4, seed=3)
+    return TrainSetup(model, model, cfg, opt, loader)
+
+
+def train_steps(setup: TrainSetup, n: int) -> list[float]:
+    losses = []
+    for _ in range(n):
+        x, y = setup.loader.next_batch()
+        losses.append(float(forward_backward(setup.model, x, y, 1.0 / y.numel(), CPU, "fp32")))
+        setup.optimizer.step()
+        setup.optimizer.zero_grad(set_to_none=True)
+    return losses
+
+
+@pytest.mark.parametrize("use_async", [True, False], ids=["async", "sync"])
+def test_sharded_checkpoint_resumes_bitwise(index, tmp_path, use_async):
+    tmp_path = tmp_path / "checkpoints"
+    """Save in the sharded format at step 3, keep training to step 6; a fresh setup loaded from the
+    checkpoint trains steps 4-6 to the same losses and bitwise the same weights (dropout included)."""
+    torch.set_num_threads(1)
+    a = make_setup(index)
+    train_steps(a, 3)
+    dist_checkpoint.save_sharded(a, tmp_path, 3, {"world_size": 1, "grad_accum": 1}, CTX, wait=True,
+                                 use_async=use_async)
+    path = tmp_path / ckpt.step_dir_name(3)
+    assert dist_checkpoint.is_sharded(path) and (path / "rng" / "rank_00000.pt").is_file()
+    manifest = ckpt.verify_checkpoint(path)
+    assert any(name.startswith("dcp/") for name in manifest["files"])
+    rows = [json.loads(line) for line in (tmp_path.parent / dist_checkpoint.CHECKPOINT_LOG).read_text().splitlines()]
+    assert rows[-1]["step"] == 3 and rows[-1]["stall_s"] >= 0 and rows[-1]["bytes"] > 0
+    expected = train_steps(a, 3)
+
+    b = make_setup(index, seed=1)  # other initial weights: all must come from the checkpoint
+    state = parallel.load_checkpoint(load_state, b, ckpt.latest_good(tmp_path), CTX)
+    assert state["step"] == 3 and b.loader.position == 3 * 4
+    assert train_steps(b, 3) == expected
+    for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_read_checkpoint_consolidates_a_sharded_model(index, tmp_path):
+    a = make_setup(index)
+    train_steps(a, 1)
+    dist_checkpoint.save_sharded(a, tmp_path, 1, {}, CTX, wait=True)
+    tensors, state = ckpt.read_checkpoint(tmp_path / ckpt.step_dir_name(1))
+    assert state["step"] == 1
+    live = a.model.state_dict()
+    assert tensors["model"].keys() == live.keys()
+    assert all(torch.equal(tensors["model"][k], live[k]) for k in live)
+
+
+def test_truncated_shard_falls_back_to_the_previous_checkpoint(index, tmp_path, caplog):
+    a = make_setup(index)
+    for step in (1, 2):
+        train_steps(a, 1)
+        dist_checkpoint.save_sharded(a, tmp_path, step, {}, CTX, wait=True)
+    shard = next((tmp_path / ckpt.step_dir_name(2) / "dcp").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-10])
+    with caplog.at_level("WARNING"):
+        ref = ckpt.latest_good(tmp_path)
+    assert ref.step == 1
+    assert "manifest says" in caplog.text and "falling back" in caplog.text
+
+
+def test_single_file_checkpoint_loads_through_the_name_keyed_path(index, tmp_path):
+    """A one-process checkpoint (numbered optimizer state) restored through set_state_dict, the path
+    a job that grew from 1 to N processes takes."""
+    a = make_setup(index)
+    train_steps(a, 2)
+    save_state(a, tmp_path, 2, {})
+    expected = train_steps(a, 2)
+    b = make_setup(index, seed=1)
+    dist_checkpoint.load_any(b, ckpt.latest_good(tmp_path), CTX)
+    assert train_steps(b, 2) == expected
+
+
+@pytest.mark.parametrize(
+    ("saved_world", "saved_accum", "world", "expected"),
+    [(2, 1, 1, 2), (1, 2, 2, 1), (2, 3, 3, 2), (2, 1, 3, 1), (1, 1, 1, 1)],
+)
+def test_grad_accum_keeps_the_global_batch_when_it_divides(saved_world, saved_accum, world, expected):
+    ctx = parallel.DistContext(rank=0, world_size=world, local_rank=0, device=CPU)
+    assert parallel.grad_accum_for(1, 4, ctx, {"world_size": saved_world, "grad_accum": saved_accum}) == expected
+    assert parallel.grad_accum_for(5, 4, ctx, None) == 5
