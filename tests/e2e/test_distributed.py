@@ -130,7 +130,8 @@ def test_two_processes_match_one_process_at_every_step(one_process, tmp_path, pa
 
 
 def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path):
-    patch = {"model": {"dropout": 0.1}, "train": {"steps": STEPS, "batch_size": 4}, "checkpoint": {"interval": 4},
+    patch = {"model": {"dropout": 0.1}, "train": {"steps": STEPS, "batch_size": 4, "grad_accum": 3},
+             "checkpoint": {"interval": 4},
              "eval": {"interval": 100}}
     spec = write(tmp_path, "kill", patch)
     reference = tmp_path / "reference"
@@ -138,8 +139,13 @@ def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path):
 
     run_dir = tmp_path / "run"
     proc = start("train", str(spec), "--run-dir", str(run_dir), "--nproc", "2", "--max-restarts", "1")
-    kill_at = random.Random().randint(5, 14)
-    wait_for_step(run_dir, kill_at, proc)
+    # A random step after the first checkpoint is committed (steps are fast; commits are asynchronous).
+    deadline = time.time() + 180
+    while not ckpt.list_checkpoints(run_dir / "stages/main/checkpoints") and time.time() < deadline:
+        assert proc.poll() is None, proc.stderr.read()
+        time.sleep(0.02)
+    done = len((run_dir / "stages/main/metrics.jsonl").read_text().splitlines())
+    wait_for_step(run_dir, done + random.Random().randint(0, 3), proc)
     (torchrun,) = children(proc.pid)
     victim = random.Random().choice(children(torchrun))
     os.kill(victim, signal.SIGKILL)

@@ -6,6 +6,7 @@ was applied exactly once."""
 from __future__ import annotations
 
 import random
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -15,9 +16,9 @@ from runyard.market.server import ServerThread
 
 from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, operator_client, requirement
 
-TENANTS = 6
-DEPOSITS = 4
-DEMANDS = 3
+TENANTS = 4
+DEPOSITS = 3
+DEMANDS = 2
 THREADS = 16
 
 
@@ -42,9 +43,14 @@ def test_concurrent_clients_apply_each_request_once(store_url):
         provider.client.create_listing(**listing(devices_per_node=8, node_count=100, price_per_device_hour=360))
         tenants = [new_party(server.url, f"tenant-{i}", "tenant", ops) for i in range(TENANTS)]
 
-        # A client per thread-task: httpx clients are not shared across threads.
+        # One client per (thread, party): an httpx client is not shared across threads.
+        local = threading.local()
+
         def client_of(party):
-            return MarketClient(server.url, token=party.client.token, private_key=party.client.private_key)
+            cache = local.__dict__.setdefault("clients", {})
+            if party.name not in cache:
+                cache[party.name] = MarketClient(server.url, token=party.client.token, private_key=party.client.private_key)
+            return cache[party.name]
 
         deposits = [
             ((t.name, i), lambda t=t, i=i: client_of(t).deposit(1000 * (i + 1), idempotency_key=f"dep-{i}"))

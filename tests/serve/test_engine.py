@@ -92,3 +92,11 @@ def test_generate_from_an_export_equals_the_in_memory_model(tmp_path, tokenizer,
     assert Generator(loaded, tok).generate("def ", **kwargs) == Generator(model, tokenizer).generate(
         "def ", **kwargs
     )
+
+
+def test_generation_leaves_the_callers_mode_and_grad_state_alone(tokenizer, make_model):
+    model = make_model(tokenizer).train()
+    gen = Generator(model, tokenizer)
+    for _ in gen.stream("def ", max_tokens=3, temperature=0, stop_at_eos=False):
+        assert torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+    assert model.training

@@ -41,7 +41,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--retry-window", type=float, default=3600.0, help="seconds in which failures count")
     start.add_argument("--backoff", type=float, default=1.0, help="first restart delay in seconds (doubles)")
     start.add_argument("--slurm-partition", help="Slurm partition for sbatch (slurm backend)")
-    start.add_argument("--slurm-gres", default="gpu", help="GRES name of a device in Slurm (default gpu)")
+    start.add_argument("--slurm-gres", default="gpu",
+                       help="GRES name of a device in Slurm (default gpu; empty: ask for CPUs instead)")
     start.add_argument("--market", help="market URL: run the agent that takes leases from it")
     start.add_argument("--provider-key", help="the provider's Ed25519 private key file (with --market)")
     start.add_argument("--usage-interval", type=float, default=30.0, help="seconds between usage reports")

@@ -93,6 +93,7 @@ class ControlLoop:
                     self.store.transition(
                         job.id, S.PENDING, actor="reconcile",
                         reason="the daemon stopped before launching it; queued again", allocation=[],
+                        attempt=job.attempt - 1,
                     )
                 else:
                     self.store.update(job.id, next_start_at=time.time())

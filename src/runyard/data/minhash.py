@@ -7,8 +7,8 @@ cumulative sum for the whole batch), shingles combine `ngram` consecutive word h
 per document with `np.minimum.reduceat`.
 
 Words are maximal runs of ASCII letters, digits, '_' and non-ASCII bytes, lower-cased (ASCII). Hash
-family: h_p(x) = ((a_p * x + b_p) mod 2^64) >> 32 on 32-bit shingle hashes (multiply-add-shift,
-2-independent), seeded, so signatures are reproducible across processes and machines.
+family: h_p(x) = (a_p * x + b_p) mod 2^64 on 32-bit shingle hashes (multiply-add-shift; the minimum
+is taken over all 64 bits and its top 32 bits are stored), seeded, so signatures are reproducible across processes and machines.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _WORD_BYTE[0x80:] = True
 _LOWER = np.arange(256, dtype=np.uint8)
 _LOWER[ord("A") : ord("Z") + 1] += 32
 
-_CHUNK = 4096  # shingles per broadcast block: [4096, 128] uint64 = 4 MiB, cache friendly
+_CHUNK = 2048  # shingles per broadcast block: [2048, 128] uint64 = 2 MiB, near cache size
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -131,11 +131,14 @@ def _signatures_into(out: np.ndarray, texts: list[str], a: np.ndarray, b: np.nda
     if len(hashes) == 0:
         return
     x = hashes.astype(_U64)
+    block = np.empty((_CHUNK, len(a)), dtype=_U64)
     for lo in range(0, len(x), _CHUNK):
         xs, ds = x[lo : lo + _CHUNK], doc[lo : lo + _CHUNK]
-        with np.errstate(over="ignore"):
-            h = ((xs[:, None] * a[None, :] + b[None, :]) >> _U64(32)).astype(np.uint32)
+        h = block[: len(xs)]
+        # The minimum of the full 64-bit (a*x + b) is the min-hash; its top 32 bits are stored.
+        np.multiply(xs[:, None], a[None, :], out=h)
+        h += b[None, :]
         bounds = np.flatnonzero(np.concatenate([[True], ds[1:] != ds[:-1]]))
-        mins = np.minimum.reduceat(h, bounds, axis=0)
+        mins = (np.minimum.reduceat(h, bounds, axis=0) >> _U64(32)).astype(np.uint32)
         rows = ds[bounds]
         out[rows] = np.minimum(out[rows], mins)

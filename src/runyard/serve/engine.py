@@ -69,7 +69,7 @@ class Generator:
         eos_id: int | None = None,
     ):
         self.device = torch.device(device)
-        self.model = model.to(self.device).eval()
+        self.model = model.to(self.device)
         self.tokenizer = tokenizer
         self.eos_id = eos_id if eos_id is not None else find_eos_id(tokenizer)
 
@@ -99,32 +99,43 @@ class Generator:
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens}")
-        ctx = self.model.cfg.context_length
         generator = torch.Generator(device="cpu").manual_seed(seed)
         cache = self.model.new_kv_cache(batch_size=1)
 
-        with torch.inference_mode():
-            window = ids[-ctx:]
-            logits = self._forward(window, cache, 0)
-            pos = len(window)
-            for _ in range(max_tokens):
-                token = sample_next(logits.to("cpu"), temperature, top_k, top_p, generator)
-                if stop_at_eos and eos is not None and token == eos:
-                    return
-                yield token
-                ids.append(token)
-                if pos == ctx:
-                    # Context full: slide, re-prefilling the most recent half of it.
-                    window = ids[-(ctx // 2 or 1) :]
-                    logits = self._forward(window, cache, 0)
-                    pos = len(window)
-                else:
-                    logits = self._forward([token], cache, pos)
-                    pos += 1
+        was_training = self.model.training
+        self.model.eval()  # no dropout while sampling; the caller's mode is restored afterwards
+        try:
+            yield from self._decode(
+                ids, max_tokens, temperature, top_k, top_p, generator, cache, stop_at_eos, eos
+            )
+        finally:
+            self.model.train(was_training)
+
+    def _decode(self, ids, max_tokens, temperature, top_k, top_p, generator, cache, stop_at_eos, eos):
+        ctx = self.model.cfg.context_length
+        window = ids[-ctx:]
+        logits = self._forward(window, cache, 0)
+        pos = len(window)
+        for _ in range(max_tokens):
+            token = sample_next(logits.to("cpu"), temperature, top_k, top_p, generator)
+            if stop_at_eos and eos is not None and token == eos:
+                return
+            yield token
+            ids.append(token)
+            if pos == ctx:
+                # Context full: slide, re-prefilling the most recent half of it.
+                window = ids[-(ctx // 2 or 1) :]
+                logits = self._forward(window, cache, 0)
+                pos = len(window)
+            else:
+                logits = self._forward([token], cache, pos)
+                pos += 1
 
     def _forward(self, ids: list[int], cache, start_pos: int) -> torch.Tensor:
-        idx = torch.tensor([ids], dtype=torch.long, device=self.device)
-        return self.model(idx, kv_cache=cache, start_pos=start_pos)[0, -1]
+        # inference_mode only around the forward: a generator must not leave it on across its yields.
+        with torch.inference_mode():
+            idx = torch.tensor([ids], dtype=torch.long, device=self.device)
+            return self.model(idx, kv_cache=cache, start_pos=start_pos)[0, -1]
 
     def generate_ids(self, prompt_ids: Sequence[int], **kwargs) -> list[int]:
         """Completion token ids; keyword arguments as `iter_ids`."""

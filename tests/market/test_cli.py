@@ -1,0 +1,72 @@
+"""The command line for real: `runyard market serve` in a subprocess, client verbs against it, and the
+operator's `admin verify` and `admin audit` on the live store."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from runyard.market.server import free_port
+
+
+def runyard(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+    out = subprocess.run([sys.executable, "-m", "runyard", "market", *args], capture_output=True, text=True, env=env, timeout=120)
+    if check:
+        assert out.returncode == 0, out.stderr
+    return out
+
+
+@pytest.mark.slow
+def test_serve_register_verify_deposit_audit(tmp_path):
+    db, port = str(tmp_path / "market.db"), free_port()
+    env = {**os.environ, "RUNYARD_MARKET_IDENTITY": str(tmp_path / "tenant.json")}
+    token_file = tmp_path / "operator.token"
+    server = subprocess.Popen(
+        [sys.executable, "-m", "runyard", "market", "serve", "--db", db, "--port", str(port), "--fee-bps", "150",
+         "--operator-token-file", str(token_file), "--sweep-interval", "0.5"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert server.poll() is None, server.stderr.read()
+            assert time.monotonic() < deadline, "server did not start"
+            time.sleep(0.2)
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600"
+
+        registered = json.loads(runyard("register", "cli-lab", "--role", "tenant", "--url", url, env=env).stdout)
+        assert registered["state"] == "unverified" and "token" not in registered
+        assert oct((tmp_path / "tenant.json").stat().st_mode & 0o777) == "0o600"
+        runyard("deposit", "500", env=env)  # money may come in before verification; it cannot be spent
+        runyard("verify-request", "--evidence", "company 42", env=env)
+        verdict = runyard("admin", "verify", "cli-lab", "--approve", "--reason", "papers fine", "--db", db, env=env)
+        assert json.loads(verdict.stdout)["state"] == "verified"
+        assert json.loads(runyard("verify-status", env=env).stdout)["state"] == "verified"
+        placed = runyard("demand", "--kinds", "h100-80gb", "--devices", "2", "--duration-s", "3600",
+                         "--max-price", "100", env=env)  # fmt: skip
+        assert json.loads(placed.stdout)["state"] == "open"
+        too_much = runyard("demand", "--kinds", "h100-80gb", "--devices", "64", "--duration-s", "3600",
+                           "--max-price", "100", env=env, check=False)  # fmt: skip
+        assert too_much.returncode == 1 and "insufficient_funds" in too_much.stderr
+        statement = json.loads(runyard("statement", env=env).stdout)
+        assert statement["totals"]["deposited"] == 500 and statement["totals"]["reconciles"]
+        assert statement["market_fee_bps"] == 150
+        audit = runyard("admin", "audit", "--db", db, env=env)
+        assert audit.stdout.startswith("audit ok")
+        bad = runyard("demand", "--kinds", "h100-8gb", "--devices", "1", "--max-price", "1", env=env, check=False)
+        assert bad.returncode == 1 and "unknown accelerator kind" in bad.stderr
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
