@@ -7,7 +7,39 @@ from pathlib import Path
 
 from runyard.data.config import DataSpec
 
-WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "theta", "kappa", "lambda", "omega", "river", "stone", "cloud", "forest", "window", "garden", "engine", "signal", "number", "vector", "matrix", "tensor", "kernel", "buffer", "packet", "socket", "thread", "lock", "queue", "stack", "heap"]
+WORDS = [
+    "alpha",
+    "beta",
+    "gamma",
+    "delta",
+    "epsilon",
+    "zeta",
+    "theta",
+    "kappa",
+    "lambda",
+    "omega",
+    "river",
+    "stone",
+    "cloud",
+    "forest",
+    "window",
+    "garden",
+    "engine",
+    "signal",
+    "number",
+    "vector",
+    "matrix",
+    "tensor",
+    "kernel",
+    "buffer",
+    "packet",
+    "socket",
+    "thread",
+    "lock",
+    "queue",
+    "stack",
+    "heap",
+]
 
 
 def make_doc(rng: random.Random, n_words: int) -> str:
@@ -22,7 +54,9 @@ def make_doc(rng: random.Random, n_words: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_corpus(directory: Path, n_docs: int = 40, seed: int = 0, words: tuple[int, int] = (80, 200)) -> Path:
+def write_corpus(
+    directory: Path, n_docs: int = 40, seed: int = 0, words: tuple[int, int] = (80, 200)
+) -> Path:
     """n_docs distinct text files of random words under directory; returns the directory."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)

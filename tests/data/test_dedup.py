@@ -59,8 +59,10 @@ def test_near_duplicates_precision_and_recall():
     rng.shuffle(order)
     # Shuffle so duplicates come before their originals sometimes; truth is "one per planted pair".
     docs = [docs[i] for i in order]
-    truth_pairs = {frozenset((order.index(p), order.index(p_orig))) for p, p_orig in
-                   zip(sorted(planted), range(60), strict=True)}
+    truth_pairs = {
+        frozenset((order.index(p), order.index(p_orig)))
+        for p, p_orig in zip(sorted(planted), range(60), strict=True)
+    }
     result = near_duplicates(signatures(docs, 128, 5, seed=1), threshold=0.7)
     removed = set(np.flatnonzero(result.duplicate).tolist())
     removed_pairs = {frozenset((i, c[0])) for c in result.clusters for i in c[1:]}
@@ -90,8 +92,13 @@ def test_pipeline_removes_planted_duplicates_and_reports_clusters(tmp_path: Path
     lines = text.split("\n")
     lines[5] = lines[5] + " extra"
     (corpus / "copy_near.txt").write_text("\n".join(lines))
-    prepared = prepare_data(spec_for(str(corpus / "*.txt")), seed=0, report_dir=tmp_path / "rep",
-                            cache_dir=tmp_path / "c", progress=False)
+    prepared = prepare_data(
+        spec_for(str(corpus / "*.txt")),
+        seed=0,
+        report_dir=tmp_path / "rep",
+        cache_dir=tmp_path / "c",
+        progress=False,
+    )
     d = prepared.stats["dedup"]
     assert d["exact_removed"] == 2 and d["near_removed"] == 1
     assert d["largest_clusters"][0]["size"] == 2

@@ -11,8 +11,10 @@ from runyard.data.config import FilterSpec, NormalizeSpec
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
 
-PROSE = ("The river ran quietly past the old stone bridge, where children gathered each evening to watch "
-         "the boats drift toward the harbour and argue about which one would arrive first.\n") * 1
+PROSE = (
+    "The river ran quietly past the old stone bridge, where children gathered each evening to watch "
+    "the boats drift toward the harbour and argue about which one would arrive first.\n"
+) * 1
 PROSE += "Later that night the lamps were lit along the quay and the market stalls closed one by one.\n"
 
 
@@ -31,13 +33,19 @@ CASES = {
     "too_few_words": ({"min_words": 20}, "only four words here", PROSE),
     "too_many_words": ({"max_words": 30}, PROSE, "just a few words"),
     "mean_word_length_low": ({"min_mean_word_length": 3}, "a b c d e f g h i j", PROSE),
-    "mean_word_length_high": ({"max_mean_word_length": 10},
-                              "supercalifragilistic antidisestablishmentarianism pneumonoultramicroscopic", PROSE),
+    "mean_word_length_high": (
+        {"max_mean_word_length": 10},
+        "supercalifragilistic antidisestablishmentarianism pneumonoultramicroscopic",
+        PROSE,
+    ),
     "symbol_word_ratio": ({"max_symbol_word_ratio": 0.1}, "# a # b # c ... d # e", PROSE),
     "non_alpha_words": ({"max_non_alpha_word_fraction": 0.3}, "12 34 56 78 90 ok", PROSE),
     "duplicate_lines": ({"max_duplicate_line_fraction": 0.3}, "same line\n" * 5 + "other\n", PROSE),
-    "duplicate_paragraphs": ({"max_duplicate_paragraph_fraction": 0.3}, "para one\n\npara one\n\npara one",
-                             "first para\n\nsecond para"),
+    "duplicate_paragraphs": (
+        {"max_duplicate_paragraph_fraction": 0.3},
+        "para one\n\npara one\n\npara one",
+        "first para\n\nsecond para",
+    ),
     "top_ngram_repetition": ({"max_top_ngram_fraction": 0.2}, "buy now " * 30 + "please", PROSE),
     "ellipsis_lines": ({"max_ellipsis_line_fraction": 0.3}, "wait...\nand then...\nso…\nok", PROSE),
     "bullet_lines": ({"max_bullet_line_fraction": 0.5}, "• one\n• two\n- three\nend", PROSE),

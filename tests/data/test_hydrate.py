@@ -77,9 +77,20 @@ def test_hydrate_resumes_after_a_kill(published, tmp_path: Path):
     script = tmp_path / "interrupted.py"
     script.write_text(_INTERRUPTED)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    proc = subprocess.run([sys.executable, str(script), spec.sources[0].path, spec.store.url, prepared.fingerprint,
-                           str(Path(__file__).parent), str(tmp_path / "node")], env=env, capture_output=True,
-                          timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(script),
+            spec.sources[0].path,
+            spec.store.url,
+            prepared.fingerprint,
+            str(Path(__file__).parent),
+            str(tmp_path / "node"),
+        ],
+        env=env,
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == -signal.SIGKILL, proc.stderr.decode()[-2000:]
     dest = tmp_path / "node" / "datasets" / prepared.fingerprint[:32]
     assert not (dest / "prepared.json").exists()  # not usable half-way
@@ -107,13 +118,17 @@ def test_eviction_keeps_the_cache_under_its_limit(published, tmp_path: Path):
     old = cache / "datasets" / "old-dataset"
     old.mkdir(parents=True)
     (old / "blob").write_bytes(b"x" * 200_000)
-    size = sum(p.stat().st_size for p in prepared.dataset_dir.iterdir() if p.is_file() and not p.name.startswith("."))
-    result = hydrate_dataset(spec, prepared.fingerprint, cache_dir=cache, max_cache_bytes=size + 50_000,
-                             progress=False)
+    size = sum(
+        p.stat().st_size for p in prepared.dataset_dir.iterdir() if p.is_file() and not p.name.startswith(".")
+    )
+    result = hydrate_dataset(
+        spec, prepared.fingerprint, cache_dir=cache, max_cache_bytes=size + 50_000, progress=False
+    )
     assert result.evicted == ["old-dataset"] and not old.exists()
     with pytest.raises(DataError, match="cache limit"):
-        hydrate_dataset(spec, prepared.fingerprint, cache_dir=tmp_path / "tiny", max_cache_bytes=1000,
-                        progress=False)
+        hydrate_dataset(
+            spec, prepared.fingerprint, cache_dir=tmp_path / "tiny", max_cache_bytes=1000, progress=False
+        )
 
 
 def test_residency_refuses_before_any_byte_moves(published, tmp_path: Path):
@@ -126,11 +141,15 @@ def test_residency_refuses_before_any_byte_moves(published, tmp_path: Path):
     with pytest.raises(ResidencyError, match="no region label"):
         hydrate_dataset(unlabelled, prepared.fingerprint, cache_dir=tmp_path / "unknown", progress=False)
     # Publishing into a store in another region is refused too, and so is preparing into such a cache.
-    us_store = spec.model_copy(update={"residency": ["eu"], "store": spec.store.model_copy(update={"region": "us"})})
+    us_store = spec.model_copy(
+        update={"residency": ["eu"], "store": spec.store.model_copy(update={"region": "us"})}
+    )
     with pytest.raises(ResidencyError, match="store"):
         publish_dataset(prepared, us_store)
     with pytest.raises(ResidencyError):
         prepare_data(eu_only, seed=0, report_dir=None, cache_dir=tmp_path / "us2", progress=False)
     assert not (tmp_path / "us2").exists()
     ok = spec.model_copy(update={"residency": ["EU"], "cache_region": "eu"})
-    assert hydrate_dataset(ok, prepared.fingerprint, cache_dir=tmp_path / "eu", progress=False).bytes_copied > 0
+    assert (
+        hydrate_dataset(ok, prepared.fingerprint, cache_dir=tmp_path / "eu", progress=False).bytes_copied > 0
+    )

@@ -22,8 +22,15 @@ def counting_index(tmp_path: Path) -> Path:
     total = 8 * 120 + 5  # 120 sequences and a tail too short for another
     w = ShardWriter(tmp_path, "train", 1000, np.dtype(np.uint32))
     w.add_tokens(np.arange(total), np.array([total]))
-    write_index(tmp_path / "train.json", w.finish(), dtype=np.dtype(np.uint32), vocab_size=1 << 20, eos_id=0,
-                shard_tokens=1000, num_documents=1)
+    write_index(
+        tmp_path / "train.json",
+        w.finish(),
+        dtype=np.dtype(np.uint32),
+        vocab_size=1 << 20,
+        eos_id=0,
+        shard_tokens=1000,
+        num_documents=1,
+    )
     return tmp_path / "train.json"
 
 
@@ -63,7 +70,9 @@ def test_exact_restore_without_replay(counting_index: Path):
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_ranks_cover_every_sequence_once_per_epoch(counting_index: Path, world_size: int):
-    loaders = [TokenLoader(counting_index, SEQ, 4, seed=9, rank=r, world_size=world_size) for r in range(world_size)]
+    loaders = [
+        TokenLoader(counting_index, SEQ, 4, seed=9, rank=r, world_size=world_size) for r in range(world_size)
+    ]
     steps = 120 // (4 * world_size)
     seen = []
     for _ in range(steps):

@@ -45,9 +45,18 @@ def test_writer_cuts_fixed_shards_and_records_document_starts(tmp_path: Path):
     assert [e["tokens"] for e in entries] == [1024, 1024, 462]
     # Global document starts 0, 700, 1000, 2500 -> shard 0 holds 0,700,1000; shard 2 holds 2500-2048.
     assert [e["doc_starts"] for e in entries] == [[0, 700, 1000], [], [452]]
-    write_index(tmp_path / "train.json", entries, dtype=np.dtype(np.uint16), vocab_size=5000, eos_id=0,
-                shard_tokens=1024, num_documents=4)
-    stream = np.concatenate([open_shard(tmp_path / e["file"]) for e in load_index(tmp_path / "train.json")["shards"]])
+    write_index(
+        tmp_path / "train.json",
+        entries,
+        dtype=np.dtype(np.uint16),
+        vocab_size=5000,
+        eos_id=0,
+        shard_tokens=1024,
+        num_documents=4,
+    )
+    stream = np.concatenate(
+        [open_shard(tmp_path / e["file"]) for e in load_index(tmp_path / "train.json")["shards"]]
+    )
     np.testing.assert_array_equal(stream, np.concatenate(docs))
     verify_index(tmp_path / "train.json")
 
@@ -56,8 +65,15 @@ def test_checksum_mismatch_is_detected(tmp_path: Path):
     w = ShardWriter(tmp_path, "train", 1024, np.dtype(np.uint16))
     w.add_tokens(np.arange(3000) % 500, np.array([3000]))
     entries = w.finish()
-    write_index(tmp_path / "train.json", entries, dtype=np.dtype(np.uint16), vocab_size=500, eos_id=0,
-                shard_tokens=1024, num_documents=1)
+    write_index(
+        tmp_path / "train.json",
+        entries,
+        dtype=np.dtype(np.uint16),
+        vocab_size=500,
+        eos_id=0,
+        shard_tokens=1024,
+        num_documents=1,
+    )
     shard = tmp_path / entries[1]["file"]
     data = bytearray(shard.read_bytes())
     data[HEADER.size + 10] ^= 0xFF  # flip one token's bits; size and header stay valid

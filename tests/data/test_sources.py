@@ -35,7 +35,12 @@ def test_glob_with_excludes_and_stdlib_template(tmp_path: Path):
 
 
 def test_jsonl_field_gzip_and_bad_records(tmp_path: Path):
-    lines = [json.dumps({"text": "first"}), "{not json", json.dumps({"body": "no text"}), json.dumps({"text": "second"})]
+    lines = [
+        json.dumps({"text": "first"}),
+        "{not json",
+        json.dumps({"body": "no text"}),
+        json.dumps({"text": "second"}),
+    ]
     (tmp_path / "d.jsonl.gz").write_bytes(gzip.compress("\n".join(lines).encode()))
     docs, counts = read_all(SourceSpec(path=str(tmp_path / "*.jsonl.gz"), format="jsonl"))
     assert [t for _, t in docs] == ["first", "second"]

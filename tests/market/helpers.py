@@ -78,8 +78,13 @@ def fingerprint(market: Market) -> dict:
     from runyard.market.schema import ledger_accounts, metadata
 
     def read(conn, now):
-        counts = {t.name: conn.execute(select(func.count()).select_from(t)).scalar_one() for t in metadata.sorted_tables}
-        counters = [tuple(r) for r in conn.execute(select(ledger_accounts).order_by(ledger_accounts.c.id)).all()]
+        counts = {
+            t.name: conn.execute(select(func.count()).select_from(t)).scalar_one()
+            for t in metadata.sorted_tables
+        }
+        counters = [
+            tuple(r) for r in conn.execute(select(ledger_accounts).order_by(ledger_accounts.c.id)).all()
+        ]
         return {"counts": counts, "ledger": counters}
 
     return market.read(read)

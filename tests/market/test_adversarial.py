@@ -11,7 +11,16 @@ from runyard.market.payloads import usage_record
 from runyard.market.server import ServerThread
 from runyard.market.signing import generate_keypair, sign
 
-from .helpers import HOUR, assert_audit_ok, fingerprint, listing, new_party, open_market, operator_client, requirement
+from .helpers import (
+    HOUR,
+    assert_audit_ok,
+    fingerprint,
+    listing,
+    new_party,
+    open_market,
+    operator_client,
+    requirement,
+)
 
 
 @pytest.fixture
@@ -58,22 +67,46 @@ def test_forged_replayed_and_malformed_usage(world):
     err = refused(world, 422, "signature_invalid", lambda: forger.report_usage(lease, 1, t0, t0 + 600, 2400))
     assert "does not verify" in err.message
     # Tampered: a valid signature over other numbers.
-    body = {"seq": 1, "interval_start": t0, "interval_end": t0 + 600, "device_seconds": 2400, "evidence": None}
+    body = {
+        "seq": 1,
+        "interval_start": t0,
+        "interval_end": t0 + 600,
+        "device_seconds": 2400,
+        "evidence": None,
+    }
     body["signature"] = sign(p1.private_key, usage_record(lease, 1, t0, t0 + 600, 1200))
-    refused(world, 422, "signature_invalid", lambda: p1.request("POST", f"/v1/leases/{lease}/usage", body, key="k1"))
+    refused(
+        world,
+        422,
+        "signature_invalid",
+        lambda: p1.request("POST", f"/v1/leases/{lease}/usage", body, key="k1"),
+    )
     # Malformed signatures.
     for bad in ("!" * 86, "A" * 80):
-        refused(world, 422, None, lambda b=bad: p1.request("POST", f"/v1/leases/{lease}/usage", {**body, "signature": b}, key="k2"))
+        refused(
+            world,
+            422,
+            None,
+            lambda b=bad: p1.request("POST", f"/v1/leases/{lease}/usage", {**body, "signature": b}, key="k2"),
+        )
     # A valid record goes in once; a retry with its key returns the same record; a replay is refused.
     first = p1.report_usage(lease, 1, t0, t0 + 600, 2400, idempotency_key="rec-1")
     assert p1.report_usage(lease, 1, t0, t0 + 600, 2400, idempotency_key="rec-1")["id"] == first["id"]
     err = refused(world, 409, "usage_rejected", lambda: p1.report_usage(lease, 1, t0, t0 + 600, 2400))
     assert "replay" in err.message
-    refused(world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 + 300, t0 + 900, 100))  # overlaps
-    refused(world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 - 600, t0, 100))  # before start
+    refused(
+        world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 + 300, t0 + 900, 100)
+    )  # overlaps
+    refused(
+        world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 - 600, t0, 100)
+    )  # before start
     refused(world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 + 600, t0 + 2 * HOUR + 1, 100))
-    refused(world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 + 600, t0 + HOUR + 60, 100))  # future
-    refused(world, 422, "invalid_request", lambda: p1.report_usage(lease, 2, t0 + 600, t0 + 1200, 4 * 600 + 1))
+    refused(
+        world, 409, "usage_rejected", lambda: p1.report_usage(lease, 2, t0 + 600, t0 + HOUR + 60, 100)
+    )  # future
+    refused(
+        world, 422, "invalid_request", lambda: p1.report_usage(lease, 2, t0 + 600, t0 + 1200, 4 * 600 + 1)
+    )
     refused(world, 422, "invalid_request", lambda: p1.report_usage(lease, 2, t0 + 1200, t0 + 600, 1))
     # Another provider's key and token cannot report on this lease.
     refused(world, 404, "not_found", lambda: world["p2"].report_usage(lease, 2, t0 + 600, t0 + 1200, 100))
@@ -112,11 +145,16 @@ def test_cross_tenant_and_cross_provider_access(world):
     # No token or a wrong one.
     anon = MarketClient(world["server"].url)
     refused(world, 401, "unauthenticated", lambda: anon.leases())
-    refused(world, 401, "unauthenticated", lambda: MarketClient(world["server"].url, token="ryk_guess").statement())
+    refused(
+        world,
+        401,
+        "unauthenticated",
+        lambda: MarketClient(world["server"].url, token="ryk_guess").statement(),
+    )
 
 
 def test_unverified_or_revoked_parties_never_match(world):
-    ops, t1, t2, p2 = world["ops"], world["t1"], world["t2"], world["p2"]
+    ops, t2, p2 = world["ops"], world["t2"], world["p2"]
     p2.create_listing(**listing(accelerator_kind="l40s", price_per_device_hour=100))
     ops.decide("p-two", False, "licence withdrawn")  # verified -> rejected
     demand = t2.place_demand(requirement(accelerator_kinds=["l40s"]), 200)
@@ -132,11 +170,22 @@ def test_unverified_or_revoked_parties_never_match(world):
 
 
 def test_overdraft_and_double_settlement(world):
-    t1, t2, p1, ops, lease, t0 = world["t1"], world["t2"], world["p1"], world["ops"], world["lease"], world["start"]
-    err = refused(world, 409, "insufficient_funds", lambda: t2.place_demand(requirement(duration_s=100 * HOUR), 300))
+    t1, t2, p1, ops, lease, t0 = (
+        world["t1"],
+        world["t2"],
+        world["p1"],
+        world["ops"],
+        world["lease"],
+        world["start"],
+    )
+    err = refused(
+        world, 409, "insufficient_funds", lambda: t2.place_demand(requirement(duration_s=100 * HOUR), 300)
+    )
     assert "available" in err.message
     available = t1.balances()["accounts"][0]["available"]
-    refused(world, 409, "insufficient_funds", lambda: t1.withdraw(available + 1))  # escrow is not withdrawable
+    refused(
+        world, 409, "insufficient_funds", lambda: t1.withdraw(available + 1)
+    )  # escrow is not withdrawable
     refused(world, 409, "insufficient_funds", lambda: p1.withdraw(1))  # earned nothing yet
     refused(world, 409, "invalid_transition", lambda: t1.settle(lease))  # still running
     p1.report_usage(lease, 1, t0, t0 + HOUR, 4 * HOUR)
@@ -177,7 +226,10 @@ def test_bad_input_gets_clear_4xx(world):
         (lambda: t1.deposit(10**20), "amount"),
         (lambda: t1.request("POST", "/v1/funds/deposit", {"amount": "12"}, key="s"), "amount"),
         (lambda: t1.request("POST", "/v1/funds/deposit", {"amount": 1.5}, key="f"), "amount"),
-        (lambda: t1.place_demand(requirement(accelerator_kinds=["h100-8gb"]), 300), "unknown accelerator kind"),
+        (
+            lambda: t1.place_demand(requirement(accelerator_kinds=["h100-8gb"]), 300),
+            "unknown accelerator kind",
+        ),
         (lambda: t1.place_demand(requirement(device_count=0), 300), "device_count"),
         (lambda: t1.place_demand(requirement(), -1), "max_price_per_device_hour"),
         (lambda: t1.place_demand({**requirement(), "colour": "red"}, 300), "colour"),
@@ -193,12 +245,16 @@ def test_bad_input_gets_clear_4xx(world):
     # Oversized bodies are refused before they are read.
     before = fingerprint(world["market"])
     big = {"evidence": "x" * 200_000}
-    response = httpx.post(f"{url}/v1/accounts/me/verification", json=big, headers={"Authorization": f"Bearer {t1.token}"})
+    response = httpx.post(
+        f"{url}/v1/accounts/me/verification", json=big, headers={"Authorization": f"Bearer {t1.token}"}
+    )
     assert response.status_code == 413 and response.json()["error"] == "payload_too_large"
     response = httpx.post(f"{url}/v1/accounts", content=b"{" + b" " * 100_000 + b"}",
                           headers={"content-type": "application/json"})  # fmt: skip
     assert response.status_code == 413
-    response = httpx.post(f"{url}/v1/accounts", content=b"{not json", headers={"content-type": "application/json"})
+    response = httpx.post(
+        f"{url}/v1/accounts", content=b"{not json", headers={"content-type": "application/json"}
+    )
     assert response.status_code == 422 and response.json()["message"]
     assert fingerprint(world["market"]) == before
     assert httpx.get(f"{url}/openapi.json").json()["info"]["title"] == "runyard market"

@@ -16,7 +16,13 @@ from runyard.market.server import free_port
 
 
 def runyard(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
-    out = subprocess.run([sys.executable, "-m", "runyard", "market", *args], capture_output=True, text=True, env=env, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "runyard", "market", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     if check:
         assert out.returncode == 0, out.stderr
     return out
@@ -46,12 +52,16 @@ def test_serve_register_verify_deposit_audit(tmp_path):
             time.sleep(0.2)
         assert oct(token_file.stat().st_mode & 0o777) == "0o600"
 
-        registered = json.loads(runyard("register", "cli-lab", "--role", "tenant", "--url", url, env=env).stdout)
+        registered = json.loads(
+            runyard("register", "cli-lab", "--role", "tenant", "--url", url, env=env).stdout
+        )
         assert registered["state"] == "unverified" and "token" not in registered
         assert oct((tmp_path / "tenant.json").stat().st_mode & 0o777) == "0o600"
         runyard("deposit", "500", env=env)  # money may come in before verification; it cannot be spent
         runyard("verify-request", "--evidence", "company 42", env=env)
-        verdict = runyard("admin", "verify", "cli-lab", "--approve", "--reason", "papers fine", "--db", db, env=env)
+        verdict = runyard(
+            "admin", "verify", "cli-lab", "--approve", "--reason", "papers fine", "--db", db, env=env
+        )
         assert json.loads(verdict.stdout)["state"] == "verified"
         assert json.loads(runyard("verify-status", env=env).stdout)["state"] == "verified"
         placed = runyard("demand", "--kinds", "h100-80gb", "--devices", "2", "--duration-s", "3600",
@@ -65,7 +75,9 @@ def test_serve_register_verify_deposit_audit(tmp_path):
         assert statement["market_fee_bps"] == 150
         audit = runyard("admin", "audit", "--db", db, env=env)
         assert audit.stdout.startswith("audit ok")
-        bad = runyard("demand", "--kinds", "h100-8gb", "--devices", "1", "--max-price", "1", env=env, check=False)
+        bad = runyard(
+            "demand", "--kinds", "h100-8gb", "--devices", "1", "--max-price", "1", env=env, check=False
+        )
         assert bad.returncode == 1 and "unknown accelerator kind" in bad.stderr
     finally:
         server.terminate()

@@ -40,7 +40,9 @@ def test_concurrent_clients_apply_each_request_once(store_url):
     with ServerThread(market) as server:
         ops = operator_client(market, server.url)
         provider = new_party(server.url, "big-farm", "provider", ops)
-        provider.client.create_listing(**listing(devices_per_node=8, node_count=100, price_per_device_hour=360))
+        provider.client.create_listing(
+            **listing(devices_per_node=8, node_count=100, price_per_device_hour=360)
+        )
         tenants = [new_party(server.url, f"tenant-{i}", "tenant", ops) for i in range(TENANTS)]
 
         # One client per (thread, party): an httpx client is not shared across threads.
@@ -49,7 +51,9 @@ def test_concurrent_clients_apply_each_request_once(store_url):
         def client_of(party):
             cache = local.__dict__.setdefault("clients", {})
             if party.name not in cache:
-                cache[party.name] = MarketClient(server.url, token=party.client.token, private_key=party.client.private_key)
+                cache[party.name] = MarketClient(
+                    server.url, token=party.client.token, private_key=party.client.private_key
+                )
             return cache[party.name]
 
         deposits = [
@@ -85,10 +89,12 @@ def test_concurrent_clients_apply_each_request_once(store_url):
             for lid in lease_ids for seq in (1,)
         ]  # fmt: skip
         reported = run_twice_concurrently(reports)
-        for (a, b) in reported.values():
+        for a, b in reported.values():
             assert a["id"] == b["id"]
         # Second records and acknowledgements of the first, all at once.
-        owner = {a["lease_id"]: tenants[[t.name for t in tenants].index(k[0])] for k, (a, _) in placed.items()}
+        owner = {
+            a["lease_id"]: tenants[[t.name for t in tenants].index(k[0])] for k, (a, _) in placed.items()
+        }
         mixed = [
             (("use2", lid), lambda lid=lid: client_of(provider).report_usage(
                 lid, 2, started[lid] + 1800, started[lid] + 3600, 1800, idempotency_key=f"use-{lid}-2"))

@@ -83,20 +83,26 @@ def test_full_market_flow(store_url):
         t2.client.acknowledge(r1["id"])
         t2.client.acknowledge(r2["id"])
         ra1 = p2.client.report_usage(lease_a["id"], 1, start_a, start_a + HOUR, 4 * HOUR)
-        t1.client.submit_measurement(lease_a["id"], start_a, start_a + HOUR, 4 * HOUR - 60)  # within tolerance
+        t1.client.submit_measurement(
+            lease_a["id"], start_a, start_a + HOUR, 4 * HOUR - 60
+        )  # within tolerance
         t1.client.acknowledge(ra1["id"])
         assert ops.sweep()["closed"] == 1  # lease B's window is over
 
         # The second hour; tenant 1 disputes it; the operator resolves in part.
         ops.advance_clock(HOUR)
         ra2 = p2.client.report_usage(lease_a["id"], 2, start_a + HOUR, start_a + 2 * HOUR, 4 * HOUR)
-        dispute = t1.client.dispute(ra2["id"], "our job logged half the devices idle", claimed_device_seconds=2 * HOUR)
+        dispute = t1.client.dispute(
+            ra2["id"], "our job logged half the devices idle", claimed_device_seconds=2 * HOUR
+        )
         assert [d["id"] for d in p2.client.disputes()] == [dispute["id"]]
         assert p1.client.disputes() == []
         ops.sweep()
         held = t1.client.settle(lease_a["id"])
         assert held["state"] == "window_closed" and held["held_device_seconds"] == 4 * HOUR
-        resolved = ops.resolve_dispute(dispute["id"], "partial", "logs support 3 device-hours", device_seconds=3 * HOUR)
+        resolved = ops.resolve_dispute(
+            dispute["id"], "partial", "logs support 3 device-hours", device_seconds=3 * HOUR
+        )
         assert resolved["state"] == "partial"
 
         ops.advance_clock(700)  # past every dispute window

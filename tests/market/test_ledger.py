@@ -50,8 +50,18 @@ def test_the_audit_notices_tampered_counters(store_url):
 
     def run(conn, now):
         a = ledger.open_account(conn, "tenant:y:available", "tenant_available")
-        ledger.transfer(conn, ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS), a, 50, reason="deposit", actor="t", now=now)
-        conn.execute(ledger.ledger_accounts.update().where(ledger.ledger_accounts.c.id == a).values(credits_posted=60))
+        ledger.transfer(
+            conn,
+            ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS),
+            a,
+            50,
+            reason="deposit",
+            actor="t",
+            now=now,
+        )
+        conn.execute(
+            ledger.ledger_accounts.update().where(ledger.ledger_accounts.c.id == a).values(credits_posted=60)
+        )
         problems = invariants.check(conn)
         assert any(p.startswith("zero_sum") for p in problems)
         assert any("counters: tenant:y:available.credits_posted is 60" in p for p in problems)

@@ -15,7 +15,17 @@ from runyard.market.machines.dispute import DISPUTE
 from runyard.market.machines.identity import IDENTITY
 from runyard.market.machines.lease import CLOSED, LEASE
 from runyard.market.machines.record import RECORD
-from runyard.market.models import AckIn, AcceptIn, ContestIn, DemandIn, EndIn, ListingIn, MeasurementIn, ResolveIn, UsageIn
+from runyard.market.models import (
+    AcceptIn,
+    AckIn,
+    ContestIn,
+    DemandIn,
+    EndIn,
+    ListingIn,
+    MeasurementIn,
+    ResolveIn,
+    UsageIn,
+)
 from runyard.market.payloads import lease_terms, measurement, usage_record
 from runyard.market.schema import listings, transitions
 from runyard.market.signing import generate_keypair, sign
@@ -45,7 +55,12 @@ class World:
 
     def demand(self, devices=2, duration=HOUR, **req):
         body = DemandIn(
-            requirement={"accelerator_kinds": ["a100-80gb"], "device_count": devices, "duration_s": duration, **req},
+            requirement={
+                "accelerator_kinds": ["a100-80gb"],
+                "device_count": devices,
+                "duration_s": duration,
+                **req,
+            },
             max_price_per_device_hour=3600,
         )
         self.count += 1
@@ -53,7 +68,13 @@ class World:
 
     def running_lease(self, devices=2):
         lease = leases.get_lease(self.market, self.who("p"), self.demand(devices)["lease_id"])
-        leases.accept(self.market, self.who("p"), lease["id"], AcceptIn(signature=sign(self.keys["p"], lease_terms(lease, "USD"))), f"a{lease['id']}")
+        leases.accept(
+            self.market,
+            self.who("p"),
+            lease["id"],
+            AcceptIn(signature=sign(self.keys["p"], lease_terms(lease, "USD"))),
+            f"a{lease['id']}",
+        )
         return leases.start(self.market, self.who("p"), lease["id"], f"s{lease['id']}")
 
     def report(self, lease, seq, start, end, used):
@@ -63,7 +84,9 @@ class World:
 
     def log(self, entity, entity_id):
         def read(conn, now):
-            q = select(transitions).where(transitions.c.entity == entity, transitions.c.entity_id == entity_id)
+            q = select(transitions).where(
+                transitions.c.entity == entity, transitions.c.entity_id == entity_id
+            )
             return [dict(r) for r in conn.execute(q.order_by(transitions.c.id)).mappings()]
 
         return self.market.read(read)
@@ -94,7 +117,9 @@ def test_an_unaccepted_lease_expires_and_returns_its_escrow(world):
         leases.accept(m, world.who("p"), lease_id, AcceptIn(signature="A" * 86), "late")
     assert leases.sweep(m)["expired"] == 1
     lease = leases.get_lease(m, world.who("t"), lease_id)
-    assert lease["state"] == "expired" and lease["end_reason"] == "accept_timeout" and lease["refunded"] == 7200
+    assert (
+        lease["state"] == "expired" and lease["end_reason"] == "accept_timeout" and lease["refunded"] == 7200
+    )
     row = m.read(lambda c, n: dict(c.execute(select(listings)).mappings().one()))
     assert row["reserved"] == 0 and row["leases_expired"] == 1
     assert funds.balances(m, world.who("t"))["accounts"][0]["available"] == 100_000
@@ -106,17 +131,25 @@ def test_an_unaccepted_lease_expires_and_returns_its_escrow(world):
 def test_cancel_before_start_and_terminate_after(world):
     m = world.market
     lease_id = world.demand()["lease_id"]
-    leases.cancel(m, world.who("t"), lease_id, EndIn(reason_code="tenant_request", note="plans changed"), "c1")
+    leases.cancel(
+        m, world.who("t"), lease_id, EndIn(reason_code="tenant_request", note="plans changed"), "c1"
+    )
     assert leases.get_lease(m, world.who("t"), lease_id)["refunded"] == 7200
     running = world.running_lease()
     with pytest.raises(InvalidTransition):
         leases.cancel(m, world.who("t"), running["id"], EndIn(reason_code="tenant_request"), "c2")
     m.advance_clock(600, world.ops.actor)
     world.report(running, 1, running["started_at"], running["started_at"] + 600, 1200)
-    ended = leases.terminate(m, world.who("p"), running["id"], EndIn(reason_code="hardware_failure", note="PSU"), "x")
+    ended = leases.terminate(
+        m, world.who("p"), running["id"], EndIn(reason_code="hardware_failure", note="PSU"), "x"
+    )
     assert ended["state"] == "terminated" and ended["window_end"] == running["started_at"] + 600
     log = world.log("lease", running["id"])[-1]
-    assert (log["to_state"], log["actor"], log["reason"]) == ("terminated", f"provider:{world.who('p').id}", "hardware_failure: PSU")
+    assert (log["to_state"], log["actor"], log["reason"]) == (
+        "terminated",
+        f"provider:{world.who('p').id}",
+        "hardware_failure: PSU",
+    )
     m.advance_clock(601, world.ops.actor)
     leases.sweep(m)
     done = leases.get_lease(m, world.who("t"), running["id"])
@@ -128,7 +161,8 @@ def test_a_demand_expires_when_its_latest_start_passes(world):
     m = world.market
     # The only listing is an a100; this demand wants an l40s, so it waits, and then expires.
     body = DemandIn(
-        requirement={"accelerator_kinds": ["l40s"], "latest_start": m.now() + 100}, max_price_per_device_hour=100
+        requirement={"accelerator_kinds": ["l40s"], "latest_start": m.now() + 100},
+        max_price_per_device_hour=100,
     )
     demand = orders.place_demand(m, world.who("t"), body, "late")
     assert demand["state"] == "open"
@@ -155,9 +189,21 @@ def test_measurement_mismatch_opens_a_dispute_by_itself(world):
     far = world.report(lease, 2, t0 + 600, t0 + 1200, 1200)  # the tenant saw half: a dispute opens
     assert far["state"] == "disputed" and close["state"] == "reported"
     opened = usage.open_disputes(m, world.who("p"))
-    assert [(d["record_id"], d["opened_by"], d["claimed_device_seconds"]) for d in opened] == [(far["id"], "system", 600)]
+    assert [(d["record_id"], d["opened_by"], d["claimed_device_seconds"]) for d in opened] == [
+        (far["id"], "system", 600)
+    ]
     usage.resolve(m, world.ops, opened[0]["id"], ResolveIn(outcome="upheld", reason="tenant logs agree"), "r")
     assert usage.lease_usage(m, world.who("t"), lease["id"])["disputes"][0]["resolved_device_seconds"] == 600
+    # A measurement that arrives after a record's dispute window changes nothing: the record stands.
+    m.advance_clock(400, world.ops.actor)
+    late = world.report(lease, 3, t0 + 1200, t0 + 1500, 600)
+    m.advance_clock(601, world.ops.actor)
+    assert measure(t0 + 1200, t0 + 1500, 10, "m3")["dispute_id"] is None
+    assert (
+        usage.lease_usage(m, world.who("t"), lease["id"])["records"][2]["state"]
+        == late["state"]
+        == "reported"
+    )
 
 
 def test_provider_contests_a_partial_acknowledgement(world):
@@ -166,12 +212,20 @@ def test_provider_contests_a_partial_acknowledgement(world):
     m.advance_clock(HOUR, world.ops.actor)
     record = world.report(lease, 1, lease["started_at"], lease["started_at"] + HOUR, 2 * HOUR)
     usage.acknowledge(m, world.who("t"), record["id"], AckIn(accepted_device_seconds=HOUR), "ack")
-    dispute = usage.contest(m, world.who("p"), record["id"], ContestIn(reason="both devices were busy"), "contest")
-    assert (dispute["opener_side"], dispute["claimed_device_seconds"], dispute["counter_device_seconds"]) == ("provider", 2 * HOUR, HOUR)
+    dispute = usage.contest(
+        m, world.who("p"), record["id"], ContestIn(reason="both devices were busy"), "contest"
+    )
+    assert (dispute["opener_side"], dispute["claimed_device_seconds"], dispute["counter_device_seconds"]) == (
+        "provider",
+        2 * HOUR,
+        HOUR,
+    )
     m.advance_clock(700, world.ops.actor)
     assert settlement.settle(m, world.who("t"), lease["id"], "s1")["held_device_seconds"] == 2 * HOUR
     with pytest.raises(BadRequest, match="between 3600 and 7200"):
-        usage.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="partial", device_seconds=1, reason="x"), "r0")
+        usage.resolve(
+            m, world.ops, dispute["id"], ResolveIn(outcome="partial", device_seconds=1, reason="x"), "r0"
+        )
     usage.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="rejected", reason="ack stands"), "r1")
     done = leases.get_lease(m, world.who("t"), lease["id"])
     assert (done["state"], done["paid_provider"], done["refunded"]) == ("settled", 3600, 3600)

@@ -28,7 +28,9 @@ def demand(**kw) -> DemandView:
 
 
 def test_each_hard_constraint_excludes():
-    d = demand(allowed=frozenset({"eu"}), min_interconnect_rank=1, min_interconnect_gbps=400, latest_start=NOW + 60)
+    d = demand(
+        allowed=frozenset({"eu"}), min_interconnect_rank=1, min_interconnect_gbps=400, latest_start=NOW + 60
+    )
     assert fits(d, listing(1), 8, NOW) == NOW
     assert fits(d, listing(1, kind="a100-80gb"), 8, NOW) is None
     assert fits(d, listing(1), 3, NOW) is None  # not enough free devices
@@ -51,7 +53,9 @@ def test_price_then_time_then_id():
     twin = listing(4, price=200)
     assert best_listing(demand(), [dear, cheap_late, twin, cheap_now], free, NOW)[0].id == 2
     assert best_listing(demand(), [dear, cheap_late], free, NOW)[0].id == 1
-    assert best_listing(demand(start_classes=frozenset({"immediate"})), [dear, cheap_late], free, NOW)[0].id == 3
+    assert (
+        best_listing(demand(start_classes=frozenset({"immediate"})), [dear, cheap_late], free, NOW)[0].id == 3
+    )
 
 
 listings_st = st.lists(
@@ -59,19 +63,28 @@ listings_st = st.lists(
         lambda i, kind, price, sc, q, region: listing(
             i, kind=kind, price=price, start_class=sc, max_queue_s=q if sc == "queued" else 0, region=region
         ),
-        st.integers(0, 10**6), st.sampled_from(["h100-80gb", "a100-80gb", "l40s"]), st.integers(1, 20),
-        st.sampled_from(["immediate", "queued"]), st.integers(1, 900), st.sampled_from(["eu-west", "us-east"]),
+        st.integers(0, 10**6),
+        st.sampled_from(["h100-80gb", "a100-80gb", "l40s"]),
+        st.integers(1, 20),
+        st.sampled_from(["immediate", "queued"]),
+        st.integers(1, 900),
+        st.sampled_from(["eu-west", "us-east"]),
     ),  # fmt: skip
     max_size=25,
-    unique_by=lambda l: l.id,
+    unique_by=lambda x: x.id,
 )
 demands_st = st.lists(
     st.builds(
         lambda kinds, count, price, late: demand(
-            kinds=frozenset(kinds), device_count=count, max_price=price, latest_start=None if late is None else NOW + late
+            kinds=frozenset(kinds),
+            device_count=count,
+            max_price=price,
+            latest_start=None if late is None else NOW + late,
         ),
-        st.sets(st.sampled_from(["h100-80gb", "a100-80gb", "l40s"]), min_size=1), st.integers(1, 8),
-        st.integers(1, 20), st.none() | st.integers(0, 900),
+        st.sets(st.sampled_from(["h100-80gb", "a100-80gb", "l40s"]), min_size=1),
+        st.integers(1, 8),
+        st.integers(1, 20),
+        st.none() | st.integers(0, 900),
     ),  # fmt: skip
     max_size=25,
 )
@@ -80,7 +93,7 @@ demands_st = st.lists(
 @settings(max_examples=40, deadline=None)
 @given(listings_st, demands_st, st.integers(1, 16))
 def test_order_book_agrees_with_a_linear_scan(listings, demands, capacity):
-    free = {l.id: capacity for l in listings}
+    free = {x.id: capacity for x in listings}
     book = OrderBook(listings, free)
     for d in demands:
         expected = best_listing(d, listings, free, NOW)

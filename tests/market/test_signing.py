@@ -8,7 +8,9 @@ from runyard.market.signing import canonical_bytes, check_public_key, generate_k
 
 
 def test_canonical_encoding_is_key_order_independent_and_compact():
-    assert canonical_bytes({"b": 1, "a": [True, None, "é"]}) == canonical_bytes({"a": [True, None, "é"], "b": 1})
+    assert canonical_bytes({"b": 1, "a": [True, None, "é"]}) == canonical_bytes(
+        {"a": [True, None, "é"], "b": 1}
+    )
     assert canonical_bytes({"b": 1, "a": 2}) == b'{"a":2,"b":1}'
     assert canonical_bytes({"a": "é"}) == '{"a":"é"}'.encode()
 

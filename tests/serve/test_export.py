@@ -126,3 +126,10 @@ def test_loading_does_not_touch_the_global_rng(exported):
     torch.manual_seed(123)
     load_export(exported)
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_unserialisable_extra_config_is_refused_cleanly(tmp_path, tokenizer, tokenizer_path, make_model):
+    model = make_model(tokenizer)
+    with pytest.raises(ExportError, match="JSON-serialisable"):
+        export_model(model, model.cfg, tokenizer_path, tmp_path / "export", extra_config={"when": object()})
+    assert os.listdir(tmp_path) == []

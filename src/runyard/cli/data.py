@@ -19,8 +19,12 @@ def register(subparsers) -> None:
     )
     p.add_argument("spec", help="job spec YAML file")
     p.add_argument("--report-dir", type=Path, default=None, help="write report.md/json/png here too")
-    p.add_argument("--cache-dir", type=Path, default=None, help="data cache (default: data.cache_dir, "
-                   "$RUNYARD_CACHE_DIR or ~/.cache/runyard/data)")
+    p.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="data cache (default: data.cache_dir, $RUNYARD_CACHE_DIR or ~/.cache/runyard/data)",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(handler=_prepare)
 
@@ -33,10 +37,15 @@ def register(subparsers) -> None:
     )
     h.add_argument("spec", help="job spec YAML file")
     h.add_argument("--store", default=None, help="store URL or path (default: data.store.url)")
-    h.add_argument("--fingerprint", default=None,
-                   help="dataset to fetch (default: computed from the spec's sources, or the store's only one)")
+    h.add_argument(
+        "--fingerprint",
+        default=None,
+        help="dataset to fetch (default: computed from the spec's sources, or the store's only one)",
+    )
     h.add_argument("--cache-dir", type=Path, default=None, help="local cache directory")
-    h.add_argument("--max-cache-gb", type=float, default=None, help="evict least recently used datasets above this")
+    h.add_argument(
+        "--max-cache-gb", type=float, default=None, help="evict least recently used datasets above this"
+    )
     h.add_argument("--threads", type=int, default=4, help="parallel copies (default 4)")
     h.add_argument("--no-progress", action="store_true", help="no progress bars")
     h.set_defaults(handler=_hydrate)
@@ -49,8 +58,9 @@ def _prepare(args: argparse.Namespace) -> int:
     from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
-    prepared = prepare_data(spec.data, spec.seed, args.report_dir, cache_dir=args.cache_dir,
-                            progress=not args.no_progress)
+    prepared = prepare_data(
+        spec.data, spec.seed, args.report_dir, cache_dir=args.cache_dir, progress=not args.no_progress
+    )
     console = Console()
     console.print(Markdown(markdown_report(prepared.stats)))
     console.print(f"dataset: {prepared.dataset_dir}")
@@ -66,9 +76,18 @@ def _hydrate(args: argparse.Namespace) -> int:
     spec = load_spec(args.spec)
     fingerprint = args.fingerprint or find_fingerprint(spec.data, spec.seed, args.store)
     max_bytes = int(args.max_cache_gb * 1e9) if args.max_cache_gb is not None else None
-    result = hydrate_dataset(spec.data, fingerprint, store_url=args.store, cache_dir=args.cache_dir,
-                             max_cache_bytes=max_bytes, threads=args.threads, progress=not args.no_progress)
-    print(f"hydrated {result.prepared.dataset_dir}: {result.bytes_copied / 1e6:.1f} MB copied, "
-          f"{result.bytes_reused / 1e6:.1f} MB reused, {result.mb_per_s:.1f} MB/s"
-          + (f"; evicted {', '.join(result.evicted)}" if result.evicted else ""))
+    result = hydrate_dataset(
+        spec.data,
+        fingerprint,
+        store_url=args.store,
+        cache_dir=args.cache_dir,
+        max_cache_bytes=max_bytes,
+        threads=args.threads,
+        progress=not args.no_progress,
+    )
+    print(
+        f"hydrated {result.prepared.dataset_dir}: {result.bytes_copied / 1e6:.1f} MB copied, "
+        f"{result.bytes_reused / 1e6:.1f} MB reused, {result.mb_per_s:.1f} MB/s"
+        + (f"; evicted {', '.join(result.evicted)}" if result.evicted else "")
+    )
     return 0

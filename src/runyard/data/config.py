@@ -73,7 +73,9 @@ class FilterSpec(_Strict):
     )
     max_ellipsis_line_fraction: float | None = Field(default=None, ge=0, le=1)
     max_bullet_line_fraction: float | None = Field(default=None, ge=0, le=1)
-    samples_per_reason: int = Field(default=3, ge=0, le=100, description="removed documents kept in the report")
+    samples_per_reason: int = Field(
+        default=3, ge=0, le=100, description="removed documents kept in the report"
+    )
 
 
 class PiiSpec(_Strict):
@@ -121,7 +123,9 @@ class DataSpec(_Strict):
     residency: list[str] | None = Field(default=None, description="regions where the data may sit")
     workers: int | None = Field(default=None, ge=1, description="processes; default the core count")
     chunk_bytes: int = Field(
-        default=1 << 21, ge=1, description="text per tokenization chunk (the unit of resume; not in the fingerprint)"
+        default=1 << 22,
+        ge=1,
+        description="text per tokenization chunk (the unit of resume; not in the fingerprint)",
     )
     normalize: NormalizeSpec = Field(default_factory=NormalizeSpec)
     filters: FilterSpec = Field(default_factory=FilterSpec)

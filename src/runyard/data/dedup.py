@@ -15,7 +15,7 @@ import numpy as np
 from runyard.data.minhash import EMPTY
 
 
-def optimal_bands(threshold: float, num_perm: int, fn_weight: float = 0.8) -> tuple[int, int]:
+def optimal_bands(threshold: float, num_perm: int, fn_weight: float = 0.95) -> tuple[int, int]:
     """(bands, rows) with bands*rows <= num_perm minimising the weighted false positive and false
     negative probability mass around `threshold` (datasketch's rule). Missed pairs weigh more than
     extra candidates by default, because every candidate is confirmed against its signatures later."""
@@ -104,10 +104,12 @@ def near_duplicates(sigs: np.ndarray, threshold: float, bands: int | None = None
     uf = UnionFind(n)
     if len(pairs):
         # Confirm candidates in blocks to bound memory: [block, num_perm] comparisons.
-        agree = np.concatenate([
-            (sigs[pairs[i : i + 65536, 0]] == sigs[pairs[i : i + 65536, 1]]).mean(axis=1)
-            for i in range(0, len(pairs), 65536)
-        ])
+        agree = np.concatenate(
+            [
+                (sigs[pairs[i : i + 65536, 0]] == sigs[pairs[i : i + 65536, 1]]).mean(axis=1)
+                for i in range(0, len(pairs), 65536)
+            ]
+        )
         for a, c in pairs[agree >= threshold]:
             uf.union(int(a), int(c))
     roots = np.array([uf.find(i) for i in range(n)], dtype=np.int64)

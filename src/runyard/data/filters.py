@@ -94,7 +94,12 @@ _RULES: list[tuple[str, Callable[[_Doc, FilterSpec], float], str, str]] = [
         "max_duplicate_paragraph_fraction",
         "max",
     ),
-    ("top_ngram_repetition", lambda d, s: top_ngram_fraction(d.words, s.top_ngram_n), "max_top_ngram_fraction", "max"),
+    (
+        "top_ngram_repetition",
+        lambda d, s: top_ngram_fraction(d.words, s.top_ngram_n),
+        "max_top_ngram_fraction",
+        "max",
+    ),
     (
         "ellipsis_lines",
         lambda d, s: _line_fraction(d, lambda line: line.rstrip().endswith(_ELLIPSES)),

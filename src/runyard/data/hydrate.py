@@ -68,8 +68,11 @@ def publish_dataset(prepared: PreparedData, spec: DataSpec, store_url: str | Non
     residency.check_store(spec, url, region)
     fs, root = fsspec.core.url_to_fs(_join(url, prepared.fingerprint[:32]))
     fs.makedirs(root, exist_ok=True)
-    names = [e["file"] for idx in ("train.json", "heldout.json")
-             for e in json.loads((prepared.dataset_dir / idx).read_text())["shards"]]
+    names = [
+        e["file"]
+        for idx in ("train.json", "heldout.json")
+        for e in json.loads((prepared.dataset_dir / idx).read_text())["shards"]
+    ]
     for name in [*names, *META_FILES, "prepared.json"]:  # prepared.json last: marks the copy complete
         fs.put_file(str(prepared.dataset_dir / name), f"{root}/{name}")
     return _join(url, prepared.fingerprint[:32])
@@ -88,7 +91,9 @@ def evict_for(cache_root: Path, keep: str, needed: int, max_bytes: int) -> list[
     keep_dir = datasets / keep
     used += _dir_size(keep_dir) if keep_dir.exists() else 0
     evicted = []
-    for d in sorted(entries, key=lambda d: (d / ".last_used").stat().st_mtime if (d / ".last_used").exists() else 0):
+    for d in sorted(
+        entries, key=lambda d: (d / ".last_used").stat().st_mtime if (d / ".last_used").exists() else 0
+    ):
         if used + needed <= max_bytes:
             break
         size = _dir_size(d)
@@ -96,8 +101,10 @@ def evict_for(cache_root: Path, keep: str, needed: int, max_bytes: int) -> list[
         used -= size
         evicted.append(d.name)
     if used + needed > max_bytes:
-        raise DataError(f"the dataset needs {needed / 1e6:.1f} MB more but the cache limit is "
-                        f"{max_bytes / 1e6:.1f} MB with {used / 1e6:.1f} MB still in use")
+        raise DataError(
+            f"the dataset needs {needed / 1e6:.1f} MB more but the cache limit is "
+            f"{max_bytes / 1e6:.1f} MB with {used / 1e6:.1f} MB still in use"
+        )
     return evicted
 
 
@@ -125,12 +132,21 @@ def _copy_resumable(fs, src: str, dest: Path, expected_size: int, expected_sha: 
             return copied, have
         partial.unlink()  # a bad resume base or a bad copy: start this shard again once
         if attempt == 1:
-            raise ShardCorrupt(f"{src}: sha256 after copy does not match its index; the store copy is corrupt")
+            raise ShardCorrupt(
+                f"{src}: sha256 after copy does not match its index; the store copy is corrupt"
+            )
     raise AssertionError("unreachable")
 
 
-def hydrate_dataset(spec: DataSpec, fingerprint: str, store_url: str | None = None, cache_dir: Path | None = None,
-                    max_cache_bytes: int | None = None, threads: int = 4, progress: bool = True) -> HydrateResult:
+def hydrate_dataset(
+    spec: DataSpec,
+    fingerprint: str,
+    store_url: str | None = None,
+    cache_dir: Path | None = None,
+    max_cache_bytes: int | None = None,
+    threads: int = 4,
+    progress: bool = True,
+) -> HydrateResult:
     """Copy dataset `fingerprint` from the store into the local cache (see the module doc)."""
     url, _ = _store_region(spec, store_url)
     cache_root = resolve_cache_dir(spec, cache_dir)
@@ -142,9 +158,14 @@ def hydrate_dataset(spec: DataSpec, fingerprint: str, store_url: str | None = No
         raise DataError(f"the store has no complete dataset {key} (no {src_root}/prepared.json)")
     meta = {name: fs.cat_file(f"{root}/{name}") for name in (*META_FILES, "prepared.json")}
     shards = [e for idx in ("train.json", "heldout.json") for e in json.loads(meta[idx])["shards"]]
-    itemsize = {idx: 2 if json.loads(meta[idx])["dtype"] == "uint16" else 4 for idx in ("train.json", "heldout.json")}
-    sizes = {e["file"]: HEADER.size + e["tokens"] * itemsize["train.json" if e["file"].startswith("train") else "heldout.json"]
-             for e in shards}
+    itemsize = {
+        idx: 2 if json.loads(meta[idx])["dtype"] == "uint16" else 4 for idx in ("train.json", "heldout.json")
+    }
+    sizes = {
+        e["file"]: HEADER.size
+        + e["tokens"] * itemsize["train.json" if e["file"].startswith("train") else "heldout.json"]
+        for e in shards
+    }
     dest = cache_root / "datasets" / key
     evicted: list[str] = []
     if max_cache_bytes is not None:
@@ -158,8 +179,9 @@ def hydrate_dataset(spec: DataSpec, fingerprint: str, store_url: str | None = No
         task = bars.add_task("hydrate", total=sum(sizes.values()), info=f"{len(shards)} shards from {url}")
 
         def one(entry: dict) -> tuple[int, int]:
-            result = _copy_resumable(fs, f"{root}/{entry['file']}", dest / entry["file"], sizes[entry["file"]],
-                                     entry["sha256"])
+            result = _copy_resumable(
+                fs, f"{root}/{entry['file']}", dest / entry["file"], sizes[entry["file"]], entry["sha256"]
+            )
             bars.advance(task, sizes[entry["file"]])
             return result
 
@@ -188,8 +210,12 @@ def find_fingerprint(spec: DataSpec, seed: int, store_url: str | None = None) ->
         pass
     url, _ = _store_region(spec, store_url)
     fs, root = fsspec.core.url_to_fs(url)
-    found = [p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.exists(f"{p}/prepared.json")]
+    found = [
+        p.rstrip("/").rsplit("/", 1)[-1] for p in fs.ls(root, detail=False) if fs.exists(f"{p}/prepared.json")
+    ]
     if len(found) != 1:
-        raise DataError(f"cannot tell which dataset to hydrate from {url} (sources unreadable here, "
-                        f"{len(found)} datasets in the store); pass --fingerprint")
+        raise DataError(
+            f"cannot tell which dataset to hydrate from {url} (sources unreadable here, "
+            f"{len(found)} datasets in the store); pass --fingerprint"
+        )
     return found[0]

@@ -34,10 +34,15 @@ class TokenStream:
     def __init__(self, index_path: Path):
         self.index_path = Path(index_path)
         self.index = load_index(self.index_path)
-        self.shards = [open_shard(self.index_path.parent / e["file"]) for e in self.index["shards"]]
+        # Plain ndarray views of the maps: slicing a np.memmap object costs far more than the copy itself.
+        self.shards = [
+            np.asarray(open_shard(self.index_path.parent / e["file"])) for e in self.index["shards"]
+        ]
         for entry, shard in zip(self.index["shards"], self.shards, strict=True):
             if len(shard) != entry["tokens"]:
-                raise DataError(f"shard {entry['file']} holds {len(shard)} tokens, index says {entry['tokens']}")
+                raise DataError(
+                    f"shard {entry['file']} holds {len(shard)} tokens, index says {entry['tokens']}"
+                )
         sizes = np.array([len(s) for s in self.shards], dtype=np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(sizes)])
         self.total = int(self.offsets[-1])
@@ -57,13 +62,37 @@ class TokenStream:
             i, lo = i + 1, 0
         return np.concatenate(parts)
 
+    def windows(self, ids: np.ndarray, width: int) -> np.ndarray:
+        """int64 rows of `width` tokens starting at ids * width: one gather per shard for the rows that
+        sit inside a shard, a concatenating read for the few that cross a boundary."""
+        starts = np.asarray(ids, dtype=np.int64) * width
+        shard = np.searchsorted(self.offsets, starts, side="right") - 1
+        out = np.empty((len(starts), width), dtype=np.int64)
+        inside = starts + width <= self.offsets[shard + 1]
+        for s in np.unique(shard[inside]):
+            sel = np.flatnonzero(inside & (shard == s))
+            local = starts[sel] - self.offsets[s]
+            out[sel] = self.shards[s][local[:, None] + np.arange(width)]
+        for i in np.flatnonzero(~inside):
+            out[i] = self.read(int(starts[i]), width)
+        return out
+
 
 class TokenLoader:
     """Batches of shape [batch_size, seq_len] for one rank. `next_batch()` never stops: after the last
     sequence of an epoch it continues with the next epoch's permutation."""
 
-    def __init__(self, index_path: str | Path, seq_len: int, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, shuffle: bool = True, prefetch: int = 0):
+    def __init__(
+        self,
+        index_path: str | Path,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        rank: int = 0,
+        world_size: int = 1,
+        shuffle: bool = True,
+        prefetch: int = 0,
+    ):
         if seq_len < 1 or batch_size < 1:
             raise DataError(f"seq_len ({seq_len}) and batch_size ({batch_size}) must be positive")
         if not 0 <= rank < world_size:
@@ -81,7 +110,9 @@ class TokenLoader:
         self._perm = np.empty(0, dtype=np.int64)
         self._perm_lock = threading.Lock()
         self.prefetch = prefetch
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="runyard-prefetch") if prefetch else None
+        self._pool = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="runyard-prefetch") if prefetch else None
+        )
         self._pending: deque[tuple[int, Future]] = deque()
 
     # -- order -------------------------------------------------------------------------------------------
@@ -107,17 +138,16 @@ class TokenLoader:
 
     def sequence_ids(self, position: int) -> np.ndarray:
         """The sequence numbers this rank reads for the global step starting at stream `position`."""
-        first = position + self.rank * self.batch_size
+        stream_pos = position + self.rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        epochs = stream_pos // self.num_sequences
         out = np.empty(self.batch_size, dtype=np.int64)
-        for j in range(self.batch_size):  # a batch may straddle two epochs
-            p = first + j
-            out[j] = self._permutation(p // self.num_sequences)[p % self.num_sequences]
+        for epoch in np.unique(epochs):  # a batch may straddle two epochs
+            sel = epochs == epoch
+            out[sel] = self._permutation(int(epoch))[stream_pos[sel] % self.num_sequences]
         return out
 
     def _assemble(self, position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        width = self.seq_len + 1
-        rows = np.stack([self.stream.read(int(k) * width, width) for k in self.sequence_ids(position)])
-        rows = torch.from_numpy(rows.astype(np.int64))
+        rows = torch.from_numpy(self.stream.windows(self.sequence_ids(position), self.seq_len + 1))
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
     # -- batches -----------------------------------------------------------------------------------------
@@ -161,7 +191,9 @@ class TokenLoader:
         seed, seq_len and the data must match, or the position would mean other sequences."""
         for key in ("seed", "seq_len", "num_sequences"):
             if int(state[key]) != getattr(self, key):
-                raise DataError(f"loader state has {key}={state[key]}, but this loader has {getattr(self, key)}")
+                raise DataError(
+                    f"loader state has {key}={state[key]}, but this loader has {getattr(self, key)}"
+                )
         if bool(state.get("shuffle", 1)) != self.shuffle:
             raise DataError("loader state was saved with a different shuffle setting")
         self.position = int(state["position"])
@@ -173,8 +205,9 @@ class TokenLoader:
             self._pool = None
 
 
-def heldout_batches(index_path: str | Path, seq_len: int, batch_size: int, max_batches: int
-                    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def heldout_batches(
+    index_path: str | Path, seq_len: int, batch_size: int, max_batches: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The first `max_batches` batches of the split in stream order (no shuffle): the same for every
     call. If the split has fewer than batch_size sequences, one smaller batch is returned."""
     stream = TokenStream(Path(index_path))
@@ -184,7 +217,7 @@ def heldout_batches(index_path: str | Path, seq_len: int, batch_size: int, max_b
         raise DataError(f"{index_path}: {stream.total} tokens cannot make one sequence of {width} tokens")
     out = []
     for b in range(min(max_batches, max(1, n // batch_size))):
-        ids = range(b * batch_size, min(n, (b + 1) * batch_size))
-        rows = torch.from_numpy(np.stack([stream.read(k * width, width) for k in ids]).astype(np.int64))
+        ids = np.arange(b * batch_size, min(n, (b + 1) * batch_size))
+        rows = torch.from_numpy(stream.windows(ids, width))
         out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
     return out

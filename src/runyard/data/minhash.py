@@ -75,7 +75,9 @@ def shingle_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
     pw, inv = _powers(len(buf) + 1)
     with np.errstate(over="ignore"):
-        prefix = np.concatenate([[_U64(0)], np.cumsum((buf.astype(_U64) + _U64(1)) * pw[: len(buf)], dtype=_U64)])
+        prefix = np.concatenate(
+            [[_U64(0)], np.cumsum((buf.astype(_U64) + _U64(1)) * pw[: len(buf)], dtype=_U64)]
+        )
         words = _mix64((prefix[ends] - prefix[starts]) * inv[starts])
     word_doc = np.searchsorted(doc_start, starts, side="right") - 1
     nw = len(words)

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from runyard.data import residency
-from runyard.data.clean import PartResult, clean_part
+from runyard.data.clean import PartResult, clean_part, load_part, part_key, save_part
 from runyard.data.config import DataSpec
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.progress import progress_bars
@@ -83,14 +83,23 @@ def _source_base(pattern: str) -> str:
     return base if any(c in pattern for c in "*?[") else os.path.dirname(base)
 
 
-def fingerprint_inputs(spec: DataSpec, files: list[InputFile]) -> dict[str, str]:
-    """sha256 per source over (relative path, sha256 of bytes) of its files, in path order."""
+def fingerprint_inputs(
+    spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str] | None = None
+) -> dict[str, str]:
+    """sha256 per source over (relative path, sha256 of bytes) of its files, in path order. Per-file
+    digests are stored into `file_hashes` when given."""
     per_source: dict[int, hashlib._Hash] = {}
+    file_hashes = {} if file_hashes is None else file_hashes
     for f in files:
         base = _source_base(spec.sources[f.source].path)
-        rel = os.path.relpath(f.path, base) if base and not f.path.startswith(("s3:", "gs:", "http")) else f.path
+        rel = (
+            os.path.relpath(f.path, base)
+            if base and not f.path.startswith(("s3:", "gs:", "http"))
+            else f.path
+        )
         h = per_source.setdefault(f.source, hashlib.sha256())
-        h.update(f"{rel}\0{hashlib.sha256(read_bytes(f.path)).hexdigest()}\n".encode())
+        file_hashes[f.path] = hashlib.sha256(read_bytes(f.path)).hexdigest()
+        h.update(f"{rel}\0{file_hashes[f.path]}\n".encode())
     return {f"sources[{i}] {spec.sources[i].path}": h.hexdigest() for i, h in sorted(per_source.items())}
 
 
@@ -98,7 +107,9 @@ def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> st
     settings = spec.model_dump(mode="json", exclude=_NOT_FINGERPRINTED)
     if spec.tokenizer.path:
         settings["tokenizer_sha256"] = hashlib.sha256(Path(spec.tokenizer.path).read_bytes()).hexdigest()
-    blob = json.dumps({"v": PIPELINE_VERSION, "seed": seed, "settings": settings, "inputs": inputs}, sort_keys=True)
+    blob = json.dumps(
+        {"v": PIPELINE_VERSION, "seed": seed, "settings": settings, "inputs": inputs}, sort_keys=True
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -123,31 +134,55 @@ def load_prepared(dataset_dir: Path) -> PreparedData | None:
     paths = {k: dataset_dir / meta[k] for k in ("tokenizer_path", "train_index", "heldout_index")}
     if not all(p.exists() for p in paths.values()):
         return None
-    return PreparedData(vocab_size=meta["vocab_size"], eos_id=meta["eos_id"], fingerprint=meta["fingerprint"],
-                        stats=meta["stats"], input_fingerprints=meta["input_fingerprints"],
-                        dataset_dir=dataset_dir, **paths)
+    return PreparedData(
+        vocab_size=meta["vocab_size"],
+        eos_id=meta["eos_id"],
+        fingerprint=meta["fingerprint"],
+        stats=meta["stats"],
+        input_fingerprints=meta["input_fingerprints"],
+        dataset_dir=dataset_dir,
+        **paths,
+    )
 
 
-def prepare_data(data_spec: DataSpec, seed: int, report_dir: Path | None, cache_dir: Path | None = None,
-                 progress: bool = True) -> PreparedData:
+def prepare_data(
+    data_spec: DataSpec,
+    seed: int,
+    report_dir: Path | None,
+    cache_dir: Path | None = None,
+    progress: bool = True,
+) -> PreparedData:
     """Run (or reuse) the data stage for `data_spec`; write the data report to `report_dir` if given."""
     root = resolve_cache_dir(data_spec, cache_dir)
     residency.check_cache(data_spec, root)
     files = list_input_files(data_spec.sources)
-    inputs = fingerprint_inputs(data_spec, files)
+    file_hashes: dict[str, str] = {}
+    inputs = fingerprint_inputs(data_spec, files, file_hashes)
     fp = dataset_fingerprint(data_spec, seed, inputs)
     dataset_dir = root / "datasets" / fp[:32]
     with _locked(dataset_dir):
         prepared = load_prepared(dataset_dir)
         if prepared is None:
-            prepared = _prepare(data_spec, seed, files, inputs, fp, dataset_dir, progress)
+            parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
+            prepared = _prepare(data_spec, seed, parts, len(files), inputs, fp, dataset_dir, progress)
         (dataset_dir / ".last_used").touch()  # for least-recently-used eviction
     if report_dir is not None:
         write_report(Path(report_dir), prepared.stats)
     return prepared
 
 
-def _clean_all(spec: DataSpec, files: list[InputFile], progress: bool) -> list[PartResult]:
+def _worker_context():
+    """fork where there is one (no re-import of the caller's __main__, no interpreter start-up per
+    worker; the workers use only numpy and the standard library), else spawn."""
+    import multiprocessing
+
+    return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+
+
+def _clean_all(
+    spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str], step_dir: Path, progress: bool
+) -> list[PartResult]:
+    """Clean every part, reusing cached part results; new ones run in up to `workers` processes."""
     workers = min(spec.workers or cpu_count(), max(1, len(files)))
     # Parts of about equal bytes, several per worker so a slow part does not hold the others up.
     n_parts = max(1, min(len(files), workers * 4))
@@ -160,29 +195,44 @@ def _clean_all(spec: DataSpec, files: list[InputFile], progress: bool) -> list[P
             size = 0
         parts[-1].append(f)
         size += f.size
+    paths = [step_dir / f"{part_key(p, file_hashes, spec, PIPELINE_VERSION)}.npz" for p in parts]
+    results: list[PartResult | None] = [load_part(p) if p.exists() else None for p in paths]
+    todo = [i for i, r in enumerate(results) if r is None]
     with progress_bars(progress) as bars:
-        task = bars.add_task("clean + minhash", total=len(parts), info=f"{len(files)} files, {workers} procs")
-        if workers == 1:
-            results = []
-            for part in parts:
-                results.append(clean_part(part, spec))
+        task = bars.add_task(
+            "clean + minhash",
+            total=len(parts),
+            completed=len(parts) - len(todo),
+            info=f"{len(files)} files, {len(todo)} parts to do, {min(workers, max(1, len(todo)))} procs",
+        )
+        if workers == 1 or len(todo) <= 1:
+            done = (clean_part(parts[i], spec) for i in todo)
+            pool = None
+        else:
+            pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=_worker_context())
+            done = (f.result() for f in [pool.submit(clean_part, parts[i], spec) for i in todo])
+        try:
+            for i, result in zip(todo, done, strict=True):  # in order: independent of scheduling
+                save_part(paths[i], result)
+                results[i] = result
                 bars.advance(task)
-            return results
-        with ProcessPoolExecutor(workers, mp_context=get_context("spawn")) as pool:
-            futures = [pool.submit(clean_part, part, spec) for part in parts]
-            results = []
-            for fut in futures:  # in order, so the result does not depend on scheduling
-                results.append(fut.result())
-                bars.advance(task)
-            return results
+        finally:
+            if pool is not None:
+                pool.shutdown(cancel_futures=True)
+    return [r for r in results if r is not None]
 
 
-def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str, str], fp: str,
-             dataset_dir: Path, progress: bool) -> PreparedData:
-    t0 = time.perf_counter()
+def _prepare(
+    spec: DataSpec,
+    seed: int,
+    parts: list[PartResult],
+    n_files: int,
+    inputs: dict[str, str],
+    fp: str,
+    dataset_dir: Path,
+    progress: bool,
+) -> PreparedData:
     timings: dict[str, float] = {}
-    parts = _clean_all(spec, files, progress)
-    timings["clean_s"] = time.perf_counter() - t0
 
     counts: dict[str, int] = {}
     removed: dict[str, int] = {}
@@ -199,10 +249,15 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
     texts = [t for p in parts for t in p.texts]
     hashes = [h for p in parts for h in p.exact]
     if counts.get("documents_read", 0) == 0:
-        raise DataError(f"the data sources hold no documents ({counts.get('files', 0)} files read); "
-                        "check data.sources and their encoding_errors policy")
-    steps = [{"step": "read", "documents": counts.get("documents_read", 0), "chars": counts.get("chars_read", 0)},
-             {"step": "filter", "documents": len(texts), "chars": sum(len(t) for t in texts)}]
+        raise DataError(
+            f"the data sources hold no documents ({counts.get('files', 0)} files read); "
+            "check data.sources and their encoding_errors policy"
+        )
+    sizes = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
+    steps = [
+        {"step": "read", "documents": counts.get("documents_read", 0), "bytes": counts.get("bytes_read", 0)},
+        {"step": "filter", "documents": len(texts), "bytes": int(sizes.sum())},
+    ]
 
     t = time.perf_counter()
     keep = np.ones(len(texts), dtype=bool)
@@ -211,30 +266,33 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
         dup = exact_duplicates(hashes)
         keep &= ~dup
         dedup_stats["exact_removed"] = int(dup.sum())
-        steps.append({"step": "exact_dedup", "documents": int(keep.sum()),
-                      "chars": int(sum(len(t) for t, k in zip(texts, keep, strict=True) if k))})
+        steps.append({"step": "exact_dedup", "documents": int(keep.sum()), "bytes": int(sizes[keep].sum())})
     if spec.dedup.near and texts:
         sigs = np.concatenate([p.signatures for p in parts if p.signatures is not None])
         kept_idx = np.flatnonzero(keep)
         near = near_duplicates(sigs[kept_idx], spec.dedup.threshold, spec.dedup.bands)
         keep[kept_idx[near.duplicate]] = False
         dedup_stats.update(
-            near_removed=int(near.duplicate.sum()), bands=near.bands, rows=near.rows,
-            candidate_pairs=near.candidate_pairs, clusters=len(near.clusters),
+            near_removed=int(near.duplicate.sum()),
+            bands=near.bands,
+            rows=near.rows,
+            candidate_pairs=near.candidate_pairs,
+            clusters=len(near.clusters),
             largest_clusters=[
                 {"size": len(c), "kept": ids[kept_idx[c[0]]], "members": [ids[kept_idx[i]] for i in c[1:6]]}
                 for c in near.clusters[: spec.dedup.report_clusters]
             ],
         )
-        steps.append({"step": "near_dedup", "documents": int(keep.sum()),
-                      "chars": int(sum(len(t) for t, k in zip(texts, keep, strict=True) if k))})
+        steps.append({"step": "near_dedup", "documents": int(keep.sum()), "bytes": int(sizes[keep].sum())})
     timings["dedup_s"] = time.perf_counter() - t
     ids = [i for i, k in zip(ids, keep, strict=True) if k]
     texts = [x for x, k in zip(texts, keep, strict=True) if k]
     hashes = [h for h, k in zip(hashes, keep, strict=True) if k]
     if len(texts) < 2:
-        raise DataError(f"only {len(texts)} document(s) left after filtering and deduplication; "
-                        "a train/held-out split needs at least 2")
+        raise DataError(
+            f"only {len(texts)} document(s) left after filtering and deduplication; "
+            "a train/held-out split needs at least 2"
+        )
 
     held = heldout_mask(hashes, seed, spec.heldout_fraction)
     split_docs = {
@@ -242,7 +300,9 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
         "heldout": [x for x, h in zip(texts, held, strict=True) if h],
     }
     heldout_ids = sorted(i for i, h in zip(ids, held, strict=True) if h)
-    atomic_write_json(dataset_dir / "split.json", {"method": SPLIT_METHOD, "seed": seed, "heldout": heldout_ids})
+    atomic_write_json(
+        dataset_dir / "split.json", {"method": SPLIT_METHOD, "seed": seed, "heldout": heldout_ids}
+    )
 
     t = time.perf_counter()
     tok_path = dataset_dir / "tokenizer.json"
@@ -255,8 +315,12 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
     else:
         with progress_bars(progress) as bars:
             bars.add_task("train BPE tokenizer", total=None, info=f"vocab {spec.tokenizer.vocab_size}")
-            tok = train_bpe(split_docs["train"], spec.tokenizer.vocab_size, spec.tokenizer.min_frequency,
-                            spec.tokenizer.train_max_bytes)
+            tok = train_bpe(
+                split_docs["train"],
+                spec.tokenizer.vocab_size,
+                spec.tokenizer.min_frequency,
+                spec.tokenizer.train_max_bytes,
+            )
         tok_source = "trained"
     if not tok_path.exists():
         tmp = tok_path.with_name(".tokenizer.json.tmp")
@@ -273,14 +337,26 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
         for split, docs in split_docs.items():
             total = sum(len(d) for d in docs)
             task = bars.add_task(f"tokenize {split}", total=total, info=f"{len(docs)} docs")
-            chunks = tokenize_chunks(tok, docs, eos, work, split, spec.chunk_bytes,
-                                     on_chunk=lambda n, task=task: bars.advance(task, n))
-            result = assemble_shards(chunks, dataset_dir, split, shard_tokens=spec.shard_tokens,
-                                     vocab_size=vocab, eos=eos)
+            chunks = tokenize_chunks(
+                tok,
+                docs,
+                eos,
+                work,
+                split,
+                spec.chunk_bytes,
+                on_chunk=lambda n, task=task: bars.advance(task, n),
+            )
+            result = assemble_shards(
+                chunks, dataset_dir, split, shard_tokens=spec.shard_tokens, vocab_size=vocab, eos=eos
+            )
             chars = sum(len(d) for d in docs)
             utf8 = sum(len(d.encode("utf-8")) for d in docs)
-            split_stats[split] = {**result, "chars": chars, "bytes": utf8,
-                                  "bytes_per_token": round(utf8 / max(1, result["tokens"] - result["documents"]), 4)}
+            split_stats[split] = {
+                **result,
+                "chars": chars,
+                "bytes": utf8,
+                "bytes_per_token": round(utf8 / max(1, result["tokens"] - result["documents"]), 4),
+            }
     timings["tokenize_s"] = time.perf_counter() - t
     shutil.rmtree(work, ignore_errors=True)
 
@@ -290,26 +366,41 @@ def _prepare(spec: DataSpec, seed: int, files: list[InputFile], inputs: dict[str
     stats = {
         "fingerprint": fp,
         "seed": seed,
-        "input_files": len(files),
+        "input_files": n_files,
         "read": counts,
         "steps": steps,
         "removed": removed,
         "removal_samples": samples,
         "pii": pii,
         "dedup": dedup_stats,
-        "split": {"method": SPLIT_METHOD, "heldout_fraction": spec.heldout_fraction,
-                  "heldout_ids_sha256": hashlib.sha256("\n".join(heldout_ids).encode()).hexdigest(), **split_stats},
-        "tokenizer": {"source": tok_source, "vocab_size": vocab, "eos_id": eos,
-                      "train_max_bytes": spec.tokenizer.train_max_bytes},
+        "split": {
+            "method": SPLIT_METHOD,
+            "heldout_fraction": spec.heldout_fraction,
+            "heldout_ids_sha256": hashlib.sha256("\n".join(heldout_ids).encode()).hexdigest(),
+            **split_stats,
+        },
+        "tokenizer": {
+            "source": tok_source,
+            "vocab_size": vocab,
+            "eos_id": eos,
+            "train_max_bytes": spec.tokenizer.train_max_bytes,
+        },
         "doc_length_histogram": {"unit": "characters", "edges": edges.tolist(), "counts": hist.tolist()},
         "timings": {k: round(v, 3) for k, v in timings.items()},
     }
-    meta = {"fingerprint": fp, "vocab_size": vocab, "eos_id": eos, "tokenizer_path": "tokenizer.json",
-            "train_index": "train.json", "heldout_index": "heldout.json", "stats": stats,
-            "input_fingerprints": {
-                **inputs,
-                **{f"shards {n}.json": sha256_file(dataset_dir / f"{n}.json") for n in ("train", "heldout")},
-            }}
+    meta = {
+        "fingerprint": fp,
+        "vocab_size": vocab,
+        "eos_id": eos,
+        "tokenizer_path": "tokenizer.json",
+        "train_index": "train.json",
+        "heldout_index": "heldout.json",
+        "stats": stats,
+        "input_fingerprints": {
+            **inputs,
+            **{f"shards {n}.json": sha256_file(dataset_dir / f"{n}.json") for n in ("train", "heldout")},
+        },
+    }
     atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
     prepared = load_prepared(dataset_dir)
     assert prepared is not None

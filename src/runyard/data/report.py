@@ -12,13 +12,23 @@ from runyard.data.shards import atomic_write_bytes
 
 def markdown_report(stats: dict[str, Any]) -> str:
     """The report as Markdown text."""
-    lines = ["# Data report", "", f"Dataset fingerprint: `{stats['fingerprint']}`  ", f"Seed: {stats['seed']}", ""]
-    lines += ["## Documents at each step", "", "| step | documents | characters |", "|---|---:|---:|"]
-    lines += [f"| {s['step']} | {s['documents']:,} | {s['chars']:,} |" for s in stats["steps"]]
+    lines = [
+        "# Data report",
+        "",
+        f"Dataset fingerprint: `{stats['fingerprint']}`  ",
+        f"Seed: {stats['seed']}",
+        "",
+    ]
+    lines += ["## Documents at each step", "", "| step | documents | bytes |", "|---|---:|---:|"]
+    lines += [f"| {s['step']} | {s['documents']:,} | {s['bytes']:,} |" for s in stats["steps"]]
     read = stats.get("read", {})
-    lines += ["", f"Files read: {read.get('files', 0):,}; bytes read: {read.get('bytes_read', 0):,}; "
-              f"undecodable replaced: {read.get('undecodable_replaced', 0)}, skipped: "
-              f"{read.get('undecodable_skipped', 0)}; bad records: {read.get('bad_records', 0)}", ""]
+    lines += [
+        "",
+        f"Files read: {read.get('files', 0):,}; bytes read: {read.get('bytes_read', 0):,}; "
+        f"undecodable replaced: {read.get('undecodable_replaced', 0)}, skipped: "
+        f"{read.get('undecodable_skipped', 0)}; bad records: {read.get('bad_records', 0)}",
+        "",
+    ]
     lines += ["## Removed by quality filters", ""]
     if stats["removed"]:
         lines += ["| reason | documents |", "|---|---:|"]
@@ -33,21 +43,47 @@ def markdown_report(stats: dict[str, Any]) -> str:
     if stats.get("pii"):
         lines += ["", "## PII replaced", "", *[f"- {k}: {v:,}" for k, v in sorted(stats["pii"].items())]]
     d = stats["dedup"]
-    lines += ["", "## Deduplication", "", f"Exact duplicates removed: {d['exact_removed']:,}  ",
-              f"Near duplicates removed: {d['near_removed']:,} (Jaccard >= {d['threshold']}"
-              + (f", {d['bands']} bands x {d['rows']} rows, {d['candidate_pairs']:,} candidate pairs" if "bands" in d else "")
-              + ")"]
+    lines += [
+        "",
+        "## Deduplication",
+        "",
+        f"Exact duplicates removed: {d['exact_removed']:,}  ",
+        f"Near duplicates removed: {d['near_removed']:,} (Jaccard >= {d['threshold']}"
+        + (
+            f", {d['bands']} bands x {d['rows']} rows, {d['candidate_pairs']:,} candidate pairs"
+            if "bands" in d
+            else ""
+        )
+        + ")",
+    ]
     for c in d.get("largest_clusters", []):
-        lines.append(f"- cluster of {c['size']}: kept `{c['kept']}`; e.g. " + ", ".join(f"`{m}`" for m in c["members"][:3]))
+        lines.append(
+            f"- cluster of {c['size']}: kept `{c['kept']}`; e.g. "
+            + ", ".join(f"`{m}`" for m in c["members"][:3])
+        )
     sp = stats["split"]
-    lines += ["", "## Split and tokens", "", f"Split: {sp['method']} (fraction {sp['heldout_fraction']})", "",
-              "| split | documents | bytes | tokens | shards | bytes/token |", "|---|---:|---:|---:|---:|---:|"]
+    lines += [
+        "",
+        "## Split and tokens",
+        "",
+        f"Split: {sp['method']} (fraction {sp['heldout_fraction']})",
+        "",
+        "| split | documents | bytes | tokens | shards | bytes/token |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for name in ("train", "heldout"):
         s = sp[name]
-        lines.append(f"| {name} | {s['documents']:,} | {s['bytes']:,} | {s['tokens']:,} | {s['shards']} | {s['bytes_per_token']} |")
+        lines.append(
+            f"| {name} | {s['documents']:,} | {s['bytes']:,} | {s['tokens']:,} | {s['shards']} | {s['bytes_per_token']} |"
+        )
     tok = stats["tokenizer"]
-    lines += ["", f"Tokenizer: {tok['source']}, vocabulary {tok['vocab_size']:,}, end-of-document id {tok['eos_id']}.",
-              "", "![document lengths](doc_lengths.png)", ""]
+    lines += [
+        "",
+        f"Tokenizer: {tok['source']}, vocabulary {tok['vocab_size']:,}, end-of-document id {tok['eos_id']}.",
+        "",
+        "![document lengths](doc_lengths.png)",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -60,8 +96,14 @@ def _histogram_png(stats: dict[str, Any], path: Path) -> None:
     h = stats["doc_length_histogram"]
     edges, counts = h["edges"], h["counts"]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.bar(edges[:-1], counts, width=[b - a for a, b in zip(edges[:-1], edges[1:], strict=True)], align="edge",
-           edgecolor="black", linewidth=0.4)
+    ax.bar(
+        edges[:-1],
+        counts,
+        width=[b - a for a, b in zip(edges[:-1], edges[1:], strict=True)],
+        align="edge",
+        edgecolor="black",
+        linewidth=0.4,
+    )
     ax.set_xscale("log")
     ax.set_xlabel(f"document length ({h['unit']})")
     ax.set_ylabel("documents")
@@ -74,6 +116,8 @@ def _histogram_png(stats: dict[str, Any], path: Path) -> None:
 def write_report(report_dir: Path, stats: dict[str, Any]) -> None:
     """Write report.json, report.md and doc_lengths.png into report_dir."""
     report_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_bytes(report_dir / "report.json", (json.dumps(stats, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write_bytes(
+        report_dir / "report.json", (json.dumps(stats, indent=1, sort_keys=True) + "\n").encode()
+    )
     atomic_write_bytes(report_dir / "report.md", markdown_report(stats).encode())
     _histogram_png(stats, report_dir / "doc_lengths.png")

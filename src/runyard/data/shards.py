@@ -94,7 +94,9 @@ def open_shard(path: Path) -> np.ndarray:
     if magic != MAGIC or version != VERSION or itemsize not in (2, 4):
         raise ShardCorrupt(f"shard {path} has a bad header (magic {magic!r}, version {version})")
     if size != HEADER.size + count * itemsize:
-        raise ShardCorrupt(f"shard {path} holds {size} bytes but its header says {count} tokens of {itemsize}")
+        raise ShardCorrupt(
+            f"shard {path} holds {size} bytes but its header says {count} tokens of {itemsize}"
+        )
     dtype = np.dtype("<u2" if itemsize == 2 else "<u4")
     if count == 0:
         return np.zeros(0, dtype=dtype)
@@ -105,7 +107,9 @@ def verify_shard(path: Path, expected_sha256: str) -> None:
     """Raise ShardCorrupt unless the file's sha256 is the expected one."""
     actual = sha256_file(path)
     if actual != expected_sha256:
-        raise ShardCorrupt(f"shard {path} fails its checksum: sha256 {actual[:16]}..., index says {expected_sha256[:16]}...")
+        raise ShardCorrupt(
+            f"shard {path} fails its checksum: sha256 {actual[:16]}..., index says {expected_sha256[:16]}..."
+        )
 
 
 class ShardWriter:
@@ -144,7 +148,9 @@ class ShardWriter:
     def _flush(self) -> None:
         name = f"{self.prefix}_{len(self.entries):05d}.bin"
         sha = write_shard(self.directory / name, self._buf[: self._fill], self.dtype)
-        self.entries.append({"file": name, "tokens": self._fill, "sha256": sha, "doc_starts": self._doc_starts})
+        self.entries.append(
+            {"file": name, "tokens": self._fill, "sha256": sha, "doc_starts": self._doc_starts}
+        )
         self._fill = 0
         self._doc_starts = []
 
@@ -154,8 +160,17 @@ class ShardWriter:
         return self.entries
 
 
-def write_index(path: Path, shards: list[dict[str, Any]], *, dtype: np.dtype, vocab_size: int, eos_id: int,
-                shard_tokens: int, num_documents: int, extra: dict[str, Any] | None = None) -> None:
+def write_index(
+    path: Path,
+    shards: list[dict[str, Any]],
+    *,
+    dtype: np.dtype,
+    vocab_size: int,
+    eos_id: int,
+    shard_tokens: int,
+    num_documents: int,
+    extra: dict[str, Any] | None = None,
+) -> None:
     """Write a split's shard index atomically; its presence marks the split as complete."""
     index = {
         "format": INDEX_FORMAT,

@@ -147,7 +147,9 @@ def iter_file_documents(source: SourceSpec, file: InputFile, counts: Counter) ->
         yield from _parquet_documents(source, file.path, data, counts)
 
 
-def _jsonl_documents(source: SourceSpec, path: str, data: bytes, counts: Counter) -> Iterator[tuple[str, str]]:
+def _jsonl_documents(
+    source: SourceSpec, path: str, data: bytes, counts: Counter
+) -> Iterator[tuple[str, str]]:
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
@@ -166,7 +168,9 @@ def _jsonl_documents(source: SourceSpec, path: str, data: bytes, counts: Counter
         yield f"{path}#L{lineno}", value
 
 
-def _parquet_documents(source: SourceSpec, path: str, data: bytes, counts: Counter) -> Iterator[tuple[str, str]]:
+def _parquet_documents(
+    source: SourceSpec, path: str, data: bytes, counts: Counter
+) -> Iterator[tuple[str, str]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 

@@ -11,7 +11,6 @@ changed nothing. Bodies above `max_body_bytes` are refused with 413 before they 
 name dependencies defined inside `create_app`.)
 """
 
-
 import logging
 from contextlib import asynccontextmanager
 from typing import Annotated

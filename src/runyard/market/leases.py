@@ -106,7 +106,9 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
         if lease["provider_id"] != principal.id:
             raise NotFound(f"no lease {lease_id} of yours")
         if lease["state"] != OFFERED:
-            raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an offered lease can be accepted")
+            raise InvalidTransition(
+                f"lease {lease_id} is {lease['state']}; only an offered lease can be accepted"
+            )
         if now > lease["accept_by"]:
             raise Conflict(f"lease {lease_id} had to be accepted by {lease['accept_by']}; it is expiring")
         verify(

@@ -202,9 +202,12 @@ def submit_measurement(
             .one_or_none()
         )
         dispute_id = None
+        # Only while the record can still be disputed: past its window it counts as accepted and may
+        # already have been paid, and settlement never takes money back.
         if (
             record is not None
             and record["state"] == REPORTED
+            and now <= record["received_at"] + _window(conn)
             and _mismatch(conn, record["device_seconds"], body.device_seconds)
         ):
             dispute_id = _open_dispute(

@@ -104,7 +104,11 @@ def export_model(
             "files": {name: _sha256(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
             "extra": extra_config or {},
         }
-        (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        try:
+            text = json.dumps(config, indent=2, sort_keys=True)
+        except (TypeError, ValueError) as exc:
+            raise ExportError(f"extra_config must be JSON-serialisable: {exc}") from None
+        (tmp / CONFIG_FILE).write_text(text + "\n", encoding="utf-8")
         for name in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE):
             _fsync_file(tmp / name)
         _fsync_dir(tmp)
@@ -180,8 +184,9 @@ def load_export(
     except (SafetensorError, OSError) as exc:
         raise ExportError(f"{export_dir / WEIGHTS_FILE} cannot be read: {exc}") from None
 
-    with torch.device("meta"):
-        expected = {k: v.shape for k, v in Transformer(cfg).state_dict().items()}
+    with torch.random.fork_rng(devices=[]):  # building must not advance the caller's RNG via init
+        model = Transformer(cfg)
+    expected = {k: v.shape for k, v in model.state_dict().items()}
     if cfg.tie_embeddings:
         expected.pop(_TIED_HEAD, None)
     missing = sorted(set(expected) - set(weights))
@@ -197,7 +202,5 @@ def load_export(
                 f"config implies {tuple(shape)}"
             )
 
-    with torch.random.fork_rng(devices=[]):  # loading must not advance the caller's RNG via init
-        model = Transformer(cfg)
     model.load_state_dict(weights, strict=not cfg.tie_embeddings)
     return model.to(device).eval(), cfg, tokenizer

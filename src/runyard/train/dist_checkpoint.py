@@ -120,6 +120,22 @@ def wait_pending(raise_errors: bool = True) -> None:
         log.warning("checkpoint of step %d was not completed: %s", pending.step, exc)
 
 
+_stager = None
+
+
+def _stager_for(device: torch.device):
+    """One stager per process, kept: it copies the state into CPU buffers it allocated at the first save
+    and reuses (a fresh allocation each time costs page faults, several times the copy itself)."""
+    global _stager
+    if _stager is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        cuda = device.type == "cuda"
+        _stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+                                               use_async_staging=False, use_non_blocking_copy=cuda))
+    return _stager
+
+
 def _write_rank_rng(tmp: Path, rank: int) -> None:
     tensors, json_state = capture_rng()
     rng_dir = tmp / RNG_DIR
@@ -173,7 +189,7 @@ def save_sharded(setup, ckpt_dir: Path, step: int, extra: dict, ctx, retain=None
     state_dict = {"model": model_sd, "optim": optim_sd}
     if use_async:
         write_future = dcp.async_save(state_dict, checkpoint_id=str(tmp / DCP_DIR), process_group=ctx.ckpt_group,
-                                      no_dist=not ctx.distributed)
+                                      no_dist=not ctx.distributed, async_stager=_stager_for(ctx.device))
     else:
         dcp.save(state_dict, checkpoint_id=str(tmp / DCP_DIR), process_group=ctx.ckpt_group,
                  no_dist=not ctx.distributed)
@@ -253,9 +269,9 @@ def load_any(setup, ref, ctx) -> dict:
 def read_full_state(path: Path, map_location: str | torch.device = "cpu") -> dict[str, Any]:
     """The whole model state dict of a sharded checkpoint, in this process alone (no collectives):
     for gates, export and tests. Returns {"model": {name: tensor}}."""
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
     import warnings
+
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     sd: dict[str, Any] = {}
     # dcp.load fills only the keys its argument already has; the low-level call builds them from metadata.
