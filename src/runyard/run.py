@@ -202,7 +202,7 @@ def evaluate_and_export(
 
     export_dir = run_dir / "export"
     export_model(model, config, prepared.tokenizer_path, export_dir,
-                 extra_config={"run": spec.name, "spec_sha256": spec.fingerprint()})
+                 extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()})
     # The training token distribution, for drift monitoring of live requests (serve/drift.py).
     DriftReference([int(c) for c in counts]).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))

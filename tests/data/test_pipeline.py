@@ -203,3 +203,35 @@ def test_process_count_does_not_change_the_dataset(tmp_path: Path):
     assert two.fingerprint == one.fingerprint  # the process count is not part of the fingerprint
     assert shard_hashes(two) == shard_hashes(one)
     assert two.stats["steps"] == one.stats["steps"]
+
+
+def test_clean_step_is_reused_when_only_later_settings_change(corpus: Path, tmp_path: Path, monkeypatch):
+    import runyard.data.pipeline as pipeline_module
+
+    calls = []
+    real = pipeline_module.clean_part
+    monkeypatch.setattr(pipeline_module, "clean_part", lambda *a: calls.append(1) or real(*a))
+    cache = tmp_path / "c"
+    a = prepare_data(
+        spec_for(str(corpus / "*.txt")), seed=0, report_dir=None, cache_dir=cache, progress=False
+    )
+    first = len(calls)
+    assert first >= 1 and list((cache / "steps" / "clean").glob("*.npz"))
+    b = prepare_data(
+        spec_for(str(corpus / "*.txt"), tokenizer={"vocab_size": 400}, heldout_fraction=0.3),
+        seed=0,
+        report_dir=None,
+        cache_dir=cache,
+        progress=False,
+    )
+    assert len(calls) == first  # cleaning reused; tokenizer and split redone
+    assert b.fingerprint != a.fingerprint and b.vocab_size == 400
+    assert b.stats["steps"] == a.stats["steps"] and b.stats["removed"] == a.stats["removed"]
+    prepare_data(
+        spec_for(str(corpus / "*.txt"), filters={"min_words": 5}),
+        seed=0,
+        report_dir=None,
+        cache_dir=cache,
+        progress=False,
+    )
+    assert len(calls) == 2 * first  # a cleaning setting changed: cleaned again

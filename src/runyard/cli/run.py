@@ -89,6 +89,19 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_generate)
 
     p = verbs.add_parser(
+        "serve",
+        help="serve a run's exported model over an OpenAI-compatible HTTP API",
+        description="Load RUN_DIR/export and serve POST /v1/completions (streaming with stream=true), "
+        "GET /healthz, GET /metrics (Prometheus: latency percentiles, drift) and GET /v1/drift (how far "
+        "live prompts have moved from the training distribution).",
+    )
+    p.add_argument("run_dir", type=Path, help="run directory (or its export/ directory)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--device", default="cpu", help="torch device to serve on (default cpu)")
+    p.set_defaults(handler=cmd_serve)
+
+    p = verbs.add_parser(
         "show",
         help="summarise a run directory",
         description="Print a run's spec hash, manifest, stages with their gates, and evaluation verdict.",
@@ -221,12 +234,22 @@ def cmd_generate(args) -> int:
     from runyard.serve.engine import Generator
     from runyard.serve.export import load_export
 
-    export_dir = args.run_dir / "export" if (args.run_dir / "export").is_dir() else args.run_dir
-    model, _cfg, tokenizer = load_export(export_dir)
+    model, _cfg, tokenizer = load_export(_export_dir(args.run_dir))
     text = Generator(model, tokenizer).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
     print(args.prompt + text)
+    return 0
+
+
+def _export_dir(path: Path) -> Path:
+    return path / "export" if (path / "export").is_dir() else path
+
+
+def cmd_serve(args) -> int:
+    from runyard.serve.server import serve_export
+
+    serve_export(_export_dir(args.run_dir), host=args.host, port=args.port, device=args.device)
     return 0
 
 

@@ -163,8 +163,12 @@ def prepare_data(
     with _locked(dataset_dir):
         prepared = load_prepared(dataset_dir)
         if prepared is None:
+            started = time.perf_counter()
             parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
-            prepared = _prepare(data_spec, seed, parts, len(files), inputs, fp, dataset_dir, progress)
+            timings = {"clean_s": time.perf_counter() - started}
+            prepared = _prepare(
+                data_spec, seed, parts, len(files), inputs, fp, dataset_dir, progress, timings
+            )
         (dataset_dir / ".last_used").touch()  # for least-recently-used eviction
     if report_dir is not None:
         write_report(Path(report_dir), prepared.stats)
@@ -231,8 +235,8 @@ def _prepare(
     fp: str,
     dataset_dir: Path,
     progress: bool,
+    timings: dict[str, float],
 ) -> PreparedData:
-    timings: dict[str, float] = {}
 
     counts: dict[str, int] = {}
     removed: dict[str, int] = {}

@@ -100,7 +100,7 @@ def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dic
     if lease["state"] not in SETTLEABLE:
         raise InvalidTransition(f"lease {lease_id} is {lease['state']}; it settles after its window closes")
     pos = position(conn, lease, now)
-    to_provider = pos["provider_share"] - lease["paid_provider"] // 2
+    to_provider = pos["provider_share"] - lease["paid_provider"]
     to_fees = pos["fee"] - lease["paid_fee"]
     if to_provider < 0 or to_fees < 0:  # accepted usage only grows; this would be a bug, never a refund
         raise AssertionError(

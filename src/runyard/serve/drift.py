@@ -5,7 +5,7 @@ the export as `drift_reference.json`. A `DriftMonitor` keeps a sliding window of
 compares:
 
 - token drift: Jensen-Shannon divergence (base 2, in [0, 1]) between the window's token histogram and
-  the training histogram, both add-half smoothed so unseen tokens do not make it infinite;
+  the training histogram;
 - length drift: population stability index (PSI) of prompt lengths over fixed log-spaced buckets,
   between the current window and the first `baseline` requests the server saw (training documents
   are whole files, so their lengths say nothing about what prompts should look like).
@@ -34,16 +34,31 @@ def length_histogram(lengths: list[int] | np.ndarray) -> np.ndarray:
     return hist.astype(np.int64)
 
 
+def _proportions(counts: np.ndarray) -> np.ndarray:
+    counts = np.asarray(counts, dtype=np.float64)
+    total = counts.sum()
+    return counts / total if total > 0 else np.full(len(counts), 1.0 / len(counts))
+
+
 def js_divergence(p_counts: np.ndarray, q_counts: np.ndarray) -> float:
-    p = (p_counts + 0.5) / (p_counts.sum() + 0.5 * len(p_counts))
-    q = (q_counts + 0.5) / (q_counts.sum() + 0.5 * len(q_counts))
+    """Jensen-Shannon divergence in bits: finite without smoothing, since the mixture is positive
+    wherever either side is."""
+    p, q = _proportions(p_counts), _proportions(q_counts)
     m = 0.5 * (p + q)
-    return float(0.5 * np.sum(p * np.log2(p / m)) + 0.5 * np.sum(q * np.log2(q / m)))
+
+    def kl(a: np.ndarray) -> float:
+        mask = a > 0
+        return float(np.sum(a[mask] * np.log2(a[mask] / m[mask])))
+
+    return 0.5 * kl(p) + 0.5 * kl(q)
+
+
+PSI_FLOOR = 1e-4  # empty buckets count as this share, the usual PSI convention, so it stays finite
 
 
 def psi(expected_counts: np.ndarray, actual_counts: np.ndarray) -> float:
-    e = (expected_counts + 0.5) / (expected_counts.sum() + 0.5 * len(expected_counts))
-    a = (actual_counts + 0.5) / (actual_counts.sum() + 0.5 * len(actual_counts))
+    e = np.maximum(_proportions(expected_counts), PSI_FLOOR)
+    a = np.maximum(_proportions(actual_counts), PSI_FLOOR)
     return float(np.sum((a - e) * np.log(a / e)))
 
 

@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import asdict
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -26,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.engine import Generator
 
 WINDOW = 1000  # latency quantiles are over this many most recent requests
@@ -136,8 +138,9 @@ class _StopScanner:
         return out
 
 
-def create_app(generator: Generator, model_name: str = "runyard") -> FastAPI:
-    """The HTTP app serving `generator` under `model_name`."""
+def create_app(generator: Generator, model_name: str = "runyard", drift: DriftMonitor | None = None) -> FastAPI:
+    """The HTTP app serving `generator` under `model_name`; with `drift`, every prompt is observed and
+    `/v1/drift` reports how far live inputs have moved from the training distribution."""
     app = FastAPI(title="runyard", description="OpenAI-compatible completions over a runyard export")
     metrics = LatencyMetrics()
     lock = threading.Lock()
@@ -156,13 +159,28 @@ def create_app(generator: Generator, model_name: str = "runyard") -> FastAPI:
 
     @app.get("/metrics", response_class=PlainTextResponse)
     def prometheus_metrics() -> str:
-        return metrics.prometheus()
+        text = metrics.prometheus()
+        if drift is not None:
+            report = drift.report()
+            for name, value in (("token_js", report.token_js), ("length_psi", report.length_psi)):
+                if value is not None:
+                    text += f"runyard_drift_{name} {value}\n"
+            text += f"runyard_drift_alert {int(report.drifting)}\n"
+        return text
+
+    @app.get("/v1/drift")
+    def drift_report() -> dict:
+        if drift is None:
+            return {"enabled": False}
+        return {"enabled": True, **asdict(drift.report())}
 
     def run(req: CompletionRequest) -> Iterator[tuple[str, str | None, int, int]]:
         """Yield (text piece, finish reason or None, prompt tokens, completion tokens so far)."""
         prompt_ids = generator.encode(req.prompt)
         ctx = generator.model.cfg.context_length
         prompt_ids = prompt_ids[-ctx:]  # longer prompts keep their most recent tokens
+        if drift is not None:
+            drift.observe(prompt_ids)
         with lock:
             started = time.perf_counter()
             first_token_s = None
@@ -248,4 +266,7 @@ def serve_export(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, de
         read_export_config(export_dir).get("extra", {}).get("run_name")
         or Path(export_dir).resolve().parent.name
     )
-    uvicorn.run(create_app(Generator(model, tokenizer, device=device), str(name)), host=host, port=port)
+    reference = DriftReference.load(Path(export_dir))
+    monitor = DriftMonitor(reference) if reference is not None else None
+    app = create_app(Generator(model, tokenizer, device=device), str(name), drift=monitor)
+    uvicorn.run(app, host=host, port=port)
