@@ -5,7 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from data_fixtures import write_corpus
+
+from tests.data.data_fixtures import write_corpus
 
 
 @pytest.fixture

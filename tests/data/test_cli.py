@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 
 import yaml
-from data_fixtures import write_corpus
 
 from runyard.cli import data as data_cli
 from runyard.errors import EXIT_BAD_SPEC, RunyardError
+from tests.data.data_fixtures import write_corpus
 
 
 def run_cli(argv: list[str]) -> int:

@@ -6,11 +6,11 @@ import random
 from pathlib import Path
 
 import numpy as np
-from data_fixtures import spec_for, write_corpus
 
 from runyard.data.dedup import exact_duplicates, near_duplicates, optimal_bands
 from runyard.data.minhash import EMPTY, signatures
 from runyard.data.pipeline import prepare_data
+from tests.data.data_fixtures import spec_for, write_corpus
 
 
 def base_docs(n: int, words: int, seed: int) -> list[list[str]]:

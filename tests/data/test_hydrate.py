@@ -10,12 +10,12 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from data_fixtures import spec_for, write_corpus
 
 from runyard.data.hydrate import hydrate_dataset, publish_dataset
 from runyard.data.pipeline import prepare_data
 from runyard.data.shards import ShardCorrupt, load_index, verify_index
 from runyard.errors import DataError, ResidencyError
+from tests.data.data_fixtures import spec_for, write_corpus
 
 
 @pytest.fixture

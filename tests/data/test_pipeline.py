@@ -11,13 +11,13 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from data_fixtures import spec_for, write_corpus
 
 from runyard.data.loader import TokenLoader, TokenStream, heldout_batches
 from runyard.data.pipeline import PreparedData, prepare_data
 from runyard.data.shards import load_index, verify_index
 from runyard.data.tokenizer import load_tokenizer
 from runyard.errors import DataError
+from tests.data.data_fixtures import spec_for, write_corpus
 
 
 def shard_hashes(prepared: PreparedData) -> dict[str, list[str]]:

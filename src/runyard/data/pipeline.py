@@ -92,11 +92,7 @@ def fingerprint_inputs(
     file_hashes = {} if file_hashes is None else file_hashes
     for f in files:
         base = _source_base(spec.sources[f.source].path)
-        rel = (
-            os.path.relpath(f.path, base)
-            if base and not f.path.startswith(("s3:", "gs:", "http"))
-            else f.path
-        )
+        rel = os.path.relpath(f.path, base) if base and "://" not in f.path else f.path
         h = per_source.setdefault(f.source, hashlib.sha256())
         file_hashes[f.path] = hashlib.sha256(read_bytes(f.path)).hexdigest()
         h.update(f"{rel}\0{file_hashes[f.path]}\n".encode())
