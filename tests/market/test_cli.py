@@ -15,13 +15,14 @@ import pytest
 from runyard.market.server import free_port
 
 
-def runyard(*args: str, env: dict, check: bool = True) -> subprocess.CompletedProcess:
+def runyard(*args: str, env: dict, check: bool = True, cwd=None) -> subprocess.CompletedProcess:
     out = subprocess.run(
         [sys.executable, "-m", "runyard", "market", *args],
         capture_output=True,
         text=True,
         env=env,
         timeout=120,
+        cwd=cwd,
     )
     if check:
         assert out.returncode == 0, out.stderr
@@ -67,6 +68,17 @@ def test_serve_register_verify_deposit_audit(tmp_path):
         placed = runyard("demand", "--kinds", "h100-80gb", "--devices", "2", "--duration-s", "3600",
                          "--max-price", "100", env=env)  # fmt: skip
         assert json.loads(placed.stdout)["state"] == "open"
+        (tmp_path / "job.yaml").write_text("name: tiny\nseed: 3\n")
+        with_job = runyard("demand", "--kinds", "h100-80gb", "--devices", "1", "--duration-s", "60",
+                           "--max-price", "100", "--job-spec", str(tmp_path / "job.yaml"),
+                           "--results-to", "out/tiny", env=env, cwd=tmp_path)  # fmt: skip
+        assert json.loads(with_job.stdout)["job"] == {
+            "spec": "name: tiny\nseed: 3\n",
+            "results_to": str(tmp_path / "out" / "tiny"),  # made absolute on the tenant's side
+        }
+        half = runyard("demand", "--kinds", "h100-80gb", "--devices", "1", "--duration-s", "60",
+                       "--max-price", "100", "--job-spec", str(tmp_path / "job.yaml"), env=env, check=False)  # fmt: skip
+        assert half.returncode == 1 and "--results-to" in half.stderr
         too_much = runyard("demand", "--kinds", "h100-80gb", "--devices", "64", "--duration-s", "3600",
                            "--max-price", "100", env=env, check=False)  # fmt: skip
         assert too_much.returncode == 1 and "insufficient_funds" in too_much.stderr

@@ -171,6 +171,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     demand.add_argument("--min-interconnect", help="ethernet, infiniband or nvlink")
     demand.add_argument("--max-price", type=int, help="maximum price per device-hour (minor units)")
     demand.add_argument("--cancel", type=int, metavar="DEMAND", help="cancel an open demand")
+    demand.add_argument(
+        "--job-spec",
+        type=Path,
+        metavar="FILE",
+        help="job spec (YAML) to run on the lease; only the lease's provider sees it",
+    )
+    demand.add_argument(
+        "--results-to",
+        metavar="PATH",
+        help="where the provider delivers the results: a local directory or a URL (required with --job-spec)",
+    )
     demand.set_defaults(handler=_demand)
 
     for name, method, help_text in (
@@ -383,13 +394,36 @@ def _demand(args: argparse.Namespace) -> int:
     client = _client(args)
     if args.cancel is not None:
         _print(client.cancel_demand(args.cancel, args.idempotency_key))
-    elif args.max_price is None and not (args.requirement or args.kinds):
+    elif args.max_price is None and not (args.requirement or args.kinds or args.job_spec):
         _print(client.demands())
     elif args.max_price is None:
         raise RunyardError("a demand needs --max-price (per device-hour, minor units)")
     else:
-        _print(client.place_demand(_requirement(args), args.max_price, args.idempotency_key))
+        _print(client.place_demand(_requirement(args), args.max_price, args.idempotency_key, job=_job(args)))
     return 0
+
+
+def _job(args: argparse.Namespace) -> dict | None:
+    """The demand's job from --job-spec and --results-to (a local path is made absolute)."""
+    from runyard.market.jobs import MAX_SPEC_BYTES
+
+    if args.job_spec is None and args.results_to is None:
+        return None
+    if args.job_spec is None or args.results_to is None:
+        raise RunyardError("--job-spec and --results-to go together: a job needs both")
+    try:
+        size = args.job_spec.stat().st_size
+        if size > MAX_SPEC_BYTES:
+            raise RunyardError(
+                f"{args.job_spec}: {size} bytes; a demand's job spec is at most {MAX_SPEC_BYTES}"
+            )
+        spec = args.job_spec.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RunyardError(f"cannot read --job-spec {args.job_spec}: {exc}") from exc
+    results_to = args.results_to
+    if "://" not in results_to:
+        results_to = str(Path(results_to).expanduser().resolve())
+    return {"spec": spec, "results_to": results_to}
 
 
 def _lease(args: argparse.Namespace) -> int:

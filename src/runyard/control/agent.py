@@ -12,9 +12,14 @@ Each round it
 - reports a lease whose job could not start (terminated with `job_failed`, so the market returns
   the escrow).
 
-Where the job comes from: `lease["job"]` ({"spec": YAML text, "results_to": path}) when the market
-carries it, else the local drop directory `<lease_jobs>/demand-<demand id>/spec.yaml`, with
-results delivered to `<lease_jobs>/demand-<demand id>/results/`.
+Where the job comes from: the demand's job, which the market shows on the lease to its parties
+(`lease["job"]` = {"spec": YAML text, "results_to": absolute path or file:// URL}); the spec is
+written to `<state dir>/agent/lease-<id>/spec.yaml` and run from there. A lease without a job
+falls back to the local drop directory `<lease_jobs>/demand-<demand id>/spec.yaml`, with results
+delivered to `<lease_jobs>/demand-<demand id>/results/`. Results are the run's eval/, export/,
+spec.yaml, manifest.json, data/report.*, stages/*/gates.json and metrics, never its checkpoints,
+copied atomically (see `deliver_results`); a `results_to` this agent cannot deliver to (another
+URL scheme, a directory holding other files) gets the lease rejected before any work.
 
 What it has done for each lease is kept in `<state dir>/agent/lease-<id>.json` (written
 atomically), so a restarted daemon neither accepts twice nor reports the same usage twice.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import threading
 import time
@@ -114,7 +120,8 @@ class MarketAgent:
         spec_path, results_to = found
         try:
             spec = load_spec(spec_path)
-        except (RunyardError, OSError) as exc:
+            delivery_target(results_to)
+        except (RunyardError, OSError, ValueError) as exc:
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
         # Write our intent before accepting: after a crash we resume from here, never accept twice.
@@ -189,17 +196,18 @@ class MarketAgent:
         return job.device_seconds + current
 
     def _deliver(self, record: dict, job: Job) -> None:
-        """Copy the run's results (not its checkpoints) to where the tenant asked for them."""
-        src, dest = Path(job.run_dir), Path(record["results_to"])
-        if src.exists():
-            tmp = dest.with_name(dest.name + ".partial")
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(src, tmp, ignore=shutil.ignore_patterns("checkpoints", "*.tmp*"))
-            shutil.rmtree(dest, ignore_errors=True)
-            tmp.rename(dest)  # the tenant sees all of it or none
+        """Copy the run's results (never its checkpoints) to where the tenant asked for them."""
+        try:
+            dest = delivery_target(record["results_to"])
+            copied = deliver_results(Path(job.run_dir), dest, {"lease_id": record["lease_id"], "job_id": job.id,
+                                                               "job_state": str(job.state)})
+            log.info("lease %s: %d result files of job %s delivered to %s", record["lease_id"], copied, job.id, dest)
+        except (OSError, ValueError) as exc:
+            # The lease still closes and settles; the results stay in the run directory here.
+            record["delivery_error"] = str(exc)[:2000]
+            log.error("lease %s: results of job %s not delivered: %s", record["lease_id"], job.id, exc)
         record["delivered"] = True
         self._save(record)
-        log.info("lease %s: results of job %s delivered to %s", record["lease_id"], job.id, dest)
 
     def _stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:
@@ -210,19 +218,21 @@ class MarketAgent:
 
     # -- where jobs come from, and the agent's own records ------------------------------------------
 
-    def _job_of(self, lease: dict) -> tuple[Path, Path] | None:
+    def _job_of(self, lease: dict) -> tuple[Path, str] | None:
+        """The lease's spec (written into the lease's own area here) and where its results go."""
         attached = lease.get("job")
-        folder = self.dir / f"lease-{lease['id']}"
         if isinstance(attached, dict) and "spec" in attached:
+            folder = self.dir / f"lease-{int(lease['id'])}"
             folder.mkdir(parents=True, exist_ok=True)
             spec_path = folder / "spec.yaml"
             spec_text = attached["spec"] if isinstance(attached["spec"], str) else yaml.safe_dump(attached["spec"])
             write_atomic(str(spec_path), spec_text)
-            return spec_path, Path(attached.get("results_to") or folder / "results")
-        drop = self.lease_jobs / f"demand-{lease['demand_id']}"
+            return spec_path, str(attached.get("results_to") or folder / "results")
+        # Fallback for demands that carry no job: the local drop directory.
+        drop = self.lease_jobs / f"demand-{int(lease['demand_id'])}"
         if not (drop / "spec.yaml").exists():
             return None
-        return drop / "spec.yaml", drop / "results"
+        return drop / "spec.yaml", str(drop / "results")
 
     def _path(self, lease_id: int) -> Path:
         return self.dir / f"lease-{int(lease_id)}.json"
@@ -235,6 +245,66 @@ class MarketAgent:
 
     def _save(self, record: dict[str, Any]) -> None:
         write_atomic(str(self._path(record["lease_id"])), json.dumps(record))
+
+
+# What a tenant gets of a run directory: everything but checkpoints, logs and scratch.
+RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "data/report.*",
+                   "stages/*/gates.json", "stages/*/metrics.jsonl")
+DELIVERY_MARKER = ".runyard-delivery.json"
+
+
+def delivery_target(results_to: str) -> Path:
+    """The local directory a lease's results go to; ValueError for what this agent cannot deliver to.
+
+    Accepts an absolute path or a file:// URL. Other schemes (e.g. a signed upload URL) are refused
+    up front, so the lease is rejected and the escrow returned rather than the work lost. A target
+    that already holds something other than an earlier delivery is refused too: the agent never
+    replaces a tenant's (or anyone's) files with a run's results.
+    """
+    if "://" in results_to:
+        scheme, _, rest = results_to.partition("://")
+        if scheme.lower() != "file":
+            raise ValueError(f"results_to {results_to[:200]!r}: this provider delivers only to local paths "
+                             f"or file:// URLs, not {scheme}://")
+        results_to = rest
+    path = Path(results_to)
+    if not path.is_absolute() or ".." in path.parts:
+        raise ValueError(f"results_to {results_to[:200]!r} must be an absolute path without '..'")
+    if path.is_symlink() or (path.exists() and not path.is_dir()):
+        raise ValueError(f"results_to {path} exists and is not a directory")
+    if path.is_dir() and any(path.iterdir()) and not (path / DELIVERY_MARKER).is_file():
+        raise ValueError(f"results_to {path} already holds files that are not an earlier runyard delivery")
+    return path
+
+
+def deliver_results(run_dir: Path, dest: Path, stamp: dict) -> int:
+    """Copy the run's result files into `dest` atomically (all or nothing); returns the files copied.
+
+    The files are assembled in a hidden sibling, fsynced, then renamed into place; an earlier
+    delivery at `dest` is swapped out only after the new one is complete.
+    """
+    delivery_target(str(dest))  # re-check: the target may have changed since the lease was accepted
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(f".{dest.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    files = sorted({p for pattern in RESULT_PATTERNS for p in run_dir.glob(pattern)
+                    if p.is_file() and not p.is_symlink() and "checkpoints" not in p.relative_to(run_dir).parts
+                    and ".tmp" not in p.name})
+    for src in files:
+        target = tmp / src.relative_to(run_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, target)
+        with open(target, "rb") as handle:
+            os.fsync(handle.fileno())
+    write_atomic(str(tmp / DELIVERY_MARKER), json.dumps({**stamp, "files": len(files)}))
+    old = dest.with_name(f".{dest.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dest.exists():
+        dest.rename(old)  # only an empty directory or an earlier delivery gets here (delivery_target)
+    tmp.rename(dest)
+    shutil.rmtree(old, ignore_errors=True)
+    return len(files)
 
 
 def metrics_digest(run_dir: str | Path) -> str:

@@ -15,7 +15,8 @@ the control plane's market agent). It imports no torch.
     tenant = MarketClient(url); tenant.register("lab", "tenant"); ...
     tenant.deposit(100_000)                          # minor units; idempotent (see below)
     demand = tenant.place_demand({"accelerator_kinds": ["h100-80gb"], "device_count": 4,
-                                  "duration_s": 7200}, max_price_per_device_hour=300)
+                                  "duration_s": 7200}, max_price_per_device_hour=300,
+                                 job={"spec": Path("job.yaml").read_text(), "results_to": "/srv/results/x"})
 
     lease = provider.leases(state="offered")[0]
     provider.accept_lease(lease["id"])               # signs the lease terms with the provider's key
@@ -214,10 +215,16 @@ class MarketClient:
         requirement: Requirement | dict,
         max_price_per_device_hour: int,
         idempotency_key: str | None = None,
+        job: dict | None = None,
     ) -> dict:
-        """Place a demand; its escrow (max price x devices x duration) is reserved at once."""
+        """Place a demand; its escrow (max price x devices x duration) is reserved at once.
+
+        `job` = {"spec": YAML text, "results_to": absolute path or URL}: the job to run on the
+        lease, seen only by the lease's provider and this tenant (see `runyard.market.jobs`)."""
         req = requirement.model_dump(mode="json") if isinstance(requirement, Requirement) else requirement
-        body = {"requirement": req, "max_price_per_device_hour": max_price_per_device_hour}
+        body: dict[str, Any] = {"requirement": req, "max_price_per_device_hour": max_price_per_device_hour}
+        if job is not None:
+            body["job"] = job
         return self._money("POST", "/v1/demands", body, idempotency_key)
 
     def demands(self) -> list[dict]:

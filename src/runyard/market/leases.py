@@ -11,6 +11,7 @@ from sqlalchemy import Connection, or_, select, update
 
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
+from runyard.market.jobs import job_of, job_sha256
 from runyard.market.machines import SYSTEM, Actor, transition
 from runyard.market.machines.demand import DEMAND
 from runyard.market.machines.demand import EXPIRED as DEMAND_EXPIRED
@@ -36,7 +37,33 @@ from runyard.market.signing import verify
 
 
 def lease_json(row) -> dict:  # type: ignore[no-untyped-def]
-    return dict(row)
+    return {k: v for k, v in dict(row).items() if k not in ("job_spec", "job_results_to")}
+
+
+def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def]
+    """A lease joined with its demand's job: `job` for the lease's parties only (not operators);
+    `job_sha256`, which the provider's acceptance signs, for anyone who may see the lease."""
+    out = lease_json(row)
+    job = job_of(row)
+    out["job_sha256"] = job_sha256(job)
+    if principal.id in (row["tenant_id"], row["provider_id"]):
+        out["job"] = job
+    return out
+
+
+def _job_query():  # type: ignore[no-untyped-def]
+    return select(leases, demands.c.job_spec, demands.c.job_results_to).join(
+        demands, demands.c.id == leases.c.demand_id
+    )
+
+
+def _job_digest(conn: Connection, demand_id: int) -> str | None:
+    row = (
+        conn.execute(select(demands.c.job_spec, demands.c.job_results_to).where(demands.c.id == demand_id))
+        .mappings()
+        .one()
+    )
+    return job_sha256(job_of(row))
 
 
 def lock_lease(conn: Connection, lease_id: int, principal: Principal | None) -> dict:
@@ -76,8 +103,12 @@ def refund_remainder(conn: Connection, lease: dict, actor: Actor, now: int) -> i
     return remaining
 
 
-def _end_before_start(conn: Connection, lease: dict, to: str, actor: Actor, reason: str, now: int) -> None:
-    transition(conn, LEASE, lease["id"], to, actor, reason, now, end_reason=reason)
+def _end_before_start(
+    conn: Connection, lease: dict, to: str, actor: Actor, reason: str, now: int, note: str = ""
+) -> None:
+    # end_reason keeps the code; the transition's reason also says why in the party's words.
+    why = f"{reason}: {note}" if note else reason
+    transition(conn, LEASE, lease["id"], to, actor, why, now, end_reason=reason)
     release_capacity(conn, lease)
     refund_remainder(conn, lease, actor, now)
     if to == EXPIRED:
@@ -111,6 +142,7 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
             )
         if now > lease["accept_by"]:
             raise Conflict(f"lease {lease_id} had to be accepted by {lease['accept_by']}; it is expiring")
+        lease["job_sha256"] = _job_digest(conn, lease["demand_id"])
         verify(
             principal.public_key,
             lease_terms(lease, Market.config(conn)["currency"]),
@@ -135,7 +167,7 @@ def reject(market: Market, principal: Principal, lease_id: int, body: EndIn, key
         lease = lock_lease(conn, lease_id, principal)
         if lease["provider_id"] != principal.id:
             raise NotFound(f"no lease {lease_id} of yours")
-        _end_before_start(conn, lease, REJECTED, principal.actor, body.reason_code, now)
+        _end_before_start(conn, lease, REJECTED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
     return market.idempotent(principal, key, "lease.reject", {"lease_id": lease_id, **body.model_dump()}, tx)
@@ -149,7 +181,7 @@ def cancel(market: Market, principal: Principal, lease_id: int, body: EndIn, key
         lease = lock_lease(conn, lease_id, principal)
         if principal.role == "tenant" and lease["tenant_id"] != principal.id:
             raise NotFound(f"no lease {lease_id} of yours")
-        _end_before_start(conn, lease, CANCELLED, principal.actor, body.reason_code, now)
+        _end_before_start(conn, lease, CANCELLED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
     return market.idempotent(principal, key, "lease.cancel", {"lease_id": lease_id, **body.model_dump()}, tx)
@@ -221,22 +253,22 @@ def list_leases(market: Market, principal: Principal, state: str | None = None) 
         raise BadRequest(f"unknown lease state {state!r}; expected one of {sorted(LEASE.states)}")
 
     def tx(conn: Connection, now: int) -> list[dict]:
-        query = select(leases).order_by(leases.c.id)
+        query = _job_query().order_by(leases.c.id)
         if principal.role != "operator":
             query = query.where(or_(leases.c.tenant_id == principal.id, leases.c.provider_id == principal.id))
         if state is not None:
             query = query.where(leases.c.state == state)
-        return [lease_json(r) for r in conn.execute(query).mappings()]
+        return [_with_job(r, principal) for r in conn.execute(query).mappings()]
 
     return market.read(tx)
 
 
 def get_lease(market: Market, principal: Principal, lease_id: int) -> dict:
     def tx(conn: Connection, now: int) -> dict:
-        row = conn.execute(select(leases).where(leases.c.id == lease_id)).mappings().one_or_none()
+        row = conn.execute(_job_query().where(leases.c.id == lease_id)).mappings().one_or_none()
         if row is None or not _party(principal, row):
             raise NotFound(f"no lease {lease_id} of yours")
-        out = lease_json(row)
+        out = _with_job(row, principal)
         out["terms"] = lease_terms(out, Market.config(conn)["currency"])
         return out
 

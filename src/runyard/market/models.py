@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runyard.market.jobs import MAX_RESULTS_TO, MAX_SPEC_BYTES, check_results_to, check_spec_text
 from runyard.market.ledger import MAX_AMOUNT
 from runyard.market.machines.lease import END_REASONS
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
@@ -69,9 +70,29 @@ class ListingIn(Strict):
         return self
 
 
+class JobIn(Strict):
+    """The job a demand carries (see `runyard.market.jobs`)."""
+
+    spec: str = Field(
+        min_length=1, max_length=MAX_SPEC_BYTES, description="the job spec, YAML text (a mapping)"
+    )
+    results_to: str = Field(
+        min_length=1, max_length=MAX_RESULTS_TO, description="absolute local path or URL for the results"
+    )
+
+    @model_validator(mode="after")
+    def _checked(self) -> JobIn:
+        check_spec_text(self.spec)
+        check_results_to(self.results_to)
+        return self
+
+
 class DemandIn(Strict):
     requirement: Requirement
     max_price_per_device_hour: int = Field(gt=0, le=MAX_PRICE, strict=True)
+    job: JobIn | None = Field(
+        default=None, description="the job to run on the lease, seen only by its parties"
+    )
 
 
 class AcceptIn(Strict):

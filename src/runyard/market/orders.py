@@ -16,6 +16,7 @@ from sqlalchemy import Connection, and_, select, update
 
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, NotFound
+from runyard.market.jobs import job_of
 from runyard.market.machines import SYSTEM, record_initial, transition
 from runyard.market.machines.demand import CANCELLED, DEMAND, MATCHED, OPEN
 from runyard.market.machines.identity import VERIFIED
@@ -37,9 +38,13 @@ def listing_json(row) -> dict:  # type: ignore[no-untyped-def]
     return dict(row)
 
 
-def demand_json(row) -> dict:  # type: ignore[no-untyped-def]
-    out = {k: v for k, v in dict(row).items() if k not in ("requirement", "kinds")}
+def demand_json(row, with_job: bool = True) -> dict:  # type: ignore[no-untyped-def]
+    """A demand as the API shows it; `job` only to its tenant (with_job), never to an operator."""
+    hidden = ("requirement", "kinds", "job_spec", "job_results_to")
+    out = {k: v for k, v in dict(row).items() if k not in hidden}
     out["requirement"] = json.loads(row["requirement"])
+    if with_job:
+        out["job"] = job_of(row)
     return out
 
 
@@ -147,6 +152,8 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
                 escrow_amount=escrow,
                 state=OPEN,
                 created_at=now,
+                job_spec=body.job.spec if body.job else None,
+                job_results_to=body.job.results_to if body.job else None,
             )
         ).inserted_primary_key[0]
         escrow_id = ledger.open_account(conn, f"escrow:demand:{demand_id}", "escrow", principal.id)
@@ -195,7 +202,7 @@ def list_demands(market: Market, principal: Principal) -> list[dict]:
         query = select(demands).order_by(demands.c.id)
         if principal.role == "tenant":
             query = query.where(demands.c.tenant_id == principal.id)
-        return [demand_json(r) for r in conn.execute(query).mappings()]
+        return [demand_json(r, principal.role == "tenant") for r in conn.execute(query).mappings()]
 
     return market.read(tx)
 
@@ -205,7 +212,7 @@ def get_demand(market: Market, principal: Principal, demand_id: int) -> dict:
         row = conn.execute(select(demands).where(demands.c.id == demand_id)).mappings().one_or_none()
         if row is None or (principal.role != "operator" and row["tenant_id"] != principal.id):
             raise NotFound(f"no demand {demand_id} of yours")
-        return demand_json(row)
+        return demand_json(row, principal.role == "tenant")
 
     return market.read(tx)
 

@@ -22,6 +22,8 @@ def lease_terms(lease: dict, currency: str) -> dict:
         "escrow_amount": lease["escrow_amount"],
         "fee_bps": lease["fee_bps"],
         "currency": currency,
+        # The job the provider agrees to run (runyard.market.jobs.job_sha256); None without one.
+        "job_sha256": lease.get("job_sha256"),
     }
 
 

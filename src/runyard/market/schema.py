@@ -144,6 +144,9 @@ demands = Table(
     Column("state", String(16), nullable=False),
     Column("lease_id", Integer, nullable=True),
     Column("created_at", BigInteger, nullable=False),
+    # The job the tenant wants run (runyard.market.jobs); null for a demand that carries none.
+    Column("job_spec", Text, nullable=True),
+    Column("job_results_to", String(1000), nullable=True),
     Index("ix_demands_open", "state", "created_at"),
 )
 
