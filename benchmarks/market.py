@@ -192,7 +192,7 @@ async def load(base: str, make_request, clients: int, seconds: float) -> dict:
 def bench_http(url: str, clients: int, seconds: float) -> dict:
     import httpx
 
-    from runyard.market.server import free_port
+    from runyard.http_thread import free_port
     from runyard.market.signing import generate_keypair
 
     port = free_port()

@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from runyard.market.server import free_port
+from runyard.http_thread import free_port
 
 
 def runyard(*args: str, env: dict, check: bool = True, cwd=None) -> subprocess.CompletedProcess:

@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
+from runyard.http_thread import AppThread
 from runyard.serve.engine import Generator
 from runyard.serve.server import _StopScanner, create_app
 
@@ -17,20 +15,10 @@ from runyard.serve.server import _StopScanner, create_app
 @pytest.fixture()
 def server(tokenizer, make_model):
     gen = Generator(make_model(tokenizer), tokenizer)
-    app = create_app(gen, model_name="tiny")
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
-    srv = uvicorn.Server(config)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not (srv.started and srv.servers):
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    with AppThread(create_app(gen, model_name="tiny"), lifespan="off") as srv, httpx.Client(
+        base_url=srv.url, timeout=30
+    ) as client:
         yield client, gen
-    srv.should_exit = True
-    thread.join(timeout=10)
 
 
 def test_healthz(server):

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-import time
-
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 
+from runyard.http_thread import AppThread
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.engine import Generator
 from runyard.serve.server import create_app
@@ -25,18 +22,8 @@ def drift_server(tokenizer, make_model):
         np.add.at(counts, tokenizer.encode(text).ids, 1)
     monitor = DriftMonitor(DriftReference([int(c) for c in counts]), window=40, min_requests=10, baseline=10)
     app = create_app(Generator(make_model(tokenizer), tokenizer), model_name="tiny", drift=monitor)
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not (srv.started and srv.servers):
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    port = srv.servers[0].sockets[0].getsockname()[1]
-    with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as client:
+    with AppThread(app, lifespan="off") as srv, httpx.Client(base_url=srv.url, timeout=30) as client:
         yield client
-    srv.should_exit = True
-    thread.join(timeout=10)
 
 
 def complete(client, prompt):

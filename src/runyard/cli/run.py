@@ -24,32 +24,30 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
 
 
 def register(verbs: argparse._SubParsersAction) -> None:
-    p = verbs.add_parser(
-        "run",
-        help="run a spec end to end: data, gated stages, evaluation, export",
-        description="Run (or continue) a job spec end to end: prepare the data, train each stage in order "
-        "(a stage whose gates fail stops the run, exit 3), evaluate on held-out data, export the model, and "
-        "print a summary. Re-running on an existing run directory continues where it stopped.",
-    )
-    p.add_argument("spec", type=Path, help="job spec (YAML)")
-    p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
-    p.add_argument("--stage", default=None, help="run only this stage (earlier stages must have passed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
-    _add_launch_options(p)
-    p.set_defaults(handler=cmd_run, evaluate=True)
-
-    p = verbs.add_parser(
-        "train",
-        help="train a spec's stages (no evaluation or export)",
-        description="Prepare the data and train the spec's stages with their gates, without the final "
-        "evaluation and export. Same options as `run`.",
-    )
-    p.add_argument("spec", type=Path, help="job spec (YAML)")
-    p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
-    p.add_argument("--stage", default=None, help="train only this stage (earlier stages must have passed)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
-    _add_launch_options(p)
-    p.set_defaults(handler=cmd_run, evaluate=False)
+    for verb, evaluate, help_text, description in (
+        (
+            "run",
+            True,
+            "run a spec end to end: data, gated stages, evaluation, export",
+            "Run (or continue) a job spec end to end: prepare the data, train each stage in order (a stage "
+            "whose gates fail stops the run, exit 3), evaluate on held-out data, export the model, and print "
+            "a summary. Re-running on an existing run directory continues where it stopped.",
+        ),
+        (
+            "train",
+            False,
+            "train a spec's stages (no evaluation or export)",
+            "Prepare the data and train the spec's stages with their gates, without the final evaluation "
+            "and export. Same options as `run`.",
+        ),
+    ):
+        p = verbs.add_parser(verb, help=help_text, description=description)
+        p.add_argument("spec", type=Path, help="job spec (YAML)")
+        p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
+        p.add_argument("--stage", default=None, help=f"{verb} only this stage (earlier stages must have passed)")
+        p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+        _add_launch_options(p)
+        p.set_defaults(handler=cmd_run, evaluate=evaluate)
 
     p = verbs.add_parser(
         "resume",

@@ -8,24 +8,17 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 import threading
-import time
 from pathlib import Path
 
 import uvicorn
 
+from runyard.http_thread import AppThread
 from runyard.market import identity, leases
 from runyard.market.api import DEFAULT_MAX_BODY, create_app
 from runyard.market.service import Market
 
 log = logging.getLogger("runyard.market.server")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
 
 
 class Sweeper(threading.Thread):
@@ -83,7 +76,7 @@ def serve(
             sweeper.stop()
 
 
-class ServerThread:
+class ServerThread(AppThread):
     """A real HTTP server for `market` on a free loopback port, in a background thread.
 
     with ServerThread(market) as server:
@@ -93,29 +86,12 @@ class ServerThread:
     def __init__(
         self, market: Market, host: str = "127.0.0.1", port: int | None = None, sweep_interval_s: float = 0
     ):
+        super().__init__(create_app(market), host=host, port=port, name="market-http")
         self.market = market
-        self.host = host
-        self.port = port or free_port(host)
-        self.url = f"http://{host}:{self.port}"
         self.sweeper = Sweeper(market, sweep_interval_s) if sweep_interval_s > 0 else None
-        config = uvicorn.Config(
-            create_app(market),
-            host=host,
-            port=self.port,
-            log_level="warning",
-            access_log=False,
-            lifespan="on",
-        )
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, name="market-http", daemon=True)
 
     def __enter__(self) -> ServerThread:
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            if not self.thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError(f"market server on {self.url} did not start")
-            time.sleep(0.02)
+        super().__enter__()
         if self.sweeper:
             self.sweeper.start()
         return self
@@ -123,5 +99,4 @@ class ServerThread:
     def __exit__(self, *exc: object) -> None:
         if self.sweeper:
             self.sweeper.stop()
-        self.server.should_exit = True
-        self.thread.join(timeout=20)
+        super().__exit__(*exc)
