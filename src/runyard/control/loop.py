@@ -140,6 +140,11 @@ class ControlLoop:
 
     def _ended(self, job: Job, out: Ended, now: float) -> None:
         code = out.returncode
+        if job.state in (S.STARTING, S.RECOVERING):
+            # A short attempt can start and end between two polls (Slurm forgets it quickly): record
+            # that it ran, so the state machine's path stays starting -> running -> outcome.
+            job = self.store.transition(job.id, S.RUNNING, actor=ACTOR, reason="ran and ended between two polls",
+                                        attempt_started_at=job.attempt_started_at or now)
         if job.state == S.CANCELLING:
             self.store.transition(job.id, S.CANCELLED, actor=ACTOR, reason=f"stopped (exit {code}, signal {out.signal})",
                                   exit_code=code, **self._release(job))
