@@ -2,7 +2,7 @@
 
 For a ~110M-parameter model (GPT-2-small-like: 12 layers, 768 wide, 32k vocabulary) with its AdamW state:
 
-1. save throughput: runyard's save (torch.distributed.checkpoint write + fsync, sha256 manifest, atomic
+1. save throughput: runyard's save (torch.distributed.checkpoint write + fsync, checksum manifest, atomic
    rename) against a raw sequential write of the same number of bytes with one fsync. Target >= 0.8x.
 2. training stall: how long an async save blocks the training loop (copy of the state to CPU memory)
    against a synchronous save of the same state. Target <= 0.1x.
@@ -137,7 +137,7 @@ def main() -> None:
         print(f"runyard sharded save, sync:          {sync_s:.2f} s  ({gib / sync_s:.2f} GiB/s)"
               f"   ratio {raw_s / sync_s:.2f}x of raw (target >= 0.8x)")
         print(f"  of which the DCP shard write alone: {min(dcp_only):.2f} s   ratio {raw_s / min(dcp_only):.2f}x of raw; "
-              "the rest is the sha256 manifest and the atomic commit")
+              "the rest is the checksum manifest and the atomic commit")
         print(f"runyard async save: training stall   {stall_s:.3f} s, written and committed in {min(async_total):.2f} s"
               f"   stall ratio {stall_s / sync_s:.3f}x of a sync save (target <= 0.1x)")
         print(f"raw sequential read (peer):          {raw_load_s:.2f} s  ({gib / raw_load_s:.2f} GiB/s)")

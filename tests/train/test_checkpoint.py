@@ -93,3 +93,17 @@ def test_weights_only_load_refuses_pickled_code(tmp_path):
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         ckpt.read_checkpoint(path)
+
+
+def test_manifest_from_sha256_era_still_verifies_and_detects_damage(tmp_path):
+    path = write(tmp_path, 3)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    for rel, meta in manifest["files"].items():
+        manifest["files"][rel] = {"sha256": ckpt.sha256_file(path / rel), "bytes": meta["bytes"]}
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    ckpt.verify_checkpoint(path)
+    data = bytearray((path / "model.pt").read_bytes())
+    data[10] ^= 1
+    (path / "model.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match="fails its sha256 checksum"):
+        ckpt.verify_checkpoint(path)

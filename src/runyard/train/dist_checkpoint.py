@@ -5,7 +5,7 @@ Layout of a distributed checkpoint `step_00000123/` (same commit rules as train/
     dcp/.metadata, dcp/__<rank>_0.distcp   model + optimizer, each rank writing its own shards
     rng/rank_00000.pt, rng/rank_00000.json  every rank's RNG state (dropout stays bitwise on resume)
     state.json                             step, loader position and the loop's extra values (rank 0)
-    MANIFEST.json                          sha256 and size of every file, written last by rank 0
+    MANIFEST.json                          checksum and size of every file, written last by rank 0
 
 Every rank writes into the same hidden `.tmp-step_...` directory. DCP's last step gathers every rank's
 write results to rank 0, which writes `.metadata`: when rank 0's save completes, all shards are down.
@@ -151,9 +151,7 @@ def commit(tmp: Path, final: Path, step: int) -> Path:
 
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        files[path.relative_to(tmp).as_posix()] = {"sha256": ckpt.sha256_file(path), "bytes": path.stat().st_size}
+        files[path.relative_to(tmp).as_posix()] = ckpt.durable_entry(path)
     manifest = tmp / ckpt.MANIFEST
     manifest.write_text(json.dumps({"format": ckpt.FORMAT_VERSION, "step": step, "files": files,
                                     "sharded": True}, indent=1))
