@@ -110,6 +110,31 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
     return prepared
 
 
+def check_spec_against_data(spec: JobSpec, prepared: PreparedData) -> None:
+    """Problems only the prepared data can reveal, reported like any spec error (field path, value,
+    what was expected) before a stage starts."""
+    from runyard.data.loader import TokenStream
+
+    problems = []
+    split_tokens = {
+        "train": TokenStream(prepared.train_index).total,
+        "held-out": TokenStream(prepared.heldout_index).total,
+    }
+    for stage in spec.stages:
+        resolved = resolved_stage(spec, stage.name)
+        where = f"stages[{resolved.index}].model" if stage.model else "model"
+        vocab = resolved.model.vocab_size
+        if vocab is not None and vocab < prepared.vocab_size:
+            problems.append((f"{where}.vocab_size", vocab, f"at least the tokenizer's vocabulary, {prepared.vocab_size}"))
+        need = resolved.model.context_length + 1
+        for split, total in split_tokens.items():
+            if total < need:
+                problems.append((f"{where}.context_length", resolved.model.context_length,
+                                 f"a sequence the {split} split can fill: it has {total} tokens"))
+    if problems:
+        raise SpecError("(spec checked against its prepared data)", problems)
+
+
 def _stage_summary(name: str, result: StageResult | None, record: dict, metrics_rows: list[dict]) -> dict:
     losses = [r["loss"] for r in metrics_rows if "loss" in r]
     held = [r["heldout_loss"] for r in metrics_rows if r.get("heldout_loss") is not None]
@@ -243,6 +268,7 @@ def execute_run(
         stop = StopRequest()
         with stop_on_signals(stop):
             prepared = prepare(spec, run_dir, ctx, show_progress)
+            check_spec_against_data(spec, prepared)
             summaries, last = run_stages(spec, run_dir, prepared, ctx, stop, only_stage, show_progress)
         is_last = only_stage is None or only_stage == spec.stages[-1].name
         if not is_last or not ctx.is_main or not evaluate:

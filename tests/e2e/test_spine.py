@@ -164,3 +164,13 @@ def test_failed_gate_stops_the_run_before_later_stages(write_spec, tmp_path):
     # Resuming a run whose gate failed refuses again rather than starting the next stage.
     again = runyard("resume", str(run_dir), "--no-progress")
     assert again.returncode == EXIT_GATE_FAILED and not (run_dir / "stages/full").exists()
+
+
+def test_spec_that_does_not_fit_its_data_is_refused_before_training(write_spec, tmp_path):
+    spec = write_spec({"model": {"vocab_size": 300, "context_length": 1_000_000}})
+    run_dir = tmp_path / "run"
+    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 2, proc.stderr
+    assert "model.vocab_size: got 300; at least the tokenizer's vocabulary, 512" in proc.stderr
+    assert "model.context_length: got 1000000" in proc.stderr
+    assert not (run_dir / "stages").exists()
