@@ -163,8 +163,6 @@ def run_stages(
     from runyard.train.metrics import MetricsLog
 
     names = [s.name for s in spec.stages]
-    if only_stage is not None and only_stage not in names:
-        raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     summaries, last = [], None
     for name in names:
         sdir = stage_dir(run_dir, name)
@@ -257,6 +255,9 @@ def execute_run(
     evaluate: bool = True,
 ) -> RunSummary:
     """Run (or continue) the whole spine for `spec` in `run_dir`; `evaluate=False` stops after training."""
+    names = [s.name for s in spec.stages]
+    if only_stage is not None and only_stage not in names:
+        raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     ctx = parallel.setup(spec.resources.device)
     try:
         _configure_threads(spec)
