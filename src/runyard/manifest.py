@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import runyard
+from runyard.data.shards import atomic_write_bytes
 
 MANIFEST_FILE = "manifest.json"
 PACKAGES = ("torch", "tokenizers", "numpy", "safetensors", "pydantic", "pyarrow")
@@ -101,9 +102,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    tmp = run_dir / (MANIFEST_FILE + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=2, default=str))
-    os.replace(tmp, run_dir / MANIFEST_FILE)
+    atomic_write_bytes(run_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, default=str).encode())
 
 
 def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:

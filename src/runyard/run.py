@@ -16,6 +16,7 @@ from pathlib import Path
 from runyard import manifest as mf
 from runyard.data.loader import TokenLoader, heldout_batches
 from runyard.data.pipeline import PreparedData, prepare_data
+from runyard.data.shards import atomic_write_bytes
 from runyard.errors import GateFailed, RunyardError, SpecError
 from runyard.evaluate.heldout import HeldoutMetrics, summarise, train_token_counts, unigram_loss
 from runyard.evaluate.report import verdict, write_report
@@ -66,10 +67,7 @@ def open_run_dir(spec: JobSpec, run_dir: Path) -> None:
                   "different spec: pick another --run-dir or remove it")],
             )
         return
-    run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = run_dir / (SPEC_FILE + ".tmp")
-    tmp.write_text(dump_spec(spec))
-    os.replace(tmp, spec_path)
+    atomic_write_bytes(spec_path, dump_spec(spec).encode())
 
 
 def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None:

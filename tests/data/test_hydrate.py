@@ -112,6 +112,17 @@ def test_corrupt_store_copy_is_refused(published, tmp_path: Path):
         hydrate_dataset(spec, prepared.fingerprint, cache_dir=tmp_path / "node", progress=False)
 
 
+def test_hydrate_refuses_paths_that_leave_the_cache(published, tmp_path: Path):
+    spec, prepared = published
+    with pytest.raises(DataError, match="not 32-64 lowercase hex"):
+        hydrate_dataset(spec, "../../escape", cache_dir=tmp_path / "node", progress=False)
+    index = Path(spec.store.url) / prepared.fingerprint[:32] / "train.json"
+    index.write_text(index.read_text().replace('"file": "train', '"file": "../../../outside', 1))
+    with pytest.raises(DataError, match="not a plain file name"):
+        hydrate_dataset(spec, prepared.fingerprint, cache_dir=tmp_path / "node", progress=False)
+    assert not list(tmp_path.glob("**/outside*"))
+
+
 def test_eviction_keeps_the_cache_under_its_limit(published, tmp_path: Path):
     spec, prepared = published
     cache = tmp_path / "node"

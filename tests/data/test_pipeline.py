@@ -91,6 +91,12 @@ def test_empty_input_is_a_clear_error(tmp_path: Path):
         )
 
 
+def test_missing_tokenizer_path_is_a_clear_error(corpus: Path, tmp_path: Path):
+    spec = spec_for(str(corpus / "*.txt"), tokenizer={"path": str(tmp_path / "absent.json")})
+    with pytest.raises(DataError, match=r"data.tokenizer.path .*absent.json.*cannot read"):
+        prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "c", progress=False)
+
+
 _KILLER = textwrap.dedent("""
     import os, signal, sys
     from pathlib import Path

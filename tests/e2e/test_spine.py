@@ -95,6 +95,13 @@ def test_generate_cli_is_deterministic_for_a_seed(reference_run):
     assert json.loads(show.stdout)["exported"] is True
 
 
+@pytest.mark.parametrize("option", [["--top-p", "0"], ["--temperature", "-1"], ["--top-k", "0"]])
+def test_generate_rejects_bad_sampling_options_without_a_traceback(tmp_path, option):
+    proc = runyard("generate", str(tmp_path), "--prompt", "x", *option)
+    assert proc.returncode == 2, proc.stderr
+    assert option[0] in proc.stderr and "Traceback" not in proc.stderr
+
+
 def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 240) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -107,3 +107,28 @@ def test_manifest_from_sha256_era_still_verifies_and_detects_damage(tmp_path):
     (path / "model.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match="fails its sha256 checksum"):
         ckpt.verify_checkpoint(path)
+
+
+def test_resaving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, monkeypatch):
+    write(tmp_path, 5, 1.0)
+    real_rename = ckpt.os.rename
+    calls = []
+
+    def crash_on_install(src, dst):
+        calls.append((src, dst))
+        if str(src).endswith(".tmp-step_00000005") or ".tmp-step_00000005-" in str(src):
+            raise KeyboardInterrupt("killed between setting the old checkpoint aside and installing the new")
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(ckpt.os, "rename", crash_on_install)
+    with pytest.raises(KeyboardInterrupt):
+        write(tmp_path, 5, 2.0)
+    monkeypatch.setattr(ckpt.os, "rename", real_rename)
+    assert not (tmp_path / "step_00000005").exists(), "the crash hit after the old one was set aside"
+    ref = ckpt.latest_good(tmp_path)  # recovers the set-aside checkpoint
+    assert ref is not None and ref.step == 5
+    assert torch.equal(ckpt.read_checkpoint(ref.path)[0]["model"]["w"], torch.full((4, 4), 1.0))
+    # A replacement that completes leaves only the new checkpoint.
+    write(tmp_path, 5, 3.0)
+    assert torch.equal(ckpt.read_checkpoint(tmp_path / "step_00000005")[0]["model"]["w"], torch.full((4, 4), 3.0))
+    assert [p.name for p in tmp_path.iterdir()] == ["step_00000005"]

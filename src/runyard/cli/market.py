@@ -308,7 +308,7 @@ def _serve(args: argparse.Namespace) -> int:
         accept_timeout_s=args.accept_timeout_s, start_timeout_s=args.start_timeout_s,
         tolerance_bps=args.tolerance_bps, test_clock=args.test_clock,
     )  # fmt: skip
-    market = Market.open(args.db, settings, pool_size=16)
+    market = _open_store(lambda: Market.open(args.db, settings, pool_size=16), args.db)
     if args.operator_token_file and write_operator_token(market, args.operator_token_file):
         print(f"operator token written to {args.operator_token_file}", file=sys.stderr)
     print(f"runyard market on http://{args.host}:{args.port} (store {market.store.dialect})", file=sys.stderr)
@@ -504,12 +504,27 @@ def _operator():  # type: ignore[no-untyped-def]
     )
 
 
+def _open_store(open_fn, db: str):  # type: ignore[no-untyped-def]
+    """Open a market store, turning a database that cannot be reached or read into a clear error."""
+    from sqlalchemy.exc import DBAPIError
+
+    try:
+        return open_fn()
+    except DBAPIError as exc:
+        reason = str(getattr(exc, "orig", exc)).strip().splitlines()[0]
+        if "://" in db:  # never echo a password from the URL
+            from sqlalchemy.engine import make_url
+
+            db = make_url(db).render_as_string(hide_password=True)
+        raise RunyardError(f"cannot open the market store {db}: {reason}") from exc
+
+
 def _admin_market(args: argparse.Namespace, fn):  # type: ignore[no-untyped-def]
     from runyard.market.service import Market
 
     if "://" not in args.db and not Path(args.db).exists():
         raise RunyardError(f"no market store at {args.db}")
-    market = Market.open(args.db, pool_size=2)
+    market = _open_store(lambda: Market.open(args.db, pool_size=2), args.db)
     try:
         return fn(market)
     finally:

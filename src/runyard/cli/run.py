@@ -14,10 +14,17 @@ from runyard.train.launch import run_worker
 RUN_DIR_HELP = "run directory (default: runs/<spec name>, or $RUNYARD_RUNS_DIR/<spec name>)"
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("distributed launch (torchrun)")
-    g.add_argument("--nproc", type=int, default=None, help="worker processes on this node (default: the spec's resources.nproc)")
-    g.add_argument("--nnodes", type=int, default=1, help="nodes in the job (multi-node: same command on each node)")
+    g.add_argument("--nproc", type=_positive_int, default=None, help="worker processes on this node (default: the spec's resources.nproc)")
+    g.add_argument("--nnodes", type=_positive_int, default=1, help="nodes in the job (multi-node: same command on each node)")
     g.add_argument("--node-rank", type=int, default=0, help="this node's rank among --nnodes")
     g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT of the rendezvous for multi-node jobs")
     g.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a worker dies, resuming from the last good checkpoint")
@@ -119,7 +126,7 @@ def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = Non
     """When more than one worker is asked for and we are not a worker yet, start them via torchrun."""
     from runyard.train.launch import launch, under_launcher
 
-    nproc = args.nproc or spec.resources.nproc
+    nproc = args.nproc if args.nproc is not None else spec.resources.nproc
     if under_launcher() or (nproc <= 1 and args.nnodes <= 1 and args.max_restarts == 0):
         return None
     return launch(
@@ -229,9 +236,23 @@ def cmd_plan(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from runyard.errors import SpecError
     from runyard.serve.engine import Generator
     from runyard.serve.export import load_export
 
+    # Checked here so a bad option is a usage error (exit 2), not a traceback from the sampler.
+    problems = [
+        (opt, value, expected)
+        for opt, value, bad, expected in (
+            ("--max-tokens", args.max_tokens, args.max_tokens < 0, "0 or more"),
+            ("--temperature", args.temperature, args.temperature < 0, "0 (greedy) or more"),
+            ("--top-k", args.top_k, args.top_k is not None and args.top_k < 1, "1 or more"),
+            ("--top-p", args.top_p, args.top_p is not None and not 0 < args.top_p <= 1, "in (0, 1]"),
+        )
+        if bad
+    ]
+    if problems:
+        raise SpecError("generate command line", problems)
     model, _cfg, tokenizer = load_export(_export_dir(args.run_dir))
     text = Generator(model, tokenizer).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed

@@ -120,12 +120,13 @@ class MarketAgent:
         spec_path, results_to = found
         try:
             spec = load_spec(spec_path)
-            delivery_target(results_to)
+            delivery_target(results_to, tenant=lease["tenant_id"])
         except (RunyardError, OSError, ValueError) as exc:
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
         # Write our intent before accepting: after a crash we resume from here, never accept twice.
-        record = {"lease_id": lease["id"], "demand_id": lease["demand_id"], "results_to": str(results_to),
+        record = {"lease_id": lease["id"], "demand_id": lease["demand_id"], "tenant_id": lease["tenant_id"],
+                  "results_to": str(results_to),
                   "spec": str(spec_path), "job_ids": [], "seq": 0, "reported_device_seconds": 0,
                   "last_end": None, "delivered": False, "finished": False}
         self._save(record)
@@ -198,9 +199,10 @@ class MarketAgent:
     def _deliver(self, record: dict, job: Job) -> None:
         """Copy the run's results (never its checkpoints) to where the tenant asked for them."""
         try:
-            dest = delivery_target(record["results_to"])
+            dest = delivery_target(record["results_to"], tenant=record.get("tenant_id"))
             copied = deliver_results(Path(job.run_dir), dest, {"lease_id": record["lease_id"], "job_id": job.id,
-                                                               "job_state": str(job.state)})
+                                                               "job_state": str(job.state),
+                                                               "tenant": record.get("tenant_id")})
             log.info("lease %s: %d result files of job %s delivered to %s", record["lease_id"], copied, job.id, dest)
         except (OSError, ValueError) as exc:
             # The lease still closes and settles; the results stay in the run directory here.
@@ -253,13 +255,14 @@ RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "da
 DELIVERY_MARKER = ".runyard-delivery.json"
 
 
-def delivery_target(results_to: str) -> Path:
+def delivery_target(results_to: str, tenant: int | None = None) -> Path:
     """The local directory a lease's results go to; ValueError for what this agent cannot deliver to.
 
     Accepts an absolute path or a file:// URL. Other schemes (e.g. a signed upload URL) are refused
     up front, so the lease is rejected and the escrow returned rather than the work lost. A target
     that already holds something other than an earlier delivery is refused too: the agent never
-    replaces a tenant's (or anyone's) files with a run's results.
+    replaces a tenant's (or anyone's) files with a run's results; with `tenant` given, an earlier
+    delivery is replaced only if it was made for that same tenant.
     """
     if "://" in results_to:
         scheme, _, rest = results_to.partition("://")
@@ -274,6 +277,13 @@ def delivery_target(results_to: str) -> Path:
         raise ValueError(f"results_to {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not (path / DELIVERY_MARKER).is_file():
         raise ValueError(f"results_to {path} already holds files that are not an earlier runyard delivery")
+    if tenant is not None and (path / DELIVERY_MARKER).is_file():
+        try:
+            earlier = json.loads((path / DELIVERY_MARKER).read_text()).get("tenant")
+        except (ValueError, AttributeError):
+            earlier = None
+        if earlier != tenant:
+            raise ValueError(f"results_to {path} holds another tenant's delivery; it is not replaced")
     return path
 
 
@@ -283,14 +293,16 @@ def deliver_results(run_dir: Path, dest: Path, stamp: dict) -> int:
     The files are assembled in a hidden sibling, fsynced, then renamed into place; an earlier
     delivery at `dest` is swapped out only after the new one is complete.
     """
-    delivery_target(str(dest))  # re-check: the target may have changed since the lease was accepted
+    delivery_target(str(dest), tenant=stamp.get("tenant"))  # re-check: the target may have changed since the lease was accepted
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
+    root = run_dir.resolve()
+    # A symlinked directory in the run (eval -> /somewhere) must not hand out files from outside it.
     files = sorted({p for pattern in RESULT_PATTERNS for p in run_dir.glob(pattern)
                     if p.is_file() and not p.is_symlink() and "checkpoints" not in p.relative_to(run_dir).parts
-                    and ".tmp" not in p.name})
+                    and ".tmp" not in p.name and p.resolve().is_relative_to(root)})
     for src in files:
         target = tmp / src.relative_to(run_dir)
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -151,6 +152,9 @@ def hydrate_dataset(
     url, _ = _store_region(spec, store_url)
     cache_root = resolve_cache_dir(spec, cache_dir)
     residency.check_cache(spec, cache_root)  # before any byte moves
+    # The key and the shard names become local paths: refuse anything that could leave the cache.
+    if not re.fullmatch(r"[0-9a-f]{32,64}", fingerprint):
+        raise DataError(f"dataset fingerprint {fingerprint!r} is not 32-64 lowercase hex digits")
     key = fingerprint[:32]
     src_root = _join(url, key)
     fs, root = fsspec.core.url_to_fs(src_root)
@@ -158,6 +162,9 @@ def hydrate_dataset(
         raise DataError(f"the store has no complete dataset {key} (no {src_root}/prepared.json)")
     meta = {name: fs.cat_file(f"{root}/{name}") for name in (*META_FILES, "prepared.json")}
     shards = [e for idx in ("train.json", "heldout.json") for e in json.loads(meta[idx])["shards"]]
+    for e in shards:
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", str(e["file"])):
+            raise DataError(f"the store's index of {key} names a shard {e['file']!r} that is not a plain file name")
     itemsize = {
         idx: 2 if json.loads(meta[idx])["dtype"] == "uint16" else 4 for idx in ("train.json", "heldout.json")
     }

@@ -102,7 +102,13 @@ def fingerprint_inputs(
 def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> str:
     settings = spec.model_dump(mode="json", exclude=_NOT_FINGERPRINTED)
     if spec.tokenizer.path:
-        settings["tokenizer_sha256"] = hashlib.sha256(Path(spec.tokenizer.path).read_bytes()).hexdigest()
+        try:
+            tok_bytes = Path(spec.tokenizer.path).read_bytes()
+        except OSError as exc:
+            raise DataError(
+                f"data.tokenizer.path {spec.tokenizer.path!r}: cannot read it ({exc.strerror})"
+            ) from None
+        settings["tokenizer_sha256"] = hashlib.sha256(tok_bytes).hexdigest()
     blob = json.dumps(
         {"v": PIPELINE_VERSION, "seed": seed, "settings": settings, "inputs": inputs}, sort_keys=True
     )

@@ -168,10 +168,20 @@ class MarketClient:
 
     @classmethod
     def from_identity_file(cls, path: str | Path, base_url: str | None = None, **kwargs: Any) -> MarketClient:
-        data = json.loads(Path(path).read_text())
-        return cls(
-            base_url or data["url"], token=data.get("token"), private_key=data.get("private_key"), **kwargs
-        )
+        """A client acting as the account saved in `path` (by `save_identity`); RunyardError if the
+        file cannot be read or is not such an identity."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise RunyardError(f"cannot read market identity {path}: {exc}") from exc
+        if not isinstance(data, dict) or not all(
+            isinstance(data.get(k), str | None) for k in ("url", "token", "private_key")
+        ):
+            raise RunyardError(f"market identity {path} is not an object of url, token and private_key strings")
+        url = base_url or data.get("url")
+        if not url:
+            raise RunyardError(f"market identity {path} names no market url; pass one (--url)")
+        return cls(url, token=data.get("token"), private_key=data.get("private_key"), **kwargs)
 
     def me(self) -> dict:
         return self.request("GET", "/v1/accounts/me")

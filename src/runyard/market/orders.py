@@ -93,7 +93,9 @@ def create_listing(market: Market, principal: Principal, body: ListingIn, key: s
             conn.execute(select(listings).where(listings.c.id == listing_id)).mappings().one()
         )
 
-    return market.write(tx)
+    if key is None:
+        return market.write(tx)
+    return market.idempotent(principal, key, "listing.create", body.model_dump(mode="json"), tx)
 
 
 def withdraw_listing(market: Market, principal: Principal, listing_id: int) -> dict:

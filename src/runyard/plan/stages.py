@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 
+from runyard.data.shards import atomic_write_bytes
+from runyard.errors import RunyardError
 from runyard.spec import GateSpec
 from runyard.train import checkpoint as ckpt
 
@@ -100,9 +101,8 @@ def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:
         "gates": [asdict(r) for r in results],
     }
     stage_dir.mkdir(parents=True, exist_ok=True)
-    tmp = stage_dir / (GATES_FILE + ".tmp")
-    tmp.write_text(json.dumps(record, indent=2))
-    os.replace(tmp, stage_dir / GATES_FILE)
+    # fsynced: a later session skips a stage whose gates.json says it passed, so it must never be torn.
+    atomic_write_bytes(stage_dir / GATES_FILE, json.dumps(record, indent=2).encode())
     return record
 
 
@@ -110,7 +110,14 @@ def read_gates(stage_dir: Path) -> dict | None:
     path = stage_dir / GATES_FILE
     if not path.is_file():
         return None
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+        record["passed"]  # noqa: B018 (the one field every reader needs)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise RunyardError(
+            f"{path} is damaged ({exc}); delete it to train stage {stage_dir.name} again"
+        ) from None
+    return record
 
 
 def format_failures(record: dict) -> str:

@@ -116,14 +116,44 @@ def write_checkpoint(
         _fsync_file(manifest)
         for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
             fsync_dir(sub)
-        if final.exists():  # a checkpoint of the same step (a re-save after resume): replace it whole
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        fsync_dir(root)
+        install(tmp, final)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+_REPLACED = ".replaced-"
+
+
+def install(tmp: Path, final: Path) -> None:
+    """Rename a complete temporary checkpoint into place. A checkpoint already there (the same step
+    saved again) is moved aside first and deleted only once the new one is in, so a crash at any
+    point leaves a complete checkpoint for the step: `recover_replaced` puts one back if needed."""
+    root = final.parent
+    aside = root / f"{_REPLACED}{final.name}"
+    if final.exists():
+        if aside.exists():
+            shutil.rmtree(aside)
+        os.rename(final, aside)
+        fsync_dir(root)
+    os.rename(tmp, final)
+    fsync_dir(root)
+    if aside.exists():
+        shutil.rmtree(aside)
+
+
+def recover_replaced(root: Path) -> None:
+    """Undo a replacement that a crash cut short: the moved-aside checkpoint returns to its name."""
+    if not root.is_dir():
+        return
+    for aside in root.glob(f"{_REPLACED}{_PREFIX}*"):
+        final = root / aside.name[len(_REPLACED) :]
+        if final.exists():
+            shutil.rmtree(aside, ignore_errors=True)
+        else:
+            os.rename(aside, final)
+            log.warning("restored checkpoint %s, set aside by a save that did not finish", final)
 
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
@@ -182,6 +212,7 @@ def list_checkpoints(root: Path) -> list[CheckpointRef]:
 
 def latest_good(root: Path) -> CheckpointRef | None:
     """The newest checkpoint that passes verification; corrupt newer ones are logged and skipped."""
+    recover_replaced(root)
     for ref in reversed(list_checkpoints(root)):
         try:
             verify_checkpoint(ref.path)

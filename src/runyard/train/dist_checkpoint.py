@@ -147,7 +147,6 @@ def _write_rank_rng(tmp: Path, rank: int) -> None:
 def commit(tmp: Path, final: Path, step: int) -> Path:
     """Checksum every file under `tmp`, write the manifest last, fsync, and rename `tmp` to `final`."""
     import os
-    import shutil
 
     files = {}
     for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
@@ -159,10 +158,7 @@ def commit(tmp: Path, final: Path, step: int) -> Path:
         os.fsync(f.fileno())
     for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
         ckpt.fsync_dir(sub)
-    if final.exists():  # the same step saved again after a resume: replace it whole
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    ckpt.fsync_dir(final.parent)
+    ckpt.install(tmp, final)
     return final
 
 
