@@ -67,3 +67,14 @@ def test_delivery_target_refuses_what_it_cannot_deliver_to(tmp_path):
         with pytest.raises(ValueError, match=why):
             delivery_target(bad, tenant=1)
     assert delivery_target(f"file://{tmp_path}/new", tenant=1) == tmp_path / "new"
+
+
+def test_results_go_only_inside_the_providers_delivery_folders(tmp_path):
+    root = tmp_path / "deliveries"
+    root.mkdir()
+    assert delivery_target(str(root / "tenant-1" / "run"), tenant=1, roots=(root,)) == root / "tenant-1" / "run"
+    with pytest.raises(ValueError, match="outside this provider's delivery folders"):
+        delivery_target(str(tmp_path / "elsewhere"), tenant=1, roots=(root,))
+    (root / "escape").symlink_to(tmp_path)  # a link inside the root that points out of it
+    with pytest.raises(ValueError, match="outside this provider's delivery folders"):
+        delivery_target(str(root / "escape" / "x"), tenant=1, roots=(root,))

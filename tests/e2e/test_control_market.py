@@ -79,10 +79,10 @@ def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, mar
             party.request_verification("papers")
             ops.decide(name, True, "checked")
         provider.save_identity(tmp_path / "provider.json")
-        provider.create_listing(accelerator_kind="cpu", devices_per_node=3, node_count=1, region="eu-west",
+        provider.create_listing(accelerator_kind="cpu", devices_per_node=4, node_count=1, region="eu-west",
                                 jurisdiction="eu", price_per_device_hour=PRICE,
                                 available_until=ops.market_info()["now"] + 86400, start_class="immediate")
-        tenant.deposit(150_000)  # three demands of 36,000 escrow each
+        tenant.deposit(150_000)  # four demands of 36,000 escrow each
         need = {"accelerator_kinds": ["cpu"], "device_count": 1, "duration_s": 3600}
         results = tmp_path / "tenant" / "results"  # the tenant's directory, named in its demand
         spec_text = yaml.safe_dump(merge(TINY_SPEC, {"train": {"steps": 12}}))
@@ -91,6 +91,8 @@ def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, mar
         lease_id = demand["lease_id"]
         # Refused before any work: a results URL this provider cannot deliver to ...
         to_url = tenant.place_demand(need, PRICE, job={"spec": spec_text, "results_to": "https://bucket/x"})
+        # ... a folder outside the provider's delivery folders ...
+        elsewhere = tenant.place_demand(need, PRICE, job={"spec": spec_text, "results_to": str(tmp_path / "etc")})
         # ... and a job-less demand whose drop-folder spec (the fallback) is not a valid job spec.
         dropped = tenant.place_demand(need, PRICE)
         drop = tmp_path / "lease-jobs" / f"demand-{dropped['id']}"
@@ -100,11 +102,12 @@ def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, mar
         state = tmp_path / "control"
         started = _runyard("control", "start", "--state-dir", str(state), "--cpu-slots", "2", "--market", server.url,
                            "--provider-key", str(tmp_path / "provider.json"), "--usage-interval", "1",
-                           "--lease-jobs", str(tmp_path / "lease-jobs"))
+                           "--lease-jobs", str(tmp_path / "lease-jobs"), "--deliveries-root", str(tmp_path / "tenant"))
         assert started.returncode == 0, started.stderr + (state / "daemon.log").read_text()
         try:
             control = ControlClient.for_state_dir(state)
-            for refused, why in ((to_url, "https://"), (dropped, "train.steps")):
+            for refused, why in ((to_url, "https://"), (elsewhere, "outside this provider's delivery folders"),
+                                 (dropped, "train.steps")):
                 assert _until(lambda r=refused: tenant.lease(r["lease_id"])["state"] == "rejected")
                 assert why in _rejection(market, refused["lease_id"]), _rejection(market, refused["lease_id"])
                 assert tenant.lease(refused["lease_id"])["refunded"] == tenant.lease(refused["lease_id"])["escrow_amount"]

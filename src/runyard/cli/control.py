@@ -48,6 +48,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--usage-interval", type=float, default=30.0, help="seconds between usage reports")
     start.add_argument("--lease-jobs", help="directory of lease jobs (demand-<id>/spec.yaml) when the market "
                        "does not carry them (default: STATE_DIR/lease-jobs); results go to demand-<id>/results")
+    start.add_argument("--deliveries-root", help="the folder a lease's results_to must lie in (default: "
+                       "STATE_DIR/deliveries); a demand naming any other place is rejected and its escrow returned")
     start.add_argument("--foreground", action="store_true", help="run in this process instead of detaching")
     start.set_defaults(handler=_control_start)
 
@@ -127,7 +129,8 @@ def _options(args: argparse.Namespace):
     slurm = {"partition": args.slurm_partition, "gres": args.slurm_gres}
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
-                         usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs)
+                         usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,
+                         deliveries_root=args.deliveries_root)
 
 
 def _control_start(args: argparse.Namespace) -> int:

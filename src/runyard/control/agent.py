@@ -53,7 +53,8 @@ LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-e
 
 class MarketAgent:
     def __init__(self, loop, market_url: str, provider_key: str | None, usage_interval_s: float = 30.0,
-                 lease_jobs: str | Path | None = None, poll_s: float = 1.0, client=None):
+                 lease_jobs: str | Path | None = None, poll_s: float = 1.0, client=None,
+                 deliveries_root: str | Path | None = None):
         from runyard.market.client import MarketClient
 
         self.loop = loop
@@ -62,6 +63,10 @@ class MarketAgent:
         self.poll_s = min(poll_s, usage_interval_s)
         state_dir = Path(loop.config.state_dir)
         self.lease_jobs = Path(lease_jobs) if lease_jobs else state_dir / "lease-jobs"
+        # A tenant names where its results go, but only inside these folders: a lease can never make
+        # the provider's agent write anywhere else on the provider's machine.
+        self.deliveries_root = Path(deliveries_root) if deliveries_root else state_dir / "deliveries"
+        self.delivery_roots = (self.deliveries_root, self.lease_jobs)
         self.dir = state_dir / "agent"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
@@ -120,7 +125,7 @@ class MarketAgent:
         spec_path, results_to = found
         try:
             spec = load_spec(spec_path)
-            delivery_target(results_to, tenant=lease["tenant_id"])
+            delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
         except (RunyardError, OSError, ValueError) as exc:
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
@@ -199,10 +204,11 @@ class MarketAgent:
     def _deliver(self, record: dict, job: Job) -> None:
         """Copy the run's results (never its checkpoints) to where the tenant asked for them."""
         try:
-            dest = delivery_target(record["results_to"], tenant=record.get("tenant_id"))
+            dest = delivery_target(record["results_to"], tenant=record.get("tenant_id"), roots=self.delivery_roots)
             copied = deliver_results(Path(job.run_dir), dest, {"lease_id": record["lease_id"], "job_id": job.id,
                                                                "job_state": str(job.state),
-                                                               "tenant": record.get("tenant_id")})
+                                                               "tenant": record.get("tenant_id")},
+                                     roots=self.delivery_roots)
             log.info("lease %s: %d result files of job %s delivered to %s", record["lease_id"], copied, job.id, dest)
         except (OSError, ValueError) as exc:
             # The lease still closes and settles; the results stay in the run directory here.
@@ -255,7 +261,7 @@ RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "da
 DELIVERY_MARKER = ".runyard-delivery.json"
 
 
-def delivery_target(results_to: str, tenant: int | None = None) -> Path:
+def delivery_target(results_to: str, tenant: int | None = None, roots: tuple[Path, ...] | None = None) -> Path:
     """The local directory a lease's results go to; ValueError for what this agent cannot deliver to.
 
     Accepts an absolute path or a file:// URL. Other schemes (e.g. a signed upload URL) are refused
@@ -273,6 +279,11 @@ def delivery_target(results_to: str, tenant: int | None = None) -> Path:
     path = Path(results_to)
     if not path.is_absolute() or ".." in path.parts:
         raise ValueError(f"results_to {results_to[:200]!r} must be an absolute path without '..'")
+    if roots is not None:
+        real = Path(os.path.realpath(path))
+        if not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
+            raise ValueError(f"results_to {path} is outside this provider's delivery folders "
+                             f"({', '.join(str(r) for r in roots)})")
     if path.is_symlink() or (path.exists() and not path.is_dir()):
         raise ValueError(f"results_to {path} exists and is not a directory")
     if path.is_dir() and any(path.iterdir()) and not (path / DELIVERY_MARKER).is_file():
@@ -287,13 +298,13 @@ def delivery_target(results_to: str, tenant: int | None = None) -> Path:
     return path
 
 
-def deliver_results(run_dir: Path, dest: Path, stamp: dict) -> int:
+def deliver_results(run_dir: Path, dest: Path, stamp: dict, roots: tuple[Path, ...] | None = None) -> int:
     """Copy the run's result files into `dest` atomically (all or nothing); returns the files copied.
 
     The files are assembled in a hidden sibling, fsynced, then renamed into place; an earlier
     delivery at `dest` is swapped out only after the new one is complete.
     """
-    delivery_target(str(dest), tenant=stamp.get("tenant"))  # re-check: the target may have changed since the lease was accepted
+    delivery_target(str(dest), tenant=stamp.get("tenant"), roots=roots)  # re-check: the target may have changed since the lease was accepted
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = dest.with_name(f".{dest.name}.partial")
     shutil.rmtree(tmp, ignore_errors=True)

@@ -45,6 +45,7 @@ class DaemonOptions:
     provider_key: str | None = None
     usage_interval_s: float = 30.0
     lease_jobs: str | None = None  # where tenants drop lease jobs when the market does not carry them
+    deliveries_root: str | None = None  # the only folder (with lease_jobs) results may be delivered into
 
 
 def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -> list[str]:
@@ -110,7 +111,7 @@ def run_daemon(options: DaemonOptions) -> int:
         from runyard.control.agent import MarketAgent
 
         agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s,
-                            lease_jobs=options.lease_jobs)
+                            lease_jobs=options.lease_jobs, deliveries_root=options.deliveries_root)
         agent.start(stop)
     log.info("control plane on http://%s:%s, state in %s, backend %s, devices %s", options.host,
              info["port"], state_dir, options.backend, ",".join(options.config.inventory))
