@@ -1,10 +1,11 @@
-"""Verbs of a run's life: run, train, resume, plan, generate, show."""
+"""Verbs of a run's life: run, train, resume, plan, generate, serve, show."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -192,9 +193,9 @@ def cmd_resume(args) -> int:
 def _print_summary(summary) -> None:
     from rich.console import Console
 
-    if int(__import__("os").environ.get("RANK", "0")) != 0:
+    if int(os.environ.get("RANK", "0")) != 0:
         return
-    console = Console()
+    console = Console(soft_wrap=True)  # long lines and samples stay whole when the output is not a terminal
     console.print(f"\n[bold]run directory[/bold]: {summary.run_dir.resolve()}")
     for s in summary.stages:
         console.print(
