@@ -143,7 +143,9 @@ def test_cancel_before_start_and_terminate_after(world):
     ended = leases.terminate(
         m, world.who("p"), running["id"], EndIn(reason_code="hardware_failure", note="PSU"), "x"
     )
-    assert ended["state"] == "terminated" and ended["window_end"] == running["started_at"] + 600
+    # The test clock is the real clock plus an offset, so a loaded machine may add a second or two.
+    assert ended["state"] == "terminated"
+    assert running["started_at"] + 600 <= ended["window_end"] <= running["started_at"] + 610
     log = world.log("lease", running["id"])[-1]
     assert (log["to_state"], log["actor"], log["reason"]) == (
         "terminated",
