@@ -4,5 +4,6 @@
 set -euo pipefail
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo_root/scripts/setup_env.sh"
+setup_env
 cd "$repo_root"
 exec runyard run examples/stdlib-code.yaml "$@"

@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
-# Create or refresh the project's virtual environment (.venv) and install runyard into it.
-# Sourced by scripts/demo.sh and scripts/test.sh. On a machine without an NVIDIA GPU the CPU wheel of
-# torch is installed first, so the `torch>=2.4` range in pyproject.toml never pulls a CUDA build.
+# Defines `setup_env [EXTRAS]`: create or refresh the project's virtual environment (.venv), install
+# runyard into it (with the given extras, e.g. `dev`) and put it first on PATH. Sourced by
+# scripts/demo.sh and scripts/test.sh. On a machine without an NVIDIA GPU the CPU wheel of torch is
+# installed first, so the `torch>=2.5` range in pyproject.toml never pulls a CUDA build.
 set -euo pipefail
+
+setup_env() {
+local repo_root venv python extras
 repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${RUNYARD_VENV:-$repo_root/.venv}"
 python="${PYTHON:-python3}"
@@ -15,10 +19,11 @@ pip_install() { "$venv/bin/python" -m pip install --disable-pip-version-check -q
 
 if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip_install "torch>=2.4"
+    pip_install "torch>=2.5"
   else
-    # The CPU build; pip finds it on local wheel mirrors or on PyTorch's CPU index.
-    pip_install "torch==2.13.0" || pip_install "torch==2.13.0" --index-url https://download.pytorch.org/whl/cpu
+    # The CPU build, as pip finds it on this machine's wheel mirror. Elsewhere, point pip at a CPU
+    # wheel index (PIP_EXTRA_INDEX_URL) to avoid the CUDA build.
+    pip_install "torch==2.13.0"
   fi
 fi
 if [ -n "$extras" ]; then
@@ -27,3 +32,4 @@ else
   pip_install -e "$repo_root"
 fi
 export PATH="$venv/bin:$PATH"
+}
