@@ -34,6 +34,8 @@ from runyard.control.jobs import add_jobs  # noqa: E402
 from runyard.control.loop import ControlConfig, ControlLoop  # noqa: E402
 from runyard.control.store import JobStore  # noqa: E402
 
+# Like tests/e2e/conftest.py's TINY_SPEC but long enough to be killed mid-run (400 steps, a checkpoint
+# every 5, no gate): kept here because a benchmark must not import the test suite's conftest.
 TINY = {
     "name": "bench", "seed": 7,
     "data": {"sources": [{"path": "{stdlib}/json/*.py"}, {"path": "{stdlib}/email/*.py"}], "heldout_fraction": 0.1,

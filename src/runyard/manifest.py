@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import runyard
-from runyard.data.shards import atomic_write_bytes
+from runyard.fsutil import atomic_write_text
 
 MANIFEST_FILE = "manifest.json"
 PACKAGES = ("torch", "tokenizers", "numpy", "safetensors", "pydantic", "pyarrow")
@@ -102,7 +102,7 @@ def read_manifest(run_dir: Path) -> dict[str, Any]:
 
 
 def write_manifest(run_dir: Path, manifest: dict[str, Any]) -> None:
-    atomic_write_bytes(run_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, default=str).encode())
+    atomic_write_text(run_dir / MANIFEST_FILE, json.dumps(manifest, indent=2, default=str))
 
 
 def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:

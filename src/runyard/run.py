@@ -16,10 +16,10 @@ from pathlib import Path
 from runyard import manifest as mf
 from runyard.data.loader import TokenLoader, heldout_batches
 from runyard.data.pipeline import PreparedData, prepare_data
-from runyard.data.shards import atomic_write_bytes
 from runyard.errors import GateFailed, RunyardError, SpecError
 from runyard.evaluate.heldout import HeldoutMetrics, summarise, train_token_counts, unigram_loss
 from runyard.evaluate.report import verdict, write_report
+from runyard.fsutil import atomic_write_text
 from runyard.plan import sizing
 from runyard.plan.stages import evaluate_gates, format_failures, read_gates, write_gates
 from runyard.serve.drift import DriftReference
@@ -29,6 +29,7 @@ from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
 from runyard.train.loop import StageResult, evaluate_loss, train_stage
+from runyard.train.metrics import MetricsLog
 from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest, stop_on_signals
 
@@ -67,7 +68,7 @@ def open_run_dir(spec: JobSpec, run_dir: Path) -> None:
                   "different spec: pick another --run-dir or remove it")],
             )
         return
-    atomic_write_bytes(spec_path, dump_spec(spec).encode())
+    atomic_write_text(spec_path, dump_spec(spec))
 
 
 def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None:
@@ -158,8 +159,6 @@ def run_stages(
     show_progress: bool,
 ) -> tuple[list[dict], StageResult | None]:
     """Train each stage in order; a stage whose gates passed before is skipped, a failed one stops all."""
-    from runyard.train.metrics import MetricsLog
-
     names = [s.name for s in spec.stages]
     summaries, last = [], None
     for name in names:
@@ -237,8 +236,6 @@ def evaluate_and_export(
         samples.append({"prompt": prompt, "completion": completion})
 
     result = verdict(metrics, spec.eval)
-    from runyard.train.metrics import MetricsLog
-
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)

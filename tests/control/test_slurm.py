@@ -33,6 +33,13 @@ def _scontrol(slurm_id: str) -> dict:
     return parse_scontrol(out)
 
 
+def _submit_running(d, name: str, *args: str) -> tuple[dict, str]:
+    """Submit a jobscript job and wait until its code runs; returns the job and its Slurm job id."""
+    j = d.client.submit([job(name, *args)])[0]
+    d.wait_event(j["id"])
+    return j, d.client.job(j["id"])["job"]["backend_id"]
+
+
 @pytest.mark.slow
 @pytest.mark.slurm
 def test_submit_with_gres_and_run(slurm_daemon):
@@ -51,9 +58,7 @@ def test_submit_with_gres_and_run(slurm_daemon):
 @pytest.mark.slurm
 def test_cancel(slurm_daemon):
     d = slurm_daemon
-    j = d.client.submit([job("long", "--steps", "600", "--step-s", "0.1")])[0]
-    d.wait_event(j["id"])
-    slurm_id = d.client.job(j["id"])["job"]["backend_id"]
+    j, slurm_id = _submit_running(d, "long", "--steps", "600", "--step-s", "0.1")
     d.client.cancel(j["id"])
     final = d.client.wait(j["id"], timeout_s=60)
     assert final["state"] == "cancelled"
@@ -64,9 +69,7 @@ def test_cancel(slurm_daemon):
 @pytest.mark.slurm
 def test_slurm_requeue_resumes_from_the_checkpoint(slurm_daemon):
     d = slurm_daemon
-    j = d.client.submit([job("resumable", "--steps", "40", "--step-s", "0.1")])[0]
-    d.wait_event(j["id"])
-    slurm_id = d.client.job(j["id"])["job"]["backend_id"]
+    j, slurm_id = _submit_running(d, "resumable", "--steps", "40", "--step-s", "0.1")
     subprocess.run(["scontrol", "requeue", slurm_id], check=True)  # what Slurm does after a node failure
     final = d.client.wait(j["id"], timeout_s=120)
     assert final["state"] == "succeeded" and final["backend_id"] == slurm_id  # the same Slurm job ran it again

@@ -25,8 +25,10 @@ def test_every_state_has_a_row_and_terminal_states_only_requeue():
     (S.PREEMPTED, S.RUNNING),  # back through pending: it queues like anyone else
 ])
 def test_illegal_transitions_are_refused_with_what_is_allowed(current, target):
-    with pytest.raises(IllegalTransition, match=f"cannot go from {current} to {target}"):
+    with pytest.raises(IllegalTransition, match=f"cannot go from {current} to {target}") as caught:
         check_transition(1, current, target)
+    assert str(caught.value).endswith(f"(from {current}: {', '.join(sorted(TRANSITIONS[current]))})")
+    assert (caught.value.current, caught.value.target) == (current, target)
 
 
 @pytest.mark.parametrize(("rc", "sig", "expected"), [

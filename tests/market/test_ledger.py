@@ -17,7 +17,9 @@ def test_two_phase_transfers_resolve_exactly_once(store_url):
         a = ledger.open_account(conn, "tenant:x:available", "tenant_available")
         e = ledger.open_account(conn, "escrow:x", "escrow")
         ext = ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS)
-        ledger.transfer(conn, ext, a, 1000, reason="deposit", actor="t", now=now)
+        deposit = ledger.transfer(conn, ext, a, 1000, reason="deposit", actor="t", now=now)
+        with pytest.raises(InvalidTransition, match="is not a pending transfer"):
+            ledger.void_pending(conn, deposit, reason="x", actor="t", now=now)
         held = ledger.transfer(conn, a, e, 700, reason="escrow_reserve", actor="t", now=now, pending=True)
         assert ledger.balance(conn, a).available == 300
         with pytest.raises(InsufficientFunds, match="has 300 available"):

@@ -41,6 +41,12 @@ def _key() -> str:
     return generate_keypair()[1]
 
 
+def _private_key() -> str:
+    from runyard.market.signing import generate_keypair
+
+    return generate_keypair()[0]
+
+
 def _principal(market, token: str) -> Principal:
     return identity.authenticate(market, token)
 
@@ -66,6 +72,16 @@ def test_identity_file_round_trip(tmp_path):
     path.write_text(json.dumps({"url": "http://127.0.0.1:9", "token": "t", "private_key": None}))
     client = MarketClient.from_identity_file(path)
     assert client.token == "t"
+
+    # What save_identity writes (secret: mode 0600) reads back as the same account and key.
+    saver = MarketClient("http://127.0.0.1:9")
+    saver.token, saver.private_key = "tok-2", _private_key()
+    saved = tmp_path / "saved.json"
+    saver.save_identity(saved)
+    assert saved.stat().st_mode & 0o777 == 0o600
+    again = MarketClient.from_identity_file(saved)
+    assert (again.base_url, again.token, again.private_key) == (saver.base_url, "tok-2", saver.private_key)
+    assert [f.name for f in tmp_path.iterdir() if f.name not in ("identity.json", "saved.json")] == []
 
 
 def test_admin_on_an_unreadable_store_is_a_clear_error(tmp_path):

@@ -23,6 +23,8 @@ def test_migrations_create_the_declared_schema(store_url):
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []
     market.store.migrate()  # a second run is a no-op
+    with market.store.engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), metadata) == []
 
 
 def test_history_tables_refuse_update_and_delete(store_url):

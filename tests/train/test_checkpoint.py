@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from runyard.errors import CheckpointCorrupt
+from runyard.fsutil import sha256_file
 from runyard.train import checkpoint as ckpt
 
 
@@ -89,7 +90,7 @@ def test_weights_only_load_refuses_pickled_code(tmp_path):
     torch.save({"x": Evil()}, path / "model.pt")
     # Re-sign the manifest so only weights_only stands between the file and code execution.
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
-    manifest["files"]["model.pt"] = {"sha256": ckpt.sha256_file(path / "model.pt"), "bytes": (path / "model.pt").stat().st_size}
+    manifest["files"]["model.pt"] = {"sha256": sha256_file(path / "model.pt"), "bytes": (path / "model.pt").stat().st_size}
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     with pytest.raises(Exception, match="(?i)weights_only|unsupported|global"):
         ckpt.read_checkpoint(path)
@@ -99,7 +100,7 @@ def test_manifest_from_sha256_era_still_verifies_and_detects_damage(tmp_path):
     path = write(tmp_path, 3)
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     for rel, meta in manifest["files"].items():
-        manifest["files"][rel] = {"sha256": ckpt.sha256_file(path / rel), "bytes": meta["bytes"]}
+        manifest["files"][rel] = {"sha256": sha256_file(path / rel), "bytes": meta["bytes"]}
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     ckpt.verify_checkpoint(path)
     data = bytearray((path / "model.pt").read_bytes())

@@ -199,7 +199,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _queue(args: argparse.Namespace) -> int:
-    states = None if args.all else ["pending", "starting", "running", "recovering", "preempted", "cancelling"]
+    from runyard.control.states import JobState
+
+    states = None if args.all else [str(s) for s in JobState if not s.terminal]
     jobs = _client(args).jobs(states)
     if args.json:
         print(json.dumps(jobs, indent=2))

@@ -41,10 +41,10 @@ import yaml
 
 from runyard.control.jobs import add_jobs, requests_for_spec
 from runyard.control.server import capacity
-from runyard.control.shim import write_atomic
 from runyard.control.states import JobState
 from runyard.control.store import Job
 from runyard.errors import RunyardError
+from runyard.fsutil import atomic_write_text, fsync_dir, fsync_file
 from runyard.spec import load_spec
 
 log = logging.getLogger("runyard.control.agent")
@@ -234,7 +234,7 @@ class MarketAgent:
             folder.mkdir(parents=True, exist_ok=True)
             spec_path = folder / "spec.yaml"
             spec_text = attached["spec"] if isinstance(attached["spec"], str) else yaml.safe_dump(attached["spec"])
-            write_atomic(str(spec_path), spec_text)
+            atomic_write_text(spec_path, spec_text)
             return spec_path, str(attached.get("results_to") or folder / "results")
         # Fallback for demands that carry no job: the local drop directory.
         drop = self.lease_jobs / f"demand-{int(lease['demand_id'])}"
@@ -252,7 +252,7 @@ class MarketAgent:
             return None
 
     def _save(self, record: dict[str, Any]) -> None:
-        write_atomic(str(self._path(record["lease_id"])), json.dumps(record))
+        atomic_write_text(self._path(record["lease_id"]), json.dumps(record))
 
 
 # What a tenant gets of a run directory: everything but checkpoints, logs and scratch.
@@ -318,14 +318,14 @@ def deliver_results(run_dir: Path, dest: Path, stamp: dict, roots: tuple[Path, .
         target = tmp / src.relative_to(run_dir)
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, target)
-        with open(target, "rb") as handle:
-            os.fsync(handle.fileno())
-    write_atomic(str(tmp / DELIVERY_MARKER), json.dumps({**stamp, "files": len(files)}))
+        fsync_file(target)
+    atomic_write_text(tmp / DELIVERY_MARKER, json.dumps({**stamp, "files": len(files)}))
     old = dest.with_name(f".{dest.name}.old")
     shutil.rmtree(old, ignore_errors=True)
     if dest.exists():
         dest.rename(old)  # only an empty directory or an earlier delivery gets here (delivery_target)
     tmp.rename(dest)
+    fsync_dir(dest.parent)  # the swap itself survives a crash
     shutil.rmtree(old, ignore_errors=True)
     return len(files)
 

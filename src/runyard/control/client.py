@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from runyard.control.daemon import ControlError, read_daemon_info
+from runyard.control.states import JobState
 
-TERMINAL = ("succeeded", "failed", "cancelled")
+TERMINAL = tuple(str(s) for s in JobState if s.terminal)  # succeeded, failed, cancelled
 
 
 class ControlClient:

@@ -22,9 +22,9 @@ from typing import Any
 
 from runyard.control.loop import ControlConfig, ControlLoop
 from runyard.control.server import ControlServer
-from runyard.control.shim import write_atomic
 from runyard.control.store import JobStore
 from runyard.errors import RunyardError
+from runyard.fsutil import atomic_write_text
 
 log = logging.getLogger("runyard.control")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
@@ -105,7 +105,7 @@ def run_daemon(options: DaemonOptions) -> int:
     threading.Thread(target=server.serve_forever, name="control-api", daemon=True).start()
     info = {"pid": os.getpid(), "host": options.host, "port": server.server_address[1],
             "backend": options.backend, "started_at": time.time(), "devices": options.config.inventory}
-    write_atomic(str(state_dir / "daemon.json"), json.dumps(info))
+    atomic_write_text(state_dir / "daemon.json", json.dumps(info))
     agent = None
     if options.market_url:
         from runyard.control.agent import MarketAgent

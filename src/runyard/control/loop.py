@@ -22,7 +22,7 @@ from runyard.control.store import Job, JobStore
 log = logging.getLogger("runyard.control")
 S = JobState
 ACTOR = "control-loop"
-HOLDING = [S.STARTING, S.RUNNING, S.RECOVERING, S.PREEMPTED, S.CANCELLING]
+HOLDING = [s for s in JobState if s.holds_devices]  # in enum order: a stable SQL query
 
 
 @dataclass
@@ -188,12 +188,16 @@ class ControlLoop:
 
     def _fail_orphaned_dependents(self, pending: list[Job]) -> list[Job]:
         """Fail pending jobs whose dependency ended badly; return the pending jobs left."""
+        if not any(j.depends_on is not None for j in pending):
+            return pending
+        # One id query per tick rather than a row read per dependent job: most dependencies are fine.
+        ended_badly = self.store.ids_in([S.FAILED, S.CANCELLED])
         left = []
         for job in pending:
-            dep = self.store.get(job.depends_on) if job.depends_on is not None else None
-            if dep is None or dep.state not in (S.FAILED, S.CANCELLED):
+            if job.depends_on not in ended_badly:  # also None: no dependency
                 left.append(job)
             else:
+                dep = self.store.get(job.depends_on)
                 why = f"job {dep.id} ({dep.name}) it depends on ended {dep.state}" + (
                     f": {dep.failure}" if dep.failure else "")
                 self.store.transition(job.id, S.FAILED, actor=ACTOR, reason=why, detail=why, ended_at=time.time(),
@@ -255,7 +259,6 @@ class ControlLoop:
         fields = dict(pid=launched.pid, pid_start_time=launched.pid_start_time, backend_id=launched.backend_id)
         if running:
             fields["attempt_started_at"] = time.time()
-        if running:
             self.store.transition(job.id, S.RUNNING, actor=ACTOR, reason=f"launched attempt {job.attempt}", **fields)
         else:  # queued in the cluster; the watch moves it to running when the cluster starts it
             self.store.update(job.id, **fields)

@@ -22,7 +22,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlparse
 
 from runyard.control.jobs import JobRequestError, add_jobs
-from runyard.control.loop import ControlLoop
+from runyard.control.loop import HOLDING, ControlLoop
 from runyard.control.states import IllegalTransition, JobState
 from runyard.control.store import JobNotFound
 
@@ -110,11 +110,11 @@ class _Handler(BaseHTTPRequestHandler):
 
 def capacity(loop: ControlLoop) -> dict[str, Any]:
     """Devices this control plane has and which of them no job holds."""
-    holders = loop.store.jobs([s for s in JobState if s.holds_devices])
+    holders = loop.store.jobs(HOLDING)
     held = {d for j in holders for d in j.allocation}
     free = [d for d in loop.config.inventory if d not in held]
     return {"inventory": loop.config.inventory, "free": free, "active_jobs": len(holders),
-            "pending_jobs": len(loop.store.jobs([JobState.PENDING]))}
+            "pending_jobs": len(loop.store.ids_in([JobState.PENDING]))}  # counted, not decoded
 
 
 def read_log(loop: ControlLoop, job_id: int, offset: int) -> dict[str, Any]:

@@ -3,7 +3,8 @@
 It runs the job's command as its child, and when the child ends writes how it ended (exit code or
 signal) atomically to a status file. Because the shim leads its own session, it outlives a daemon
 killed with SIGKILL, and a restarted daemon still learns how the job ended although it is no
-longer the job's parent. Standard library only: it starts fast and imports nothing heavy.
+longer the job's parent. Standard library and runyard.fsutil only: it starts fast and imports
+nothing heavy.
 
     python -m runyard.control.shim STATUS_FILE [--forward-signals] -- COMMAND [ARGS...]
 
@@ -21,20 +22,7 @@ import subprocess
 import sys
 import time
 
-
-def write_atomic(path: str, text: str) -> None:
-    """Write `text` to `path` so that a reader sees the old file or the whole new one."""
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+from runyard.fsutil import atomic_write_text
 
 
 def main(argv: list[str]) -> int:
@@ -58,7 +46,7 @@ def main(argv: list[str]) -> int:
         child = subprocess.Popen(command)
     except OSError as exc:
         print(f"runyard shim: cannot start {command[0]!r}: {exc}", file=sys.stderr, flush=True)
-        write_atomic(status_file, json.dumps({"returncode": 127, "signal": None, "launch_error": str(exc)}))
+        atomic_write_text(status_file, json.dumps({"returncode": 127, "signal": None, "launch_error": str(exc)}))
         return 127
     while True:
         try:
@@ -74,7 +62,7 @@ def main(argv: list[str]) -> int:
         "started_at": started,
         "ended_at": time.time(),
     }
-    write_atomic(status_file, json.dumps(status))
+    atomic_write_text(status_file, json.dumps(status))
     return 128 + sig if sig else code
 
 

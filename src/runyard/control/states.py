@@ -2,7 +2,7 @@
 
 Nothing changes a job's state except `JobStore.transition`, which checks this table and writes the
 transition (actor, time, reason) to the database *before* the caller acts on it. A daemon that dies
-between writing and acting finds the intent on restart and reconciles (see `control/reconcile.py`).
+between writing and acting finds the intent on restart and reconciles (see `ControlLoop.reconcile`).
 
     pending -> starting -> running -> succeeded
     running -> recovering -> running            (restart from the last good checkpoint)
@@ -36,16 +36,13 @@ class JobState(StrEnum):
     @property
     def holds_devices(self) -> bool:
         """States in which the job's allocation is reserved for it."""
-        return self in (
-            JobState.STARTING,
-            JobState.RUNNING,
-            JobState.RECOVERING,
-            JobState.PREEMPTED,
-            JobState.CANCELLING,
-        )
+        return self in HOLDS_DEVICES
 
 
 TERMINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+HOLDS_DEVICES = frozenset(
+    {JobState.STARTING, JobState.RUNNING, JobState.RECOVERING, JobState.PREEMPTED, JobState.CANCELLING}
+)
 
 
 class FailureReason(StrEnum):

@@ -24,8 +24,8 @@ from runyard.data.config import DataSpec
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
 from runyard.data.pii import scrub_pii
-from runyard.data.shards import atomic_write_bytes
 from runyard.data.sources import InputFile, iter_file_documents
+from runyard.fsutil import atomic_write_bytes
 
 SAMPLE_CHARS = 300
 

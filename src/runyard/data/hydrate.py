@@ -29,8 +29,9 @@ from runyard.data import residency
 from runyard.data.config import DataSpec
 from runyard.data.pipeline import PreparedData, load_prepared, resolve_cache_dir
 from runyard.data.progress import progress_bars
-from runyard.data.shards import HEADER, ShardCorrupt, atomic_write_bytes, sha256_file
+from runyard.data.shards import HEADER, ShardCorrupt
 from runyard.errors import DataError
+from runyard.fsutil import atomic_write_bytes, sha256_file
 
 META_FILES = ("tokenizer.json", "split.json", "train.json", "heldout.json")
 COPY_BLOCK = 1 << 22

@@ -39,12 +39,12 @@ from runyard.data.config import DataSpec
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
-from runyard.data.shards import atomic_write_json, sha256_file
 from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
 from runyard.data.split import SPLIT_METHOD, heldout_mask
 from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
 from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from runyard.errors import DataError
+from runyard.fsutil import atomic_write_json, sha256_file
 
 PIPELINE_VERSION = 1  # bump when a step's output changes for the same inputs
 _NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region", "chunk_bytes"}

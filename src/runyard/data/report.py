@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runyard.data.shards import atomic_write_bytes
+from runyard.fsutil import atomic_write_bytes
 
 
 def markdown_report(stats: dict[str, Any]) -> str:

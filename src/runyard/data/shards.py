@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from runyard.errors import DataError
+from runyard.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 
 MAGIC = b"RYTOKENS"
 VERSION = 1
@@ -38,38 +39,6 @@ class ShardCorrupt(DataError):
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
     """uint16 when every id fits, else uint32."""
     return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.uint32)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` via a fsynced temp file and a rename (and fsync the directory)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_json(path: Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def write_shard(path: Path, tokens: np.ndarray, dtype: np.dtype) -> str:

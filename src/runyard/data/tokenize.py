@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from runyard.data.shards import ShardWriter, atomic_write_bytes, dtype_for_vocab, write_index
+from runyard.data.shards import ShardWriter, dtype_for_vocab, write_index
+from runyard.fsutil import atomic_write_bytes
 
 CHUNK_BYTES = 1 << 22  # ~4 MB of text per chunk: big enough for encode_batch to use every core
 

@@ -6,11 +6,11 @@ Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eva
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from runyard.evaluate.heldout import HeldoutMetrics
+from runyard.fsutil import atomic_write_text
 from runyard.spec import EvalSpec
 
 
@@ -96,8 +96,8 @@ def write_report(
         "samples": samples,
         "plots": [p.name for p in plots],
     }
-    _atomic_write(out_dir / "report.json", json.dumps(report, indent=2))
-    _atomic_write(out_dir / "report.md", _markdown(report))
+    atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2))
+    atomic_write_text(out_dir / "report.md", _markdown(report))
     return report
 
 
@@ -135,9 +135,3 @@ def _markdown(report: dict) -> str:
     for s in report["samples"]:
         lines += [f"Prompt `{s['prompt']!r}`:", "", "```", s["prompt"] + s["completion"], "```", ""]
     return "\n".join(lines) + "\n"
-
-
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)

@@ -5,7 +5,7 @@ the control plane's market agent). It imports no torch.
 
     provider = MarketClient("http://127.0.0.1:8470")
     provider.register("gpu-farm", "provider")       # makes an Ed25519 key pair, keeps token and key
-    provider.save_identity("provider.json")         # later: MarketClient.from_identity_file(url, path)
+    provider.save_identity("provider.json")         # later: MarketClient.from_identity_file(path)
     provider.request_verification("company number 123")
     provider.verify_status()                        # {'state': 'pending' | 'verified' | ...}
     provider.create_listing(accelerator_kind="h100-80gb", devices_per_node=8, node_count=2,
@@ -37,7 +37,6 @@ once. Every method returns the server's JSON (dicts and lists); an error answer 
 from __future__ import annotations
 
 import json
-import os
 import time
 import uuid
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 import httpx
 
 from runyard.errors import RunyardError
+from runyard.fsutil import atomic_write_text
 from runyard.market import payloads
 from runyard.market.requirement import Requirement
 from runyard.market.signing import generate_keypair, public_key_of, sign
@@ -132,6 +132,13 @@ class MarketClient:
             raise MarketClientError(0, "no_key", "this client has no private key to sign with")
         return sign(self.private_key, payload)
 
+    def _signed_body(self, payload: dict) -> dict:
+        """The request body for a signed payload: its fields less those the URL already carries
+        (`type`, `lease_id`; the server rebuilds the payload from both), plus the signature."""
+        body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
+        body["signature"] = self._sign(payload)
+        return body
+
     @property
     def currency(self) -> str:
         if self._currency is None:
@@ -157,14 +164,8 @@ class MarketClient:
 
     def save_identity(self, path: str | Path) -> None:
         """Write token and private key to `path` (mode 0600, atomically)."""
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as handle:
-            json.dump({"url": self.base_url, "token": self.token, "private_key": self.private_key}, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        identity = {"url": self.base_url, "token": self.token, "private_key": self.private_key}
+        atomic_write_text(path, json.dumps(identity), mode=0o600)
 
     @classmethod
     def from_identity_file(cls, path: str | Path, base_url: str | None = None, **kwargs: Any) -> MarketClient:
@@ -301,8 +302,7 @@ class MarketClient:
     ) -> dict:
         """Report one usage record, signed with this provider's key."""
         payload = payloads.usage_record(lease_id, seq, interval_start, interval_end, device_seconds, evidence)
-        body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
-        body["signature"] = self._sign(payload)
+        body = self._signed_body(payload)
         return self._money("POST", f"/v1/leases/{lease_id}/usage", body, idempotency_key)
 
     def submit_measurement(
@@ -315,8 +315,7 @@ class MarketClient:
     ) -> dict:
         """The tenant's own signed view of an interval; a mismatch beyond tolerance opens a dispute."""
         payload = payloads.measurement(lease_id, interval_start, interval_end, device_seconds)
-        body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
-        body["signature"] = self._sign(payload)
+        body = self._signed_body(payload)
         return self._money("POST", f"/v1/leases/{lease_id}/measurements", body, idempotency_key)
 
     def usage(self, lease_id: int) -> dict:

@@ -22,43 +22,35 @@ def _own_account(conn: Connection, principal: Principal) -> int:
 def deposit(market: Market, principal: Principal, amount: int, key: str | None) -> dict:
     """Credit a tenant's available balance from outside the market."""
     principal.require_role("tenant")
-    ledger.check_amount(amount)
-
-    def tx(conn: Connection, now: int) -> dict:
-        target = _own_account(conn, principal)
-        transfer_id = ledger.transfer(
-            conn, ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS), target, amount,
-            reason="deposit", actor=str(principal.actor), now=now,
-        )  # fmt: skip
-        audit(conn, principal.actor, "funds.deposit", f"account:{principal.id}", now, amount=amount)
-        return {
-            "transfer_id": transfer_id,
-            "amount": amount,
-            "balance": ledger.balance(conn, target).to_json(),
-        }
-
-    return market.idempotent(principal, key, "funds.deposit", {"amount": amount}, tx)
+    return _move(market, principal, amount, key, "funds.deposit", inbound=True)
 
 
 def withdraw(market: Market, principal: Principal, amount: int, key: str | None) -> dict:
     """Pay out of the market: a tenant's available balance or a provider's earnings."""
     principal.require_role("tenant", "provider")
+    return _move(market, principal, amount, key, "funds.withdraw", inbound=False)
+
+
+def _move(
+    market: Market, principal: Principal, amount: int, key: str | None, operation: str, inbound: bool
+) -> dict:
+    """One idempotent transfer between the caller's own account and the outside world: in from
+    external deposits when `inbound`, else out to external withdrawals."""
     ledger.check_amount(amount)
 
     def tx(conn: Connection, now: int) -> dict:
-        source = _own_account(conn, principal)
+        own = _own_account(conn, principal)
+        if inbound:
+            debit, credit, reason = ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS), own, "deposit"
+        else:
+            debit, credit, reason = own, ledger.account_id(conn, ledger.EXTERNAL_WITHDRAWALS), "withdrawal"
         transfer_id = ledger.transfer(
-            conn, source, ledger.account_id(conn, ledger.EXTERNAL_WITHDRAWALS), amount,
-            reason="withdrawal", actor=str(principal.actor), now=now,
-        )  # fmt: skip
-        audit(conn, principal.actor, "funds.withdraw", f"account:{principal.id}", now, amount=amount)
-        return {
-            "transfer_id": transfer_id,
-            "amount": amount,
-            "balance": ledger.balance(conn, source).to_json(),
-        }
+            conn, debit, credit, amount, reason=reason, actor=str(principal.actor), now=now
+        )
+        audit(conn, principal.actor, operation, f"account:{principal.id}", now, amount=amount)
+        return {"transfer_id": transfer_id, "amount": amount, "balance": ledger.balance(conn, own).to_json()}
 
-    return market.idempotent(principal, key, "funds.withdraw", {"amount": amount}, tx)
+    return market.idempotent(principal, key, operation, {"amount": amount}, tx)
 
 
 def balances(market: Market, principal: Principal) -> dict:

@@ -76,6 +76,15 @@ def lock_lease(conn: Connection, lease_id: int, principal: Principal | None) -> 
     return dict(row)
 
 
+def _lock_as(conn: Connection, lease_id: int, principal: Principal, side: str) -> dict:
+    """Lock a lease the caller holds as `side` ("tenant" or "provider"); operators may act on any.
+    NotFound otherwise, as for a lease that does not exist."""
+    lease = lock_lease(conn, lease_id, principal)
+    if principal.role != "operator" and lease[f"{side}_id"] != principal.id:
+        raise NotFound(f"no lease {lease_id} of yours")
+    return lease
+
+
 def _party(principal: Principal, row) -> bool:  # type: ignore[no-untyped-def]
     return principal.role == "operator" or principal.id in (row["tenant_id"], row["provider_id"])
 
@@ -133,9 +142,7 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = lock_lease(conn, lease_id, principal)
-        if lease["provider_id"] != principal.id:
-            raise NotFound(f"no lease {lease_id} of yours")
+        lease = _lock_as(conn, lease_id, principal, "provider")
         if lease["state"] != OFFERED:
             raise InvalidTransition(
                 f"lease {lease_id} is {lease['state']}; only an offered lease can be accepted"
@@ -164,9 +171,7 @@ def reject(market: Market, principal: Principal, lease_id: int, body: EndIn, key
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = lock_lease(conn, lease_id, principal)
-        if lease["provider_id"] != principal.id:
-            raise NotFound(f"no lease {lease_id} of yours")
+        lease = _lock_as(conn, lease_id, principal, "provider")
         _end_before_start(conn, lease, REJECTED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
@@ -178,9 +183,7 @@ def cancel(market: Market, principal: Principal, lease_id: int, body: EndIn, key
     principal.require_role("tenant", "operator")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = lock_lease(conn, lease_id, principal)
-        if principal.role == "tenant" and lease["tenant_id"] != principal.id:
-            raise NotFound(f"no lease {lease_id} of yours")
+        lease = _lock_as(conn, lease_id, principal, "tenant")
         _end_before_start(conn, lease, CANCELLED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
@@ -192,9 +195,7 @@ def start(market: Market, principal: Principal, lease_id: int, key: str | None) 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = lock_lease(conn, lease_id, principal)
-        if lease["provider_id"] != principal.id:
-            raise NotFound(f"no lease {lease_id} of yours")
+        lease = _lock_as(conn, lease_id, principal, "provider")
         if lease["state"] != ACCEPTED:
             raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an accepted lease can start")
         if now > lease["start_by"]:
@@ -214,9 +215,7 @@ def close_window(market: Market, principal: Principal, lease_id: int, key: str |
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = lock_lease(conn, lease_id, principal)
-        if lease["provider_id"] != principal.id:
-            raise NotFound(f"no lease {lease_id} of yours")
+        lease = _lock_as(conn, lease_id, principal, "provider")
         if lease["state"] == RUNNING and now < lease["window_end"]:
             raise Conflict(
                 f"lease {lease_id}'s window ends at {lease['window_end']}; to stop early, terminate it"

@@ -180,14 +180,20 @@ def transfer(
     )
 
 
-def _open_pending(conn: Connection, pending_id: int) -> dict:
-    row = conn.execute(select(transfers).where(transfers.c.id == pending_id)).mappings().one_or_none()
-    if row is None or row["kind"] != "pending":
+def _lock_open_pending(conn: Connection, pending_id: int) -> tuple[dict[int, dict], dict]:
+    """Lock a pending transfer's two accounts, then check it is still unresolved.
+
+    Returns the locked accounts and the pending transfer. The lock comes before the check for a
+    post or void of it, so two resolutions of one hold serialise here and the second one fails.
+    """
+    pend = conn.execute(select(transfers).where(transfers.c.id == pending_id)).mappings().one_or_none()
+    if pend is None or pend["kind"] != "pending":
         raise InvalidTransition(f"transfer {pending_id} is not a pending transfer")
+    accounts = _lock(conn, sorted({pend["debit_account_id"], pend["credit_account_id"]}))
     done = conn.execute(select(transfers.c.kind).where(transfers.c.pending_id == pending_id)).scalar()
     if done is not None:
         raise InvalidTransition(f"pending transfer {pending_id} was already {done}ed")
-    return dict(row)
+    return accounts, dict(pend)
 
 
 def post_pending(
@@ -201,10 +207,7 @@ def post_pending(
     lease_id: int | None = None,
 ) -> int:
     """Post a pending transfer for `amount` <= its reserved amount; the rest of the hold is released."""
-    # Lock the accounts before reading the pending row's resolution, so two posts serialise here.
-    row = conn.execute(select(transfers).where(transfers.c.id == pending_id)).mappings().one()
-    accounts = _lock(conn, sorted({row["debit_account_id"], row["credit_account_id"]}))
-    pend = _open_pending(conn, pending_id)
+    accounts, pend = _lock_open_pending(conn, pending_id)
     check_amount(amount)
     if amount > pend["amount"]:
         raise BadRequest(f"cannot post {amount}: pending transfer {pending_id} holds only {pend['amount']}")
@@ -234,9 +237,7 @@ def post_pending(
 
 def void_pending(conn: Connection, pending_id: int, *, reason: str, actor: str, now: int) -> int:
     """Release a pending transfer entirely."""
-    row = conn.execute(select(transfers).where(transfers.c.id == pending_id)).mappings().one()
-    accounts = _lock(conn, sorted({row["debit_account_id"], row["credit_account_id"]}))
-    pend = _open_pending(conn, pending_id)
+    accounts, pend = _lock_open_pending(conn, pending_id)
     d, c, held = pend["debit_account_id"], pend["credit_account_id"], pend["amount"]
     _apply(conn, accounts, {d: {"debits_pending": -held}, c: {"credits_pending": -held}})
     return _insert(

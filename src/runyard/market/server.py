@@ -7,12 +7,12 @@ A background thread runs the sweep (deadlines, window ends, settlement) every `s
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 
 import uvicorn
 
+from runyard.fsutil import atomic_write_text
 from runyard.http_thread import AppThread
 from runyard.market import identity, leases
 from runyard.market.api import DEFAULT_MAX_BODY, create_app
@@ -45,13 +45,7 @@ def write_operator_token(market: Market, path: Path, name: str = "operator") -> 
     if path.exists():
         return None
     token = identity.create_operator(market, name)["token"]
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(token + "\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
+    atomic_write_text(path, token + "\n", mode=0o600)
     return token
 
 

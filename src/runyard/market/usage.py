@@ -34,13 +34,22 @@ def _lease_for(conn: Connection, lease_id: int, principal: Principal, side: str)
     return lease
 
 
-def _record_for(conn: Connection, record_id: int, principal: Principal, side: str) -> tuple[dict, dict]:
+def _record_for(conn: Connection, record_id: int, principal: Principal, side: str) -> dict:
+    """A usage record, read after locking its lease (whose `side` the caller must be)."""
     lease_id = conn.execute(select(usage_records.c.lease_id).where(usage_records.c.id == record_id)).scalar()
     if lease_id is None:
         raise NotFound(f"no usage record {record_id}")
-    lease = _lease_for(conn, lease_id, principal, side)
-    record = conn.execute(select(usage_records).where(usage_records.c.id == record_id)).mappings().one()
-    return lease, dict(record)
+    _lease_for(conn, lease_id, principal, side)
+    return _record_json(conn, record_id)
+
+
+def _disputable_record(conn: Connection, record_id: int, principal: Principal, now: int) -> dict:
+    """The tenant's usage record, while its dispute window is open; once it has closed the record
+    stands as reported and the tenant can neither acknowledge nor dispute it."""
+    record = _record_for(conn, record_id, principal, "tenant")
+    if now > record["received_at"] + _window(conn):
+        raise Conflict(f"record {record_id}'s dispute window has closed; it stands as reported")
+    return record
 
 
 def _window(conn: Connection) -> int:
@@ -130,9 +139,6 @@ def report(market: Market, principal: Principal, lease_id: int, body: UsageIn, k
         )
         record_initial(conn, RECORD, record_id, principal.actor, f"seq {body.seq}", now)
         audit(conn, principal.actor, "usage.report", f"record:{record_id}", now, lease=lease_id, seq=body.seq)
-        record = dict(
-            conn.execute(select(usage_records).where(usage_records.c.id == record_id)).mappings().one()
-        )
         theirs = conn.execute(
             select(measurements.c.device_seconds).where(
                 measurements.c.lease_id == lease_id,
@@ -141,6 +147,7 @@ def report(market: Market, principal: Principal, lease_id: int, body: UsageIn, k
             )
         ).scalar()
         if theirs is not None and _mismatch(conn, body.device_seconds, theirs):
+            record = {"id": record_id, "lease_id": lease_id}
             _open_dispute(
                 conn, record, SYSTEM, "tenant", theirs, body.device_seconds, "measurement mismatch", now
             )
@@ -234,9 +241,7 @@ def acknowledge(market: Market, principal: Principal, record_id: int, body: AckI
     principal.require_role("tenant")
 
     def tx(conn: Connection, now: int) -> dict:
-        _, record = _record_for(conn, record_id, principal, "tenant")
-        if now > record["received_at"] + _window(conn):
-            raise Conflict(f"record {record_id}'s dispute window has closed; it stands as reported")
+        record = _disputable_record(conn, record_id, principal, now)
         accepted = (
             record["device_seconds"] if body.accepted_device_seconds is None else body.accepted_device_seconds
         )
@@ -260,9 +265,7 @@ def dispute(market: Market, principal: Principal, record_id: int, body: DisputeI
     principal.require_role("tenant")
 
     def tx(conn: Connection, now: int) -> dict:
-        _, record = _record_for(conn, record_id, principal, "tenant")
-        if now > record["received_at"] + _window(conn):
-            raise Conflict(f"record {record_id}'s dispute window has closed")
+        record = _disputable_record(conn, record_id, principal, now)
         if record["state"] != REPORTED:
             raise Conflict(f"record {record_id} is {record['state']}; only a reported record can be disputed")
         if body.claimed_device_seconds >= record["device_seconds"]:
@@ -289,7 +292,7 @@ def contest(market: Market, principal: Principal, record_id: int, body: ContestI
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        _, record = _record_for(conn, record_id, principal, "provider")
+        record = _record_for(conn, record_id, principal, "provider")
         if record["state"] != PART_ACKNOWLEDGED:
             raise Conflict(
                 f"record {record_id} is {record['state']}; only a partial acknowledgement can be contested"
@@ -317,7 +320,7 @@ def withdraw_dispute(market: Market, principal: Principal, dispute_id: int, key:
     """The side that opened a dispute drops it: the other side's position stands."""
 
     def tx(conn: Connection, now: int) -> dict:
-        row = _dispute_for(conn, dispute_id, principal)
+        _, row = _dispute_for(conn, dispute_id, principal)
         if row["opened_by"] != str(principal.actor):
             raise Forbidden("only the account that opened a dispute may withdraw it")
         transition(
@@ -336,7 +339,7 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
     from runyard.market.settlement import settle_in_tx
 
     def tx(conn: Connection, now: int) -> dict:
-        row = _dispute_for(conn, dispute_id, principal)
+        lease, row = _dispute_for(conn, dispute_id, principal)
         claimed, counter = row["claimed_device_seconds"], row["counter_device_seconds"]
         if body.outcome == PARTIAL:
             low, high = min(claimed, counter), max(claimed, counter)
@@ -367,8 +370,7 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
             outcome=body.outcome,
             value=value,
         )
-        state = conn.execute(select(leases.c.state).where(leases.c.id == row["lease_id"])).scalar_one()
-        if state in SETTLEABLE:
+        if lease["state"] in SETTLEABLE:  # resolving a dispute never moves the lease locked above
             settle_in_tx(conn, row["lease_id"], SYSTEM, now)
         return dispute_json(conn, dispute_id)
 
@@ -377,14 +379,15 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
     )
 
 
-def _dispute_for(conn: Connection, dispute_id: int, principal: Principal) -> dict:
+def _dispute_for(conn: Connection, dispute_id: int, principal: Principal) -> tuple[dict, dict]:
+    """A dispute and its lease, locked (NotFound unless the caller is a party or an operator)."""
     from runyard.market.leases import lock_lease
 
     lease_id = conn.execute(select(disputes.c.lease_id).where(disputes.c.id == dispute_id)).scalar()
     if lease_id is None:
         raise NotFound(f"no dispute {dispute_id}")
-    lock_lease(conn, lease_id, principal)
-    return dict(conn.execute(select(disputes).where(disputes.c.id == dispute_id)).mappings().one())
+    lease = lock_lease(conn, lease_id, principal)
+    return lease, dispute_json(conn, dispute_id)
 
 
 def _record_json(conn: Connection, record_id: int) -> dict:

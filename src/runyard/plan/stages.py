@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from runyard.data.shards import atomic_write_bytes
 from runyard.errors import RunyardError
+from runyard.fsutil import atomic_write_json
 from runyard.spec import GateSpec
 from runyard.train import checkpoint as ckpt
 
@@ -102,7 +102,7 @@ def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:
     }
     stage_dir.mkdir(parents=True, exist_ok=True)
     # fsynced: a later session skips a stage whose gates.json says it passed, so it must never be torn.
-    atomic_write_bytes(stage_dir / GATES_FILE, json.dumps(record, indent=2).encode())
+    atomic_write_json(stage_dir / GATES_FILE, record)
     return record
 
 

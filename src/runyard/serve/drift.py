@@ -17,13 +17,14 @@ Either above its threshold raises the `drifting` flag. Thresholds default to com
 from __future__ import annotations
 
 import json
-import os
 import threading
 from collections import deque
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from runyard.fsutil import atomic_write_text
 
 REFERENCE_FILE = "drift_reference.json"
 LENGTH_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62]
@@ -68,9 +69,7 @@ class DriftReference:
 
     def save(self, export_dir: Path) -> Path:
         path = export_dir / REFERENCE_FILE
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self)))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(asdict(self)))
         return path
 
     @classmethod

@@ -13,7 +13,6 @@ file's checksum and every tensor's shape before building the model.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -27,6 +26,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from runyard.errors import RunyardError
+from runyard.fsutil import fsync_dir, fsync_file, sha256_file
 from runyard.model.transformer import ModelConfig, Transformer
 
 EXPORT_FORMAT = "runyard-export"
@@ -39,27 +39,6 @@ _TIED_HEAD = "lm_head.weight"
 
 class ExportError(RunyardError):
     """An export directory is missing a file, fails its checksums, or does not match its config."""
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _fsync_file(path: Path) -> None:
-    with path.open("rb") as f:
-        os.fsync(f.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _weights_to_save(model: Transformer, cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -101,7 +80,7 @@ def export_model(
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_VERSION,
             "model": cfg.to_dict(),
-            "files": {name: _sha256(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
+            "files": {name: sha256_file(tmp / name) for name in (WEIGHTS_FILE, TOKENIZER_FILE)},
             "extra": extra_config or {},
         }
         try:
@@ -110,14 +89,14 @@ def export_model(
             raise ExportError(f"extra_config must be JSON-serialisable: {exc}") from None
         (tmp / CONFIG_FILE).write_text(text + "\n", encoding="utf-8")
         for name in (WEIGHTS_FILE, TOKENIZER_FILE, CONFIG_FILE):
-            _fsync_file(tmp / name)
-        _fsync_dir(tmp)
+            fsync_file(tmp / name)
+        fsync_dir(tmp)
         old = None
         if out_dir.exists():
             old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
             os.replace(out_dir, old)
         os.replace(tmp, out_dir)
-        _fsync_dir(out_dir.parent)
+        fsync_dir(out_dir.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
     except BaseException:
@@ -167,7 +146,7 @@ def load_export(
             raise ExportError(f"{path} is missing from the export")
         if name not in checksums:
             raise ExportError(f"{export_dir / CONFIG_FILE} records no checksum for {name}")
-        actual = _sha256(path)
+        actual = sha256_file(path)
         if actual != checksums[name]:
             raise ExportError(
                 f"{path} fails its checksum (sha256 {actual[:16]}..., config.json records "

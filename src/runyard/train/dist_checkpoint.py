@@ -145,21 +145,8 @@ def _write_rank_rng(tmp: Path, rank: int) -> None:
 
 
 def commit(tmp: Path, final: Path, step: int) -> Path:
-    """Checksum every file under `tmp`, write the manifest last, fsync, and rename `tmp` to `final`."""
-    import os
-
-    files = {}
-    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
-        files[path.relative_to(tmp).as_posix()] = ckpt.durable_entry(path)
-    manifest = tmp / ckpt.MANIFEST
-    manifest.write_text(json.dumps({"format": ckpt.FORMAT_VERSION, "step": step, "files": files,
-                                    "sharded": True}, indent=1))
-    with open(manifest, "rb+") as f:
-        os.fsync(f.fileno())
-    for sub in sorted({p.parent for p in tmp.rglob("*")}, key=lambda p: len(p.parts), reverse=True):
-        ckpt.fsync_dir(sub)
-    ckpt.install(tmp, final)
-    return final
+    """Rank 0, after the barrier: checksum every rank's files and install the sharded checkpoint."""
+    return ckpt.commit(tmp, final, step, sharded=True)
 
 
 def save_sharded(setup, ckpt_dir: Path, step: int, extra: dict, ctx, retain=None, wait: bool = False,

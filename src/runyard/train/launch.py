@@ -30,6 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runyard.errors import EXIT_FAILURE, RunyardError
+from runyard.fsutil import atomic_write_text
 
 UNDER_LAUNCHER = "RUNYARD_UNDER_TORCHRUN"
 STATUS_DIR = "RUNYARD_STATUS_DIR"
@@ -71,9 +72,7 @@ def _write_status(code: int, message: str) -> None:
     status_dir = Path(os.environ[STATUS_DIR])
     rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
     path = status_dir / f"attempt_{_attempt()}_rank_{rank}.json"
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"exit_code": code, "message": message, "rank": int(os.environ.get("RANK", "0"))}))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"exit_code": code, "message": message, "rank": int(os.environ.get("RANK", "0"))}))
 
 
 def run_worker(fn: Callable[[], int]) -> int:
@@ -143,9 +142,7 @@ def failure_report(log_dir: Path, statuses: dict[int, dict[int, dict]], nproc: i
 def _write_failures(run_dir: Path, entry: dict) -> None:
     path = run_dir / FAILURES_FILE
     runs = json.loads(path.read_text()).get("launches", []) if path.is_file() else []
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps({"launches": runs + [entry]}, indent=1))
-    os.replace(tmp, path)
+    atomic_write_text(path, json.dumps({"launches": runs + [entry]}, indent=1))
 
 
 def launch(worker_argv: list[str], nproc: int, run_dir: Path | None = None, **kwargs) -> int:

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 
 import torch
+
+from runyard.fsutil import atomic_write_text
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' data sheets. A device not in
 # this table gets no MFU figure rather than a guessed one.
@@ -54,14 +55,8 @@ class MetricsLog:
     def truncate_after(self, step: int) -> None:
         if not self.path.exists():
             return
-        kept = [line for line in self.read() if line.get("step", -1) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            for row in kept:
-                f.write(json.dumps(row) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        kept = [row for row in self.read() if row.get("step", -1) <= step]
+        atomic_write_text(self.path, "".join(json.dumps(row) + "\n" for row in kept))
 
     def write(self, row: dict) -> None:
         with open(self.path, "a", encoding="utf-8") as f:

@@ -19,6 +19,8 @@ import os
 import time
 from pathlib import Path
 
+from runyard.fsutil import atomic_write_text
+
 RECOVERY_FILE = "recovery.json"
 _PROCESS_START = time.time()
 
@@ -36,12 +38,7 @@ def read_recovery(run_dir: Path) -> list[dict]:
 def append_event(run_dir: Path, event: dict) -> None:
     """Add one event atomically (temp file, fsync, rename)."""
     events = read_recovery(run_dir) + [event]
-    tmp = run_dir / (RECOVERY_FILE + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump({"events": events}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, run_dir / RECOVERY_FILE)
+    atomic_write_text(run_dir / RECOVERY_FILE, json.dumps({"events": events}, indent=1))
 
 
 class RecoveryTracker:
