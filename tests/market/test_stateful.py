@@ -13,8 +13,18 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from sqlalchemy import select
 
-from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
-from runyard.market.errors import IdempotencyConflict, MarketError
+from runyard.market import (
+    deadlines,
+    funds,
+    identity,
+    invariants,
+    leases,
+    orders,
+    settlement,
+    statements,
+    usage,
+)
+from runyard.market.errors import Conflict, MarketError
 from runyard.market.models import (
     AcceptIn,
     AckIn,
@@ -23,10 +33,14 @@ from runyard.market.models import (
     DisputeIn,
     EndIn,
     ListingIn,
+    PayoutMethodIn,
+    RailEventIn,
     ResolveIn,
     UsageIn,
+    WithdrawIn,
 )
 from runyard.market.payloads import lease_terms, usage_record
+from runyard.market.schema import demands as demands_table
 from runyard.market.schema import disputes, usage_records
 from runyard.market.schema import leases as leases_table
 from runyard.market.signing import generate_keypair, sign
@@ -67,7 +81,13 @@ def machine_for(url_factory, backend: str):
             # Start funded, so that the random walk reaches leases and settlement quickly.
             self.deposited = {"t1": 200_000, "t2": 200_000}
             for tenant, amount in self.deposited.items():
-                funds.deposit(self.market, self.who(tenant), amount, "opening-deposit")
+                funds.rail_deposit(self.market, "test", self.event(tenant, "opening", amount))
+            self.payout = {
+                name: funds.add_payout_method(
+                    self.market, self.who(name), PayoutMethodIn(rail="test", destination=name), f"pm-{name}"
+                )["id"]
+                for name in self.tokens
+            }
             self.last_money: tuple | None = None
 
         def teardown(self):
@@ -86,6 +106,13 @@ def machine_for(url_factory, backend: str):
                 event(f"dispute {state}")
                 REACHED[f"dispute {state}"] += 1
             self.market.store.dispose()
+
+        def event(self, tenant, key, amount):
+            """A rail's deposit event for `tenant` (its id names the tenant and `key`)."""
+            return RailEventIn(
+                id=f"{tenant}-{key}", type="deposit.succeeded", account_id=self.who(tenant).id, amount=amount,
+                currency="USD",
+            )  # fmt: skip
 
         def who(self, name):
             return identity.authenticate(self.market, self.tokens[name])
@@ -149,10 +176,11 @@ def machine_for(url_factory, backend: str):
 
         @rule(tenant=st.sampled_from(["t1", "t2"]), amount=st.integers(1, 60_000), key=st.integers(0, 5))
         def deposit(self, tenant, amount, key):
+            """A rail delivers a deposit event; an event id seen before with other values is refused."""
             k = f"dep-{key}"
             try:
-                funds.deposit(self.market, self.who(tenant), amount, k)
-            except IdempotencyConflict:
+                funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+            except Conflict:
                 assert self.used_keys[(tenant, k)] != ("deposit", amount)
                 return
             if (tenant, k) not in self.used_keys:
@@ -165,15 +193,14 @@ def machine_for(url_factory, backend: str):
             """A retry with the key of an earlier deposit returns that deposit and moves nothing."""
             if self.last_money:
                 tenant, k, amount = self.last_money
-                first = funds.deposit(self.market, self.who(tenant), amount, k)
-                assert (
-                    funds.deposit(self.market, self.who(tenant), amount, k)["transfer_id"]
-                    == first["transfer_id"]
-                )
+                first = funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+                again = funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+                assert again["transfer_id"] == first["transfer_id"] and again["duplicate"]
 
         @rule(name=st.sampled_from(["t1", "t2", "p1", "p2"]), amount=st.integers(1, 80_000))
         def withdraw(self, name, amount):
-            self.attempt(funds.withdraw, self.market, self.who(name), amount, f"wd-{name}-{amount}")
+            body = WithdrawIn(amount=amount, payout_method_id=self.payout[name])
+            self.attempt(funds.withdraw, self.market, self.who(name), body, f"wd-{name}-{amount}")
 
         # -- orders ---------------------------------------------------------------------------------
 
@@ -212,9 +239,9 @@ def machine_for(url_factory, backend: str):
 
         @rule(data=st.data())
         def cancel_demand(self, data):
-            open_ids = self.ids(orders.demands, state=["open"])
+            open_ids = self.ids(demands_table, state=["open"])
             if open_ids:
-                demand = self.row(orders.demands, data.draw(st.sampled_from(open_ids)))
+                demand = self.row(demands_table, data.draw(st.sampled_from(open_ids)))
                 owner = "t1" if self.who("t1").id == demand["tenant_id"] else "t2"
                 orders.cancel_demand(self.market, self.who(owner), demand["id"], f"cancel-{demand['id']}")
 
@@ -264,7 +291,7 @@ def machine_for(url_factory, backend: str):
 
         @rule()
         def sweep(self):
-            leases.sweep(self.market)
+            deadlines.sweep(self.market)
 
         @rule(data=st.data())
         def settle(self, data):

@@ -100,3 +100,9 @@ class StoreBusy(MarketError):
 
     status = 503
     code = "store_busy"
+
+
+class LimitExceeded(Conflict):
+    """A per-account limit (deposits or withdrawals per day, balance) would be exceeded."""
+
+    code = "limit_exceeded"

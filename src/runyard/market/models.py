@@ -3,16 +3,41 @@ forbids unknown fields, so a typo is an error rather than a silently ignored set
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runyard.market.jobs import MAX_RESULTS_TO, MAX_SPEC_BYTES, check_results_to, check_spec_text
-from runyard.market.ledger import MAX_AMOUNT
-from runyard.market.machines.lease import END_REASONS
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
 
+# Largest amount one transfer may move: far inside a signed 64-bit integer, so that sums of many
+# accounts cannot overflow either.
+MAX_AMOUNT = 10**15
 MAX_PRICE = 10**9  # minor units per device-hour
 MAX_TIME = 2**40  # Unix seconds; far beyond any real date, far inside 64 bits
+MAX_ID = 2**63 - 1  # ids in paths: anything above is not an id (and would overflow a BIGINT)
 SCHEDULER_KINDS = ("local", "slurm", "kubernetes", "torchrun", "other")
+
+# Closed sets, typed as such so that the OpenAPI document lists them as enums.
+Role = Literal["tenant", "provider"]
+# Reason codes for early ends of a lease (terminated, cancelled, rejected, expired).
+EndReason = Literal[
+    "tenant_request",
+    "provider_request",
+    "hardware_failure",
+    "job_failed",
+    "policy_violation",
+    "nonpayment",
+    "operator_action",
+    "accept_timeout",
+    "start_timeout",
+    "capacity_unavailable",
+    "other",
+]
+END_REASONS: tuple[str, ...] = EndReason.__args__  # type: ignore[attr-defined]
+Outcome = Literal["upheld", "partial", "rejected"]
+AcceleratorKind = Literal[ACCELERATOR_KINDS]  # type: ignore[valid-type]
+SchedulerKind = Literal[SCHEDULER_KINDS]  # type: ignore[valid-type]
 
 
 class Strict(BaseModel):
@@ -21,7 +46,7 @@ class Strict(BaseModel):
 
 class RegisterIn(Strict):
     name: str = Field(min_length=1, max_length=100)
-    role: str = Field(pattern="^(tenant|provider)$")
+    role: Role
     public_key: str = Field(min_length=40, max_length=64, description="base64url raw Ed25519 public key")
 
 
@@ -35,7 +60,7 @@ class AmountIn(Strict):
 
 
 class ListingIn(Strict):
-    accelerator_kind: str
+    accelerator_kind: AcceleratorKind
     devices_per_node: int = Field(ge=1, le=1024)
     node_count: int = Field(ge=1, le=100_000)
     interconnect: Interconnect = Interconnect.ETHERNET
@@ -49,22 +74,16 @@ class ListingIn(Strict):
     available_until: int = Field(gt=0, le=MAX_TIME, description="Unix seconds")
     start_class: StartClass = StartClass.IMMEDIATE
     max_queue_s: int = Field(default=0, ge=0, le=30 * 86400)
-    scheduler_kind: str = "local"
+    scheduler_kind: SchedulerKind = "local"
 
     @model_validator(mode="after")
     def _coherent(self) -> ListingIn:
-        if self.accelerator_kind not in ACCELERATOR_KINDS:
-            raise ValueError(
-                f"unknown accelerator_kind {self.accelerator_kind!r}; expected one of {list(ACCELERATOR_KINDS)}"
-            )
         if self.available_from is not None and self.available_until <= self.available_from:
             raise ValueError("available_until must be after available_from")
         if self.start_class == StartClass.IMMEDIATE and self.max_queue_s:
             raise ValueError("max_queue_s applies only to start_class 'queued'")
         if self.start_class == StartClass.QUEUED and not self.max_queue_s:
             raise ValueError("a queued listing states its max_queue_s (> 0)")
-        if self.scheduler_kind not in SCHEDULER_KINDS:
-            raise ValueError(f"scheduler_kind must be one of {list(SCHEDULER_KINDS)}")
         if self.devices_per_node * self.node_count > 1_000_000:
             raise ValueError("a listing offers at most 1,000,000 devices")
         return self
@@ -102,14 +121,8 @@ class AcceptIn(Strict):
 
 
 class EndIn(Strict):
-    reason_code: str = Field(description=f"one of {list(END_REASONS)}")
+    reason_code: EndReason
     note: str = Field(default="", max_length=2000)
-
-    @model_validator(mode="after")
-    def _known(self) -> EndIn:
-        if self.reason_code not in END_REASONS:
-            raise ValueError(f"unknown reason_code {self.reason_code!r}; expected one of {list(END_REASONS)}")
-        return self
 
 
 class UsageIn(Strict):
@@ -158,9 +171,9 @@ class ContestIn(Strict):
 
 
 class ResolveIn(Strict):
-    outcome: str = Field(pattern="^(upheld|partial|rejected)$")
-    device_seconds: int | None = Field(default=None, ge=0, le=2**50, description="required for 'partial'")
+    outcome: Outcome
     reason: str = Field(min_length=1, max_length=2000)
+    device_seconds: int | None = Field(default=None, ge=0, le=2**50, description="required for 'partial'")
 
 
 class DecisionIn(Strict):
@@ -174,3 +187,43 @@ class FeeIn(Strict):
 
 class ClockIn(Strict):
     seconds: int = Field(ge=0, le=10 * 366 * 86400)
+
+
+LeaseStateName = Literal[
+    "offered", "accepted", "running", "window_closed", "settled", "rejected", "expired", "cancelled", "terminated"
+]  # fmt: skip
+
+
+class WithdrawIn(Strict):
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True, description="minor units of the market's currency")
+    payout_method_id: int = Field(
+        ge=1, le=MAX_ID, strict=True, description="one of the caller's payout methods"
+    )
+
+
+class PayoutMethodIn(Strict):
+    rail: str = Field(
+        min_length=1, max_length=32, pattern=r"^[a-z0-9_-]+$", description="a configured payment rail"
+    )
+    destination: str = Field(
+        min_length=1,
+        max_length=200,
+        description="where the rail pays out (an account reference it understands)",
+    )
+
+
+class CreditIn(Strict):
+    account: str = Field(min_length=1, max_length=100, description="account name or id")
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True, description="minor units of the market's currency")
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class RailEventIn(BaseModel):
+    """A payment rail's event. Unknown fields are ignored (rails add fields over time); the signature
+    over the raw body is checked before this is read."""
+
+    id: str = Field(min_length=1, max_length=200, description="the rail's event id (idempotency)")
+    type: Literal["deposit.succeeded"]
+    account_id: int = Field(ge=1, le=MAX_ID, strict=True, description="the market account credited")
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True)
+    currency: str = Field(min_length=1, max_length=8)
