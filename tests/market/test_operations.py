@@ -119,6 +119,6 @@ def test_error_codes_are_documented():
     codes = {
         cls.code for cls in vars(errors).values() if isinstance(cls, type) and issubclass(cls, errors.MarketError)
     }
-    codes |= {"escrow_short", "internal"}
+    codes |= {"internal"}
     assert codes <= set(typing.get_args(responses.ErrorCode))
     assert api.ERROR_TEXT.keys() >= {c for op in OPERATIONS for c in op.errors}

@@ -9,8 +9,7 @@ import pytest
 from sqlalchemy import update
 
 from runyard.market import deadlines, leases, orders, settlement, usage
-from runyard.market.errors import BadRequest
-from runyard.market.escrow import EscrowShort
+from runyard.market.errors import BadRequest, EscrowShort
 from runyard.market.models import AcceptIn, DisputeIn, EndIn, ListingIn, MeasurementIn, ResolveIn
 from runyard.market.payloads import lease_terms, measurement
 from runyard.market.schema import usage_records

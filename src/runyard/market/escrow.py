@@ -16,17 +16,9 @@ from __future__ import annotations
 from sqlalchemy import Connection, func, select, update
 
 from runyard.market import ledger
-from runyard.market.errors import BadRequest
+from runyard.market.errors import EscrowShort
 from runyard.market.schema import leases, ledger_accounts
 from runyard.market.states import Actor
-
-
-class EscrowShort(BadRequest):
-    """Settlement would pay out more than a lease's escrow holds (a bug or a bad record; the lease
-    is reported and skipped, never paid from someone else's money)."""
-
-    status = 409
-    code = "escrow_short"
 
 
 def tenant_account(conn: Connection, tenant_id: int) -> int:
