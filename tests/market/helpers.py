@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from runyard.market import identity, invariants
@@ -16,9 +17,11 @@ FAR = 4_000_000_000  # a Unix time well after any test's clock
 RAIL = TestRail(b"test-rail-secret-of-the-market-tests")
 
 
-def open_market(url: str, **settings) -> Market:
+def open_market(url: str, clock=time.time, **settings) -> Market:
     defaults = {"test_clock": True, "dispute_window_s": 600, "accept_timeout_s": 900, "start_timeout_s": 900}
-    return Market.open(url, Settings(**{**defaults, **settings}), verifier=OperatorVerifier(), rails={"test": RAIL})
+    return Market.open(
+        url, Settings(**{**defaults, **settings}), verifier=OperatorVerifier(), rails={"test": RAIL}, clock=clock
+    )
 
 
 def assert_audit_ok(market: Market) -> dict:

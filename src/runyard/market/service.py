@@ -92,10 +92,17 @@ def check_idempotency_key(key: str | None) -> str:
 class Market:
     """A market over one store. Create it with `Market.open(url)`."""
 
-    def __init__(self, store: Store, verifier: Verifier, rails: Mapping[str, Rail] | None = None):
+    def __init__(
+        self,
+        store: Store,
+        verifier: Verifier,
+        rails: Mapping[str, Rail] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.store = store
         self.verifier = verifier
         self.rails: dict[str, Rail] = dict(rails or {})
+        self.clock = clock  # the real clock; a simulation may pass a fixed one
         self._offset = store.read(lambda c: c.execute(select(market_config.c.clock_offset_s)).scalar_one())
 
     @classmethod
@@ -108,6 +115,7 @@ class Market:
         rails: Mapping[str, Rail] | None = None,
         migrate: bool = True,
         pool_size: int = 10,
+        clock: Callable[[], float] = time.time,
     ) -> Market:
         """Open (and, on an empty database, create) the market stored at `url`. `verifier` decides
         verification requests (`runyard.market.verifiers`); `rails` are the payment rails money
@@ -138,12 +146,13 @@ class Market:
                 ledger.open_account(conn, ledger.MARKET_FEES, "market_fees")
 
         store.write(init)
-        return cls(store, verifier, rails)
+        return cls(store, verifier, rails, clock)
 
     # -- time -------------------------------------------------------------------------------------
 
     def now(self) -> int:
-        return int(time.time()) + self._offset
+        """The market's time: Unix seconds, plus the test clock's offset."""
+        return int(self.clock()) + self._offset
 
     def advance_clock(self, seconds: int, actor: Actor) -> int:
         """Move a test clock forward (only markets created with test_clock=True)."""
