@@ -45,13 +45,15 @@ class Strict(BaseModel):
 
 
 class RegisterIn(Strict):
-    name: str = Field(min_length=1, max_length=100)
-    role: Role
+    name: str = Field(
+        min_length=1, max_length=100, description="account name: letters, digits, '.', '_', '-'"
+    )
+    role: Role = Field(description="tenant (buys capacity) or provider (sells it)")
     public_key: str = Field(min_length=40, max_length=64, description="base64url raw Ed25519 public key")
 
 
 class VerifyRequestIn(Strict):
-    evidence: str = Field(default="", max_length=10_000)
+    evidence: str = Field(default="", max_length=10_000, description="what the verifier should check")
 
 
 class AmountIn(Strict):
@@ -60,21 +62,25 @@ class AmountIn(Strict):
 
 
 class ListingIn(Strict):
-    accelerator_kind: AcceleratorKind
-    devices_per_node: int = Field(ge=1, le=1024)
-    node_count: int = Field(ge=1, le=100_000)
-    interconnect: Interconnect = Interconnect.ETHERNET
-    interconnect_gbps: int = Field(default=0, ge=0, le=100_000)
-    region: str = Field(min_length=1, max_length=64)
-    jurisdiction: str = Field(min_length=1, max_length=64)
-    price_per_device_hour: int = Field(gt=0, le=MAX_PRICE, strict=True)
+    accelerator_kind: AcceleratorKind = Field(description="the devices offered")
+    devices_per_node: int = Field(ge=1, le=1024, description="devices on each node")
+    node_count: int = Field(ge=1, le=100_000, description="number of nodes")
+    interconnect: Interconnect = Field(default=Interconnect.ETHERNET, description="how the nodes are linked")
+    interconnect_gbps: int = Field(default=0, ge=0, le=100_000, description="interconnect bandwidth, Gbit/s")
+    region: str = Field(min_length=1, max_length=64, description="where the devices are, e.g. eu-west")
+    jurisdiction: str = Field(min_length=1, max_length=64, description="legal jurisdiction, e.g. eu")
+    price_per_device_hour: int = Field(
+        gt=0, le=MAX_PRICE, strict=True, description="minor units per device-hour"
+    )
     available_from: int | None = Field(
         default=None, ge=0, le=MAX_TIME, description="Unix seconds; default now"
     )
     available_until: int = Field(gt=0, le=MAX_TIME, description="Unix seconds")
-    start_class: StartClass = StartClass.IMMEDIATE
-    max_queue_s: int = Field(default=0, ge=0, le=30 * 86400)
-    scheduler_kind: SchedulerKind = "local"
+    start_class: StartClass = Field(
+        default=StartClass.IMMEDIATE, description="immediate, or queued (may wait up to max_queue_s)"
+    )
+    max_queue_s: int = Field(default=0, ge=0, le=30 * 86400, description="longest wait before start (queued)")
+    scheduler_kind: SchedulerKind = Field(default="local", description="the provider's scheduler")
 
     @model_validator(mode="after")
     def _coherent(self) -> ListingIn:
@@ -121,17 +127,20 @@ class AcceptIn(Strict):
 
 
 class EndIn(Strict):
-    reason_code: EndReason
-    note: str = Field(default="", max_length=2000)
+    reason_code: EndReason = Field(description="why the lease ends early")
+    note: str = Field(default="", max_length=2000, description="free text for the record")
 
 
 class UsageIn(Strict):
-    seq: int = Field(ge=1, le=2**62)
-    interval_start: int = Field(ge=0, le=MAX_TIME)
-    interval_end: int = Field(ge=0, le=MAX_TIME)
-    device_seconds: int = Field(ge=0, le=2**50)
-    evidence: str | None = Field(default=None, max_length=2000)
-    signature: str = Field(min_length=80, max_length=100)
+    """A usage record: the fields of the signed payload `runyard.market.usage_record.v1` less `type`
+    and `lease_id`, and the provider's signature of it (docs/market-protocol.md)."""
+
+    seq: int = Field(ge=1, le=2**62, description="1, 2, ... strictly increasing per lease")
+    interval_start: int = Field(ge=0, le=MAX_TIME, description="start of the interval, Unix seconds")
+    interval_end: int = Field(ge=0, le=MAX_TIME, description="end of the interval, Unix seconds")
+    device_seconds: int = Field(ge=0, le=2**50, description="devices used x seconds, in the interval")
+    evidence: str | None = Field(default=None, max_length=2000, description="e.g. the run's metrics digest")
+    signature: str = Field(min_length=80, max_length=100, description="base64url Ed25519 signature")
 
     @model_validator(mode="after")
     def _window(self) -> UsageIn:
@@ -141,10 +150,12 @@ class UsageIn(Strict):
 
 
 class MeasurementIn(Strict):
-    interval_start: int = Field(ge=0, le=MAX_TIME)
-    interval_end: int = Field(ge=0, le=MAX_TIME)
-    device_seconds: int = Field(ge=0, le=2**50)
-    signature: str = Field(min_length=80, max_length=100)
+    """A tenant measurement: `runyard.market.tenant_measurement.v1` less `type` and `lease_id`, signed."""
+
+    interval_start: int = Field(ge=0, le=MAX_TIME, description="start of the interval, Unix seconds")
+    interval_end: int = Field(ge=0, le=MAX_TIME, description="end of the interval, Unix seconds")
+    device_seconds: int = Field(ge=0, le=2**50, description="what the tenant's job saw, device-seconds")
+    signature: str = Field(min_length=80, max_length=100, description="base64url Ed25519 signature")
 
     @model_validator(mode="after")
     def _window(self) -> MeasurementIn:
@@ -160,33 +171,35 @@ class AckIn(Strict):
 
 
 class DisputeIn(Strict):
-    reason: str = Field(min_length=1, max_length=2000)
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
     claimed_device_seconds: int = Field(
         default=0, ge=0, le=2**50, description="what the tenant says was used"
     )
 
 
 class ContestIn(Strict):
-    reason: str = Field(min_length=1, max_length=2000)
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
 
 
 class ResolveIn(Strict):
-    outcome: Outcome
-    reason: str = Field(min_length=1, max_length=2000)
+    outcome: Outcome = Field(
+        description="upheld: the opener's claim; rejected: the other side's; partial: a value between"
+    )
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
     device_seconds: int | None = Field(default=None, ge=0, le=2**50, description="required for 'partial'")
 
 
 class DecisionIn(Strict):
-    approve: bool
-    reason: str = Field(min_length=1, max_length=2000)
+    approve: bool = Field(description="verify the account (or refuse / revoke its verification)")
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded with the decision)")
 
 
 class FeeIn(Strict):
-    fee_bps: int = Field(ge=0, le=5000)
+    fee_bps: int = Field(ge=0, le=5000, description="market fee for new leases, basis points (100 = 1%)")
 
 
 class ClockIn(Strict):
-    seconds: int = Field(ge=0, le=10 * 366 * 86400)
+    seconds: int = Field(ge=0, le=10 * 366 * 86400, description="how far to move a test market's clock")
 
 
 LeaseStateName = Literal[
