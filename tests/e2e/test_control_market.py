@@ -23,6 +23,7 @@ from runyard.market.client import MarketClient
 from runyard.market.schema import transitions
 from runyard.market.server import ServerThread
 from runyard.market.service import Market, Settings
+from runyard.market.verifiers import OperatorVerifier
 from tests.market.conftest import PgSchemas, pg_base_url
 
 from .conftest import TINY_SPEC, merge
@@ -67,7 +68,7 @@ def _rejection(market: Market, lease_id: int) -> str:
 
 
 def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, market_url):
-    market = Market.open(market_url, Settings(test_clock=True, dispute_window_s=60))
+    market = Market.open(market_url, Settings(test_clock=True, dispute_window_s=60), verifier=OperatorVerifier())
     with ServerThread(market) as server:
         from runyard.market import identity
 
@@ -82,7 +83,7 @@ def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, mar
         provider.create_listing(accelerator_kind="cpu", devices_per_node=4, node_count=1, region="eu-west",
                                 jurisdiction="eu", price_per_device_hour=PRICE,
                                 available_until=ops.market_info()["now"] + 86400, start_class="immediate")
-        tenant.deposit(150_000)  # four demands of 36,000 escrow each
+        ops.credit("lab", 150_000, "test funds")  # four demands of 36,000 escrow each
         need = {"accelerator_kinds": ["cpu"], "device_count": 1, "duration_s": 3600}
         results = tmp_path / "tenant" / "results"  # the tenant's directory, named in its demand
         spec_text = yaml.safe_dump(merge(TINY_SPEC, {"train": {"steps": 12}}))

@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from runyard.market import identity, invariants
 from runyard.market.client import MarketClient
+from runyard.market.rails import TestRail
 from runyard.market.service import Market, Settings
+from runyard.market.verifiers import OperatorVerifier
 
 HOUR = 3600
 DAY = 86400
 FAR = 4_000_000_000  # a Unix time well after any test's clock
+RAIL = TestRail(b"test-rail-secret-of-the-market-tests")
 
 
-def open_market(url: str, **settings) -> Market:
+def open_market(url: str, clock=time.time, **settings) -> Market:
     defaults = {"test_clock": True, "dispute_window_s": 600, "accept_timeout_s": 900, "start_timeout_s": 900}
-    return Market.open(url, Settings(**{**defaults, **settings}))
+    return Market.open(
+        url, Settings(**{**defaults, **settings}), verifier=OperatorVerifier(), rails={"test": RAIL}, clock=clock
+    )
 
 
 def assert_audit_ok(market: Market) -> dict:
@@ -47,6 +53,11 @@ def new_party(url: str, name: str, role: str, operator: MarketClient | None = No
 def operator_client(market: Market, url: str) -> MarketClient:
     token = identity.create_operator(market, "ops")["token"]
     return MarketClient(url, token=token)
+
+
+def payout_method(client: MarketClient) -> int:
+    """Register a test-rail payout method for `client`'s account; its id."""
+    return client.add_payout_method(rail="test", destination=f"acct-{client.me()['id']}")["id"]
 
 
 def listing(**overrides) -> dict:

@@ -19,6 +19,7 @@ from .helpers import (
     new_party,
     open_market,
     operator_client,
+    payout_method,
     requirement,
 )
 
@@ -33,7 +34,7 @@ def world(store_url):
         p1, p2 = (new_party(server.url, n, "provider", ops) for n in ("p-one", "p-two"))
         t1, t2 = (new_party(server.url, n, "tenant", ops) for n in ("t-one", "t-two"))
         for t in (t1, t2):
-            t.client.deposit(50_000)
+            ops.credit(t.name, 50_000, "opening balance")
         p1.client.create_listing(**listing(price_per_device_hour=300))
         lease_id = t1.client.place_demand(requirement(), 300)["lease_id"]
         p1.client.accept_lease(lease_id)
@@ -133,10 +134,11 @@ def test_cross_tenant_and_cross_provider_access(world):
     refused(world, 404, "not_found", lambda: t2.settle(lease))
     refused(world, 404, "not_found", lambda: p2.start_lease(lease))
     assert t2.leases() == [] and t2.demands() == [] and p2.leases() == []
-    assert t2.statement()["entries"][0]["reason"] == "deposit" and len(t2.statement()["entries"]) == 1
+    assert t2.statement()["entries"][0]["reason"] == "operator_credit" and len(t2.statement()["entries"]) == 1
     assert all(x["provider_id"] == p2.me()["id"] for x in p2.listings()) and p2.listings() == []
-    # Roles: a provider cannot deposit or demand, a tenant cannot list, nobody but an operator administers.
-    refused(world, 403, "forbidden", lambda: p1.deposit(100))
+    # Roles: a provider cannot demand, a tenant cannot list, nobody but an operator credits or administers.
+    refused(world, 403, "forbidden", lambda: p1.credit("p-one", 100, "money from nowhere"))
+    refused(world, 403, "forbidden", lambda: t1.credit("t-one", 100, "money from nowhere"))
     refused(world, 403, "forbidden", lambda: p1.place_demand(requirement(), 300))
     refused(world, 403, "forbidden", lambda: t1.create_listing(**listing()))
     refused(world, 403, "forbidden", lambda: t1.decide("t-two", False, "spite"))
@@ -183,10 +185,12 @@ def test_overdraft_and_double_settlement(world):
     )
     assert "available" in err.message
     available = t1.balances()["accounts"][0]["available"]
+    to_t1, to_p1 = payout_method(t1), payout_method(p1)
     refused(
-        world, 409, "insufficient_funds", lambda: t1.withdraw(available + 1)
+        world, 409, "insufficient_funds", lambda: t1.withdraw(available + 1, to_t1)
     )  # escrow is not withdrawable
-    refused(world, 409, "insufficient_funds", lambda: p1.withdraw(1))  # earned nothing yet
+    refused(world, 409, "insufficient_funds", lambda: p1.withdraw(1, to_p1))  # earned nothing yet
+    refused(world, 404, "not_found", lambda: p1.withdraw(1, to_t1))  # someone else's payout method
     refused(world, 409, "invalid_transition", lambda: t1.settle(lease))  # still running
     p1.report_usage(lease, 1, t0, t0 + HOUR, 4 * HOUR)
     ops.advance_clock(2 * HOUR)
@@ -205,27 +209,31 @@ def test_overdraft_and_double_settlement(world):
 
 def test_idempotency_keys(world):
     t1 = world["t1"]
-    first = t1.deposit(700, idempotency_key="dep-1")
-    again = t1.deposit(700, idempotency_key="dep-1")
+    to_t1 = payout_method(t1)
+    first = t1.withdraw(700, to_t1, idempotency_key="wd-1")
+    again = t1.withdraw(700, to_t1, idempotency_key="wd-1")
     assert again == first
-    err = refused(world, 409, "idempotency_key_reused", lambda: t1.deposit(701, idempotency_key="dep-1"))
-    assert "dep-1" in err.message
-    refused(world, 409, "idempotency_key_reused", lambda: t1.withdraw(700, idempotency_key="dep-1"))
+    err = refused(world, 409, "idempotency_key_reused", lambda: t1.withdraw(701, to_t1, idempotency_key="wd-1"))
+    assert "wd-1" in err.message
+    refused(world, 409, "idempotency_key_reused", lambda: t1.cancel_demand(1, idempotency_key="wd-1"))
     # Keys belong to an account: another tenant may use the same string.
-    world["t2"].deposit(5, idempotency_key="dep-1")
-    assert t1.statement()["totals"]["deposited"] == 50_700
+    world["t2"].withdraw(5, payout_method(world["t2"]), idempotency_key="wd-1")
+    assert t1.statement()["totals"]["withdrawn"] == 700
     # Money-moving routes refuse to run without a key.
-    refused(world, 422, "invalid_request", lambda: t1.request("POST", "/v1/funds/deposit", {"amount": 5}))
+    err = refused(
+        world, 422, "invalid_request", lambda: t1.request("POST", "/v1/funds/withdraw", {"amount": 5, "payout_method_id": to_t1})
+    )
+    assert "Idempotency-Key" in err.message
 
 
 def test_bad_input_gets_clear_4xx(world):
-    t1, p1, url = world["t1"], world["p1"], world["server"].url
+    t1, p1, ops, url = world["t1"], world["p1"], world["ops"], world["server"].url
     cases = [
-        (lambda: t1.deposit(-5), "amount"),
-        (lambda: t1.deposit(0), "amount"),
-        (lambda: t1.deposit(10**20), "amount"),
-        (lambda: t1.request("POST", "/v1/funds/deposit", {"amount": "12"}, key="s"), "amount"),
-        (lambda: t1.request("POST", "/v1/funds/deposit", {"amount": 1.5}, key="f"), "amount"),
+        (lambda: ops.credit("t-one", -5, "x"), "amount"),
+        (lambda: ops.credit("t-one", 0, "x"), "amount"),
+        (lambda: ops.credit("t-one", 10**20, "x"), "amount"),
+        (lambda: ops.request("POST", "/v1/admin/credit", {"account": "t-one", "amount": "12", "reason": "x"}, key="s"), "amount"),
+        (lambda: ops.request("POST", "/v1/admin/credit", {"account": "t-one", "amount": 1.5, "reason": "x"}, key="f"), "amount"),
         (
             lambda: t1.place_demand(requirement(accelerator_kinds=["h100-8gb"]), 300),
             "unknown accelerator kind",
@@ -233,7 +241,7 @@ def test_bad_input_gets_clear_4xx(world):
         (lambda: t1.place_demand(requirement(device_count=0), 300), "device_count"),
         (lambda: t1.place_demand(requirement(), -1), "max_price_per_device_hour"),
         (lambda: t1.place_demand({**requirement(), "colour": "red"}, 300), "colour"),
-        (lambda: p1.create_listing(**listing(accelerator_kind="tpu-v9")), "unknown accelerator_kind"),
+        (lambda: p1.create_listing(**listing(accelerator_kind="tpu-v9")), "accelerator_kind"),
         (lambda: p1.create_listing(**listing(available_from=2000, available_until=1000)), "available_until"),
         (lambda: p1.create_listing(**listing(start_class="queued")), "max_queue_s"),
         (lambda: p1.create_listing(**listing(price_per_device_hour=0)), "price_per_device_hour"),

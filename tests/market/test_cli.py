@@ -3,6 +3,7 @@ operator's `admin verify` and `admin audit` on the live store."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -12,6 +13,8 @@ import time
 import httpx
 import pytest
 
+from runyard.cli.market_admin import admin_market
+from runyard.errors import RunyardError
 from runyard.http_thread import free_port
 
 
@@ -30,7 +33,7 @@ def runyard(*args: str, env: dict, check: bool = True, cwd=None) -> subprocess.C
 
 
 @pytest.mark.slow
-def test_serve_register_verify_deposit_audit(tmp_path):
+def test_serve_register_verify_credit_audit(tmp_path):
     db, port = str(tmp_path / "market.db"), free_port()
     env = {**os.environ, "RUNYARD_MARKET_IDENTITY": str(tmp_path / "tenant.json")}
     token_file = tmp_path / "operator.token"
@@ -58,7 +61,9 @@ def test_serve_register_verify_deposit_audit(tmp_path):
         )
         assert registered["state"] == "unverified" and "token" not in registered
         assert oct((tmp_path / "tenant.json").stat().st_mode & 0o777) == "0o600"
-        runyard("deposit", "500", env=env)  # money may come in before verification; it cannot be spent
+        # Money comes in through a rail or an operator's credit, even before verification (it
+        # cannot be spent until then).
+        runyard("admin", "credit", "--account", "cli-lab", "--amount", "500", "--reason", "wire 42", "--db", db, env=env)
         runyard("verify-request", "--evidence", "company 42", env=env)
         verdict = runyard(
             "admin", "verify", "cli-lab", "--approve", "--reason", "papers fine", "--db", db, env=env
@@ -94,3 +99,12 @@ def test_serve_register_verify_deposit_audit(tmp_path):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_admin_on_an_unreadable_store_is_a_clear_error(tmp_path):
+    not_a_db = tmp_path / "market.db"
+    not_a_db.write_text("this is not SQLite\n" * 100)
+    with pytest.raises(RunyardError, match="cannot open the market store .*not a database"):
+        admin_market(argparse.Namespace(db=str(not_a_db)), lambda m: None)
+    with pytest.raises(RunyardError, match=r"cannot open the market store postgresql://u:\*\*\*@"):
+        admin_market(argparse.Namespace(db="postgresql://u:secret@127.0.0.1:1/none"), lambda m: None)

@@ -14,7 +14,16 @@ import pytest
 from runyard.market.client import MarketClient
 from runyard.market.server import ServerThread
 
-from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, operator_client, requirement
+from .helpers import (
+    HOUR,
+    RAIL,
+    assert_audit_ok,
+    listing,
+    new_party,
+    open_market,
+    operator_client,
+    requirement,
+)
 
 TENANTS = 4
 DEPOSITS = 3
@@ -56,13 +65,15 @@ def test_concurrent_clients_apply_each_request_once(store_url):
                 )
             return cache[party.name]
 
+        # Each rail event delivered twice at the same moment: applied once, the other answer a duplicate.
         deposits = [
-            ((t.name, i), lambda t=t, i=i: client_of(t).deposit(1000 * (i + 1), idempotency_key=f"dep-{i}"))
+            ((t.name, i), lambda t=t, i=i: client_of(t).rail_deposit(RAIL, t.id, 1000 * (i + 1), f"evt-{t.name}-{i}"))
             for t in tenants for i in range(DEPOSITS)
         ]  # fmt: skip
         done = run_twice_concurrently(deposits)
         for (name, i), (a, b) in done.items():
             assert a["transfer_id"] == b["transfer_id"], f"deposit {name}/{i} applied twice"
+            assert sorted([a["duplicate"], b["duplicate"]]) == [False, True]
         expected_deposit = sum(1000 * (i + 1) for i in range(DEPOSITS))
 
         demands = [

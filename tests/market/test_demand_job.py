@@ -41,8 +41,8 @@ def world(store_url):
         ops = operator_client(market, server.url)
         p1, p2 = (new_party(server.url, n, "provider", ops).client for n in ("p-one", "p-two"))
         t1, t2 = (new_party(server.url, n, "tenant", ops).client for n in ("t-one", "t-two"))
-        for t in (t1, t2):
-            t.deposit(50_000)
+        for name in ("t-one", "t-two"):
+            ops.credit(name, 50_000, "opening balance")
         p1.create_listing(**listing(price_per_device_hour=300))
         yield {"market": market, "ops": ops, "p1": p1, "p2": p2, "t1": t1, "t2": t2}
     assert_audit_ok(market)
@@ -141,5 +141,5 @@ def test_upgrade_from_0001_keeps_demands_and_adds_the_job_columns(store_url):
     market = open_market(store_url)  # migrates to head
     with market.store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), metadata) == []
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0002"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
     market.store.dispose()

@@ -10,7 +10,17 @@ import pytest
 from runyard.market.client import MarketClientError
 from runyard.market.server import ServerThread
 
-from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, operator_client, requirement
+from .helpers import (
+    HOUR,
+    RAIL,
+    assert_audit_ok,
+    listing,
+    new_party,
+    open_market,
+    operator_client,
+    payout_method,
+    requirement,
+)
 
 
 def test_full_market_flow(store_url):
@@ -38,8 +48,8 @@ def test_full_market_flow(store_url):
         t2 = new_party(server.url, "lab-two", "tenant", operator=ops)
         assert t1.client.verify_status() == "verified"
 
-        t1.client.deposit(100_000)
-        t2.client.deposit(100_000)
+        ops.credit("lab-one", 100_000, "wire received")
+        t2.client.rail_deposit(RAIL, t2.id, 100_000)  # through the (test) payment rail
         now = ops.market_info()["now"]
 
         # Provider 1: immediate capacity at 400 per device-hour.
@@ -128,7 +138,7 @@ def test_full_market_flow(store_url):
         assert s_t1["totals"]["charged"] + s_t2["totals"]["charged"] == 1568 + 1715 + 67
         assert [line["fee_bps"] for line in s_t1["leases"]] == [200]
 
-        p2.client.withdraw(1715)
+        p2.client.withdraw(1715, payout_method(p2.client))
         assert p2.client.statement()["totals"] == {
             "charged_to_tenants": 1750, "fees": 35, "earned": 1715, "withdrawn": 1715, "earnings_balance": 0,
             "reconciles": True,

@@ -16,7 +16,7 @@ def test_two_phase_transfers_resolve_exactly_once(store_url):
     def run(conn, now):
         a = ledger.open_account(conn, "tenant:x:available", "tenant_available")
         e = ledger.open_account(conn, "escrow:x", "escrow")
-        ext = ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS)
+        ext = ledger.open_account(conn, ledger.external_code(1, "deposits"), "external_deposits")
         deposit = ledger.transfer(conn, ext, a, 1000, reason="deposit", actor="t", now=now)
         with pytest.raises(InvalidTransition, match="is not a pending transfer"):
             ledger.void_pending(conn, deposit, reason="x", actor="t", now=now)
@@ -54,7 +54,7 @@ def test_the_audit_notices_tampered_counters(store_url):
         a = ledger.open_account(conn, "tenant:y:available", "tenant_available")
         ledger.transfer(
             conn,
-            ledger.account_id(conn, ledger.EXTERNAL_DEPOSITS),
+            ledger.open_account(conn, ledger.external_code(1, "deposits"), "external_deposits"),
             a,
             50,
             reason="deposit",

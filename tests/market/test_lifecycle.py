@@ -7,18 +7,13 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import select
 
-from runyard.market import funds, identity, leases, orders, settlement, usage
+from runyard.market import deadlines, funds, identity, leases, orders, settlement, usage
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition
-from runyard.market.machines import SIDES
-from runyard.market.machines.demand import DEMAND
-from runyard.market.machines.dispute import DISPUTE
-from runyard.market.machines.identity import IDENTITY
-from runyard.market.machines.lease import CLOSED, LEASE
-from runyard.market.machines.record import RECORD
 from runyard.market.models import (
     AcceptIn,
     AckIn,
     ContestIn,
+    CreditIn,
     DemandIn,
     EndIn,
     ListingIn,
@@ -29,6 +24,12 @@ from runyard.market.models import (
 from runyard.market.payloads import lease_terms, measurement, usage_record
 from runyard.market.schema import listings, transitions
 from runyard.market.signing import generate_keypair, sign
+from runyard.market.states import SIDES
+from runyard.market.states.demand import DEMAND
+from runyard.market.states.dispute import DISPUTE
+from runyard.market.states.identity import IDENTITY
+from runyard.market.states.lease import CLOSED, LEASE
+from runyard.market.states.record import RECORD
 
 from .helpers import FAR, HOUR, assert_audit_ok, open_market
 
@@ -44,7 +45,7 @@ class World:
             self.keys[name] = private
             identity.request_verification(self.market, self.who(name), "")
             identity.decide(self.market, self.ops.actor, name, True, "ok")
-        funds.deposit(self.market, self.who("t"), 100_000, "seed")
+        funds.credit(self.market, self.ops, CreditIn(account="t", amount=100_000, reason="seed"), "seed")
         self.listing = orders.create_listing(self.market, self.who("p"), ListingIn(
             accelerator_kind="a100-80gb", devices_per_node=4, node_count=1, region="us", jurisdiction="us",
             price_per_device_hour=3600, available_until=FAR,
@@ -115,17 +116,22 @@ def test_an_unaccepted_lease_expires_and_returns_its_escrow(world):
     m.advance_clock(901, world.ops.actor)
     with pytest.raises(Conflict, match="accepted by"):
         leases.accept(m, world.who("p"), lease_id, AcceptIn(signature="A" * 86), "late")
-    assert leases.sweep(m)["expired"] == 1
+    assert deadlines.sweep(m)["expired"] == 1
     lease = leases.get_lease(m, world.who("t"), lease_id)
     assert (
         lease["state"] == "expired" and lease["end_reason"] == "accept_timeout" and lease["refunded"] == 7200
     )
     row = m.read(lambda c, n: dict(c.execute(select(listings)).mappings().one()))
     assert row["reserved"] == 0 and row["leases_expired"] == 1
-    assert funds.balances(m, world.who("t"))["accounts"][0]["available"] == 100_000
     assert [(t["from_state"], t["to_state"], t["actor"]) for t in world.log("lease", lease_id)] == [
         (None, "offered", "system"), ("offered", "expired", "system"),
     ]  # fmt: skip
+    # The demand is open again with a fresh hold, and is not offered the listing that let it expire.
+    demand = orders.get_demand(m, world.who("t"), lease["demand_id"])
+    assert (demand["state"], demand["lease_id"]) == ("open", None)
+    assert funds.balances(m, world.who("t"))["accounts"][0]["available"] == 100_000 - 7200
+    orders.cancel_demand(m, world.who("t"), demand["id"], "give up")
+    assert funds.balances(m, world.who("t"))["accounts"][0]["available"] == 100_000
 
 
 def test_cancel_before_start_and_terminate_after(world):
@@ -153,7 +159,7 @@ def test_cancel_before_start_and_terminate_after(world):
         "hardware_failure: PSU",
     )
     m.advance_clock(601, world.ops.actor)
-    leases.sweep(m)
+    deadlines.sweep(m)
     done = leases.get_lease(m, world.who("t"), running["id"])
     # 1200 device-seconds at 3600 per device-hour = 1200; the rest of 7200 comes back.
     assert (done["state"], done["paid_provider"], done["refunded"]) == ("settled", 1200, 6000)
@@ -169,7 +175,7 @@ def test_a_demand_expires_when_its_latest_start_passes(world):
     demand = orders.place_demand(m, world.who("t"), body, "late")
     assert demand["state"] == "open"
     m.advance_clock(101, world.ops.actor)
-    assert leases.sweep(m)["demands_expired"] == 1
+    assert deadlines.sweep(m)["demands_expired"] == 1
     assert orders.get_demand(m, world.who("t"), demand["id"])["state"] == "expired"
     assert funds.balances(m, world.who("t"))["accounts"][0]["available"] == 100_000
 
@@ -196,11 +202,15 @@ def test_measurement_mismatch_opens_a_dispute_by_itself(world):
     ]
     usage.resolve(m, world.ops, opened[0]["id"], ResolveIn(outcome="upheld", reason="tenant logs agree"), "r")
     assert usage.lease_usage(m, world.who("t"), lease["id"])["disputes"][0]["resolved_device_seconds"] == 600
-    # A measurement that arrives after a record's dispute window changes nothing: the record stands.
+    # The decided dispute takes its record out of `disputed`, holding the outcome.
+    record = usage.lease_usage(m, world.who("t"), lease["id"])["records"][1]
+    assert (record["state"], record["acked_device_seconds"]) == ("resolved", 600)
+    # A measurement that arrives after a record's dispute window is refused: the record stands.
     m.advance_clock(400, world.ops.actor)
     late = world.report(lease, 3, t0 + 1200, t0 + 1500, 600)
     m.advance_clock(601, world.ops.actor)
-    assert measure(t0 + 1200, t0 + 1500, 10, "m3")["dispute_id"] is None
+    with pytest.raises(Conflict, match="too late"):
+        measure(t0 + 1200, t0 + 1500, 10, "m3")
     assert (
         usage.lease_usage(m, world.who("t"), lease["id"])["records"][2]["state"]
         == late["state"]

@@ -1,10 +1,17 @@
 """A hypothesis state machine drives the market's service layer with random operations (money in
-and out, listings, escrow-backed demands, every lease transition, usage, acknowledgements, disputes
-and their resolution, settlement, clock jumps, idempotent retries) and checks every invariant
-(runyard.market.invariants) after every step, on SQLite and on PostgreSQL."""
+through the rail and out, listings, escrow-backed demands, every lease transition, usage, tenant
+measurements, acknowledgements, disputes and their resolution, settlement, clock jumps, idempotent
+retries) and checks every invariant (runyard.market.invariants) after every step, on SQLite and on
+PostgreSQL.
+
+Each rule names the refusals it may meet (a lease in the wrong state, a closed window, a tenant
+short of funds): any other market error fails the run. Afterwards the walk must have reached
+settled leases, resolved disputes, expired leases and disputes opened by a tenant's measurement, so
+that a run which stalls early cannot pass. The examples are derandomized: the same walk every run."""
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
@@ -13,8 +20,23 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from sqlalchemy import select
 
-from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
-from runyard.market.errors import IdempotencyConflict, MarketError
+from runyard.market import (
+    deadlines,
+    funds,
+    identity,
+    invariants,
+    leases,
+    orders,
+    settlement,
+    statements,
+    usage,
+)
+from runyard.market.errors import (
+    Conflict,
+    InsufficientFunds,
+    InvalidTransition,
+    UsageRejected,
+)
 from runyard.market.models import (
     AcceptIn,
     AckIn,
@@ -23,10 +45,15 @@ from runyard.market.models import (
     DisputeIn,
     EndIn,
     ListingIn,
+    MeasurementIn,
+    PayoutMethodIn,
+    RailEventIn,
     ResolveIn,
     UsageIn,
+    WithdrawIn,
 )
-from runyard.market.payloads import lease_terms, usage_record
+from runyard.market.payloads import lease_terms, measurement, usage_record
+from runyard.market.schema import demands as demands_table
 from runyard.market.schema import disputes, usage_records
 from runyard.market.schema import leases as leases_table
 from runyard.market.signing import generate_keypair, sign
@@ -34,21 +61,28 @@ from runyard.market.signing import generate_keypair, sign
 from .helpers import FAR, open_market
 
 KINDS = ["h100-80gb", "l40s"]
+START = 1_800_000_000  # the market's clock at the start of every example
 REACHED: Counter = Counter()
 SETTINGS = settings(
     max_examples=20,
     stateful_step_count=40,
     deadline=None,
+    derandomize=True,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
+# What a random walk must have reached, summed over the examples (see the module docstring).
+MUST_REACH = ("lease settled", "lease expired", "dispute resolved", "dispute from a measurement")
 
 
 def machine_for(url_factory, backend: str):
     class MarketMachine(RuleBasedStateMachine):
         def __init__(self):
             super().__init__()
+            # A fixed clock (moved only by the advance rule), so that a replayed example sees the
+            # same deadlines: hypothesis requires the walk to be a function of its draws.
             self.market = open_market(
                 url_factory(backend),
+                clock=lambda: START,
                 fee_bps=150,
                 dispute_window_s=900,
                 accept_timeout_s=5000,
@@ -67,8 +101,15 @@ def machine_for(url_factory, backend: str):
             # Start funded, so that the random walk reaches leases and settlement quickly.
             self.deposited = {"t1": 200_000, "t2": 200_000}
             for tenant, amount in self.deposited.items():
-                funds.deposit(self.market, self.who(tenant), amount, "opening-deposit")
+                funds.rail_deposit(self.market, "test", self.event(tenant, "opening", amount))
+            self.payout = {
+                name: funds.add_payout_method(
+                    self.market, self.who(name), PayoutMethodIn(rail="test", destination=name), f"pm-{name}"
+                )["id"]
+                for name in self.tokens
+            }
             self.last_money: tuple | None = None
+            self.keys_made = itertools.count()
 
         def teardown(self):
             # Reported by --hypothesis-show-statistics: how far the random walks got.
@@ -82,10 +123,21 @@ def machine_for(url_factory, backend: str):
             ):
                 event(f"record {state}")
                 REACHED[f"record {state}"] += 1
-            for state in self.market.read(lambda c, n: c.execute(select(disputes.c.state)).scalars().all()):
+            for state, opened_by in self.market.read(
+                lambda c, n: c.execute(select(disputes.c.state, disputes.c.opened_by)).all()
+            ):
                 event(f"dispute {state}")
                 REACHED[f"dispute {state}"] += 1
+                REACHED["dispute resolved"] += state in ("upheld", "partial", "rejected")
+                REACHED["dispute from a measurement"] += opened_by == "system"
             self.market.store.dispose()
+
+        def event(self, tenant, key, amount):
+            """A rail's deposit event for `tenant` (its id names the tenant and `key`)."""
+            return RailEventIn(
+                id=f"{tenant}-{key}", type="deposit.succeeded", account_id=self.who(tenant).id, amount=amount,
+                currency="USD",
+            )  # fmt: skip
 
         def who(self, name):
             return identity.authenticate(self.market, self.tokens[name])
@@ -104,10 +156,13 @@ def machine_for(url_factory, backend: str):
                 lambda c, n: dict(c.execute(select(table).where(table.c.id == row_id)).mappings().one())
             )
 
-        def attempt(self, fn, *args):
+        def attempt(self, refusals, fn, *args):
+            """Run `fn`; a refusal of one of the `refusals` types is counted and answered None, any
+            other error fails the run."""
             try:
                 return fn(*args)
-            except MarketError:
+            except refusals as exc:
+                REACHED[f"refused {exc.code}"] += 1
                 return None
 
         @initialize(price=st.integers(50, 300), queued=st.booleans())
@@ -124,6 +179,17 @@ def machine_for(url_factory, backend: str):
                 self._progress_one(data)
 
         def _progress_one(self, data):
+            stage = data.draw(st.sampled_from(["lease", "lease", "lease", "usage", "dispute"]))
+            if stage == "usage" and self.ids(usage_records, state=["reported"]):
+                # A tenant who doubts a fresh record: it disputes it, or measures (and may dispute).
+                if data.draw(st.booleans()):
+                    self.respond(data, "dispute")
+                else:
+                    self.measure(data, data.draw(st.sampled_from([0, 50, 100])))
+                return
+            if stage == "dispute" and self.ids(disputes, state=["open"]):
+                self.resolve(data, data.draw(st.sampled_from(["upheld", "partial", "rejected"])))
+                return
             ids = self.ids(leases_table, state=["offered", "accepted", "running"])
             if len(ids) < 2 and data.draw(st.booleans()):
                 tenant = data.draw(st.sampled_from(["t1", "t2"]))
@@ -145,14 +211,45 @@ def machine_for(url_factory, backend: str):
             else:
                 self.lease_action(data, action, lease_id=lease["id"])
 
+        @rule(data=st.data(), how=st.sampled_from(["settle", "settle_disputed", "settle_measured", "expire"]))
+        def finish(self, data, how):
+            """Drive one lease to an end: settled (with a disputed record resolved on the way, or not),
+            or expired by its provider's silence. The other rules interleave with these walks."""
+            ids = self.ids(leases_table, state=["offered"] if how == "expire" else ["offered", "accepted", "running"])
+            if not ids:
+                return
+            lease = self.row(leases_table, ids[0])
+            if how == "expire":
+                self.advance(lease["accept_by"] - self.market.now() + 1)
+                self.sweep()
+                assert self.row(leases_table, lease["id"])["state"] == "expired"
+                return
+            for action in {"offered": ["accept", "start"], "accepted": ["start"], "running": []}[lease["state"]]:
+                self.lease_action(data, action, lease_id=lease["id"])
+            lease = self.row(leases_table, lease["id"])
+            if lease["state"] != "running":
+                return  # refused on the way (a deadline passed): the sweep will end it
+            self.advance(max(1, lease["window_end"] - self.market.now()))
+            self.report(data, data.draw(st.integers(20, 100)), False, lease_id=lease["id"])
+            last = self.ids(usage_records, lease_id=[lease["id"]])
+            if how == "settle_disputed" and last:
+                self.respond(data, "dispute", record_id=last[-1])
+            if how == "settle_measured" and last:
+                self.measure(data, 50, record_id=last[-1])
+            if how != "settle":
+                self.resolve(data, data.draw(st.sampled_from(["upheld", "partial", "rejected"])))
+            self.advance(901)  # past every dispute window
+            self.sweep()
+
         # -- money ----------------------------------------------------------------------------------
 
         @rule(tenant=st.sampled_from(["t1", "t2"]), amount=st.integers(1, 60_000), key=st.integers(0, 5))
         def deposit(self, tenant, amount, key):
+            """A rail delivers a deposit event; an event id seen before with other values is refused."""
             k = f"dep-{key}"
             try:
-                funds.deposit(self.market, self.who(tenant), amount, k)
-            except IdempotencyConflict:
+                funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+            except Conflict:
                 assert self.used_keys[(tenant, k)] != ("deposit", amount)
                 return
             if (tenant, k) not in self.used_keys:
@@ -165,15 +262,14 @@ def machine_for(url_factory, backend: str):
             """A retry with the key of an earlier deposit returns that deposit and moves nothing."""
             if self.last_money:
                 tenant, k, amount = self.last_money
-                first = funds.deposit(self.market, self.who(tenant), amount, k)
-                assert (
-                    funds.deposit(self.market, self.who(tenant), amount, k)["transfer_id"]
-                    == first["transfer_id"]
-                )
+                first = funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+                again = funds.rail_deposit(self.market, "test", self.event(tenant, k, amount))
+                assert again["transfer_id"] == first["transfer_id"] and again["duplicate"]
 
         @rule(name=st.sampled_from(["t1", "t2", "p1", "p2"]), amount=st.integers(1, 80_000))
         def withdraw(self, name, amount):
-            self.attempt(funds.withdraw, self.market, self.who(name), amount, f"wd-{name}-{amount}")
+            body = WithdrawIn(amount=amount, payout_method_id=self.payout[name])
+            self.attempt(InsufficientFunds, funds.withdraw, self.market, self.who(name), body, f"wd-{name}-{amount}")
 
         # -- orders ---------------------------------------------------------------------------------
 
@@ -203,18 +299,19 @@ def machine_for(url_factory, backend: str):
                 max_price_per_device_hour=price,
             )  # fmt: skip
             self.attempt(
+                InsufficientFunds,
                 orders.place_demand,
                 self.market,
                 self.who(tenant),
                 body,
-                f"dem-{self.market.now()}-{id(body)}",
+                f"dem-{next(self.keys_made)}",
             )
 
         @rule(data=st.data())
         def cancel_demand(self, data):
-            open_ids = self.ids(orders.demands, state=["open"])
+            open_ids = self.ids(demands_table, state=["open"])
             if open_ids:
-                demand = self.row(orders.demands, data.draw(st.sampled_from(open_ids)))
+                demand = self.row(demands_table, data.draw(st.sampled_from(open_ids)))
                 owner = "t1" if self.who("t1").id == demand["tenant_id"] else "t2"
                 orders.cancel_demand(self.market, self.who(owner), demand["id"], f"cancel-{demand['id']}")
 
@@ -236,9 +333,11 @@ def machine_for(url_factory, backend: str):
             provider, tenant = self.party(lease, "provider"), self.party(lease, "tenant")
             key = f"{action}-{lease['id']}-{self.market.now()}"
             end = EndIn(reason_code="other")
+            refusals = (InvalidTransition, Conflict)  # wrong state, or a deadline passed
             if action == "accept":
                 signature = sign(self.keys[provider], lease_terms(lease, "USD"))
                 self.attempt(
+                    refusals,
                     leases.accept,
                     self.market,
                     self.who(provider),
@@ -247,16 +346,16 @@ def machine_for(url_factory, backend: str):
                     key,
                 )
             elif action == "reject":
-                self.attempt(leases.reject, self.market, self.who(provider), lease["id"], end, key)
+                self.attempt(refusals, leases.reject, self.market, self.who(provider), lease["id"], end, key)
             elif action == "start":
-                self.attempt(leases.start, self.market, self.who(provider), lease["id"], key)
+                self.attempt(refusals, leases.start, self.market, self.who(provider), lease["id"], key)
             elif action == "cancel":
-                self.attempt(leases.cancel, self.market, self.who(tenant), lease["id"], end, key)
+                self.attempt(refusals, leases.cancel, self.market, self.who(tenant), lease["id"], end, key)
             elif action == "terminate":
                 side = data.draw(st.sampled_from([provider, tenant]))
-                self.attempt(leases.terminate, self.market, self.who(side), lease["id"], end, key)
+                self.attempt(refusals, leases.terminate, self.market, self.who(side), lease["id"], end, key)
             else:
-                self.attempt(leases.close_window, self.market, self.who(provider), lease["id"], key)
+                self.attempt(refusals, leases.close_window, self.market, self.who(provider), lease["id"], key)
 
         @rule(seconds=st.sampled_from([30, 300, 1000, 4000]))
         def advance(self, seconds):
@@ -264,7 +363,7 @@ def machine_for(url_factory, backend: str):
 
         @rule()
         def sweep(self):
-            leases.sweep(self.market)
+            deadlines.sweep(self.market)
 
         @rule(data=st.data())
         def settle(self, data):
@@ -272,7 +371,7 @@ def machine_for(url_factory, backend: str):
             if ids:
                 lease_id = data.draw(st.sampled_from(ids))
                 key = f"settle-{lease_id}-{self.market.now()}"
-                result = self.attempt(settlement.settle, self.market, self.operator, lease_id, key)
+                result = self.attempt(InvalidTransition, settlement.settle, self.market, self.operator, lease_id, key)
                 if result is not None:
                     assert (
                         settlement.settle(self.market, self.operator, lease_id, key + "b")["moved_now"] == 0
@@ -302,6 +401,7 @@ def machine_for(url_factory, backend: str):
                 seq=seq, interval_start=start, interval_end=end, device_seconds=used, signature=signature
             )
             result = self.attempt(
+                UsageRejected,
                 usage.report,
                 self.market,
                 self.who(provider),
@@ -313,32 +413,54 @@ def machine_for(url_factory, backend: str):
                 assert result is None, "a replayed sequence number was accepted"
 
         @rule(data=st.data(), action=st.sampled_from(["ack", "part", "dispute", "contest"]))
-        def respond(self, data, action):
-            ids = self.ids(usage_records)
+        def respond(self, data, action, record_id=None):
+            ids = [record_id] if record_id else self.ids(usage_records)
             if not ids:
                 return
             record = self.row(usage_records, data.draw(st.sampled_from(ids)))
             lease = self.row(leases_table, record["lease_id"])
             tenant, provider = self.party(lease, "tenant"), self.party(lease, "provider")
             key, half = f"{action}-{record['id']}", record["device_seconds"] // 2
+            # A record no longer `reported` (or past its window) refuses a response: that is all.
+            refusals = (Conflict, InvalidTransition)
             if action == "ack":
-                self.attempt(usage.acknowledge, self.market, self.who(tenant), record["id"], AckIn(), key)
+                self.attempt(refusals, usage.acknowledge, self.market, self.who(tenant), record["id"], AckIn(), key)
             elif action == "part":
-                self.attempt(
-                    usage.acknowledge,
-                    self.market,
-                    self.who(tenant),
-                    record["id"],
-                    AckIn(accepted_device_seconds=half),
-                    key,
-                )
-            elif action == "dispute":
+                body = AckIn(accepted_device_seconds=half)
+                self.attempt(refusals, usage.acknowledge, self.market, self.who(tenant), record["id"], body, key)
+            elif action == "dispute" and record["device_seconds"] > 0:
                 body = DisputeIn(reason="too much", claimed_device_seconds=half)
-                self.attempt(usage.dispute, self.market, self.who(tenant), record["id"], body, key)
-            else:
-                self.attempt(
-                    usage.contest, self.market, self.who(provider), record["id"], ContestIn(reason="no"), key
-                )
+                self.attempt(refusals, usage.dispute, self.market, self.who(tenant), record["id"], body, key)
+            elif action == "contest":
+                body = ContestIn(reason="no")
+                self.attempt(refusals, usage.contest, self.market, self.who(provider), record["id"], body, key)
+
+        @rule(data=st.data(), percent=st.sampled_from([0, 50, 97, 100, 150]))
+        def measure(self, data, percent, record_id=None):
+            """The tenant signs what its job saw over a reported interval: a share of what the provider
+            reported. Below the tolerance (5%) a dispute opens by itself; above 100% nothing does."""
+            ids = [record_id] if record_id else self.ids(usage_records)
+            if not ids:
+                return
+            record = self.row(usage_records, data.draw(st.sampled_from(ids)))
+            lease = self.row(leases_table, record["lease_id"])
+            tenant = self.party(lease, "tenant")
+            start, end = record["interval_start"], record["interval_end"]
+            seen = record["device_seconds"] * percent // 100
+            body = MeasurementIn(
+                interval_start=start, interval_end=end, device_seconds=seen,
+                signature=sign(self.keys[tenant], measurement(lease["id"], start, end, seen)),
+            )  # fmt: skip
+            before = record["state"]
+            # Refused when measured already, or when the record's window or the lease's period is over.
+            result = self.attempt(
+                Conflict, usage.submit_measurement, self.market, self.who(tenant), lease["id"], body,
+                f"measure-{next(self.keys_made)}",
+            )  # fmt: skip
+            if result is not None and result["dispute_id"] is not None:
+                assert before == "reported" and percent < 95, (before, percent)
+                dispute = self.row(disputes, result["dispute_id"])
+                assert dispute["claimed_device_seconds"] == seen <= record["device_seconds"]
 
         @rule(data=st.data(), outcome=st.sampled_from(["upheld", "partial", "rejected"]))
         def resolve(self, data, outcome):
@@ -378,3 +500,5 @@ def test_random_operations_keep_every_invariant(backend, url_factory):
     REACHED.clear()
     run_state_machine_as_test(machine_for(url_factory, backend), settings=SETTINGS)
     print(dict(REACHED))
+    missed = [what for what in MUST_REACH if REACHED[what] == 0]
+    assert not missed, f"the random walk never reached {missed}; it reached {dict(REACHED)}"

@@ -10,6 +10,7 @@ from sqlalchemy.exc import DBAPIError
 
 from runyard.market import funds, identity
 from runyard.market.errors import BadRequest
+from runyard.market.models import CreditIn
 from runyard.market.schema import metadata
 from runyard.market.signing import generate_keypair
 from runyard.market.store import Store
@@ -31,7 +32,8 @@ def test_history_tables_refuse_update_and_delete(store_url):
     market = open_market(store_url)
     t = identity.register(market, "t", "tenant", generate_keypair()[1])
     identity.request_verification(market, identity.authenticate(market, t["token"]), "")
-    funds.deposit(market, identity.authenticate(market, t["token"]), 100, "k")
+    ops = identity.authenticate(market, identity.create_operator(market, "ops")["token"])
+    funds.credit(market, ops, CreditIn(account=str(t["id"]), amount=100, reason="seed"), "k")
     for statement in (
         "UPDATE transfers SET amount = 1",
         "DELETE FROM transfers",

@@ -1,53 +1,132 @@
 """The market's HTTP API (FastAPI; the OpenAPI document is at /openapi.json).
 
-Authentication is a bearer token (`Authorization: Bearer ryk_...`), looked up by its hash.
-Authorisation is by role and ownership inside each operation: a tenant never sees another tenant's
-demands, leases or statement (they answer 404, as if they did not exist), a provider sees only its
-own listings and leases, and /v1/admin/* is for operators. Every money-moving request needs an
-`Idempotency-Key` header. Errors are JSON: {"error": code, "message": text, "detail": {...}}; a 4xx
-changed nothing. Bodies above `max_body_bytes` are refused with 413 before they are read in full.
+Routes are built from `operations.OPERATIONS` (the one definition of each operation) and bound to
+their implementations in `HANDLERS`. Authentication is a bearer token (`Authorization: Bearer
+ryk_...`), looked up by its hash; a payment rail authenticates its events with an HMAC signature
+(`rails`). Authorisation is by role and ownership inside each operation: a tenant never sees
+another tenant's demands, leases or statement (they answer 404, as if they did not exist), a
+provider sees only its own listings and leases, and /v1/admin/* is for verified operators. Every
+money-moving request needs an `Idempotency-Key` header. Errors are JSON: {"error": code, "message":
+text, "detail": {...}}; a 4xx changed nothing. Bodies above `max_body_bytes` are refused with 413
+before they are read in full; a JSON body holding NaN, Infinity or a number too large for a double
+is refused with 422 before anything reads it.
 
-(No `from __future__ import annotations` here: FastAPI resolves the endpoints' annotations, which
-name dependencies defined inside `create_app`.)
+(No `from __future__ import annotations` here: FastAPI resolves the endpoints' annotations.)
 """
 
+import inspect
+import json
 import logging
+import math
+from collections.abc import Callable
 from contextlib import asynccontextmanager
-from typing import Annotated
+from types import SimpleNamespace
+from typing import Annotated, Any
 
 import anyio.to_thread
-from fastapi import Depends, FastAPI, Header, Request
+from fastapi import Body, Depends, FastAPI, Header, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.security import APIKeyHeader, HTTPAuthorizationCredentials, HTTPBearer
 
-from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
-from runyard.market.errors import MarketError, PayloadTooLarge
-from runyard.market.models import (
-    AcceptIn,
-    AckIn,
-    AmountIn,
-    ClockIn,
-    ContestIn,
-    DecisionIn,
-    DemandIn,
-    DisputeIn,
-    EndIn,
-    FeeIn,
-    ListingIn,
-    MeasurementIn,
-    RegisterIn,
-    ResolveIn,
-    UsageIn,
-    VerifyRequestIn,
+from runyard.market import (
+    deadlines,
+    funds,
+    identity,
+    invariants,
+    leases,
+    orders,
+    settlement,
+    statements,
+    usage,
 )
+from runyard.market.errors import BadRequest, MarketError, NotFound, PayloadTooLarge
+from runyard.market.models import MAX_ID
+from runyard.market.operations import OPERATIONS, Operation
+from runyard.market.rails import SIGNATURE_HEADER
+from runyard.market.responses import ErrorOut
 from runyard.market.service import Market, Principal
 
 log = logging.getLogger("runyard.market.api")
 DEFAULT_MAX_BODY = 64 * 1024
 
+Handler = Callable[[Market, Any, SimpleNamespace], Any]
+
+
+def _market_info(market: Market, p: Any, a: SimpleNamespace) -> dict:
+    config = market.read(lambda conn, now: {**Market.config(conn), "now": now})
+    config.pop("id")
+    return config
+
+
+# What each operation does, by name (the route, client method and CLI verb come from OPERATIONS).
+HANDLERS: dict[str, Handler] = {
+    "healthz": lambda m, p, a: {"ok": True},
+    "market_info": _market_info,
+    "register": lambda m, p, a: identity.register(m, a.body.name, a.body.role, a.body.public_key),
+    "me": lambda m, p, a: identity.status(m, p),
+    "request_verification": lambda m, p, a: identity.request_verification(m, p, a.body.evidence),
+    "withdraw": lambda m, p, a: funds.withdraw(m, p, a.body, a.key),
+    "add_payout_method": lambda m, p, a: funds.add_payout_method(m, p, a.body, a.key),
+    "payout_methods": lambda m, p, a: funds.list_payout_methods(m, p),
+    "balances": lambda m, p, a: funds.balances(m, p),
+    "statement": lambda m, p, a: statements.statement(m, p),
+    "rail_webhook": lambda m, p, a: funds.rail_deposit(m, a.rail, a.body),
+    "create_listing": lambda m, p, a: orders.create_listing(m, p, a.body, a.key),
+    "listings": lambda m, p, a: orders.list_listings(m, p, a.mine),
+    "withdraw_listing": lambda m, p, a: orders.withdraw_listing(m, p, a.listing_id),
+    "place_demand": lambda m, p, a: orders.place_demand(m, p, a.body, a.key),
+    "demands": lambda m, p, a: orders.list_demands(m, p),
+    "demand": lambda m, p, a: orders.get_demand(m, p, a.demand_id),
+    "cancel_demand": lambda m, p, a: orders.cancel_demand(m, p, a.demand_id, a.key),
+    "leases": lambda m, p, a: leases.list_leases(m, p, a.state),
+    "lease": lambda m, p, a: leases.get_lease(m, p, a.lease_id),
+    "accept_lease": lambda m, p, a: leases.accept(m, p, a.lease_id, a.body, a.key),
+    "reject_lease": lambda m, p, a: leases.reject(m, p, a.lease_id, a.body, a.key),
+    "start_lease": lambda m, p, a: leases.start(m, p, a.lease_id, a.key),
+    "close_lease": lambda m, p, a: leases.close_window(m, p, a.lease_id, a.key),
+    "terminate_lease": lambda m, p, a: leases.terminate(m, p, a.lease_id, a.body, a.key),
+    "cancel_lease": lambda m, p, a: leases.cancel(m, p, a.lease_id, a.body, a.key),
+    "settle": lambda m, p, a: settlement.settle(m, p, a.lease_id, a.key),
+    "report_usage": lambda m, p, a: usage.report(m, p, a.lease_id, a.body, a.key),
+    "usage": lambda m, p, a: usage.lease_usage(m, p, a.lease_id),
+    "submit_measurement": lambda m, p, a: usage.submit_measurement(m, p, a.lease_id, a.body, a.key),
+    "acknowledge": lambda m, p, a: usage.acknowledge(m, p, a.record_id, a.body, a.key),
+    "dispute": lambda m, p, a: usage.dispute(m, p, a.record_id, a.body, a.key),
+    "contest": lambda m, p, a: usage.contest(m, p, a.record_id, a.body, a.key),
+    "disputes": lambda m, p, a: usage.open_disputes(m, p),
+    "withdraw_dispute": lambda m, p, a: usage.withdraw_dispute(m, p, a.dispute_id, a.key),
+    "pending_accounts": lambda m, p, a: identity.pending_accounts(m),
+    "decide": lambda m, p, a: identity.decide(m, p.actor, a.account, a.body.approve, a.body.reason),
+    "credit": lambda m, p, a: funds.credit(m, p, a.body, a.key),
+    "resolve_dispute": lambda m, p, a: usage.resolve(m, p, a.dispute_id, a.body, a.key),
+    "set_fee": lambda m, p, a: {"fee_bps": m.set_fee(a.body.fee_bps, p.actor)["fee_bps"]},
+    "advance_clock": lambda m, p, a: {"now": m.advance_clock(a.body.seconds, p.actor)},
+    "sweep": lambda m, p, a: deadlines.sweep(m),
+    "audit": lambda m, p, a: invariants.audit_market(m),
+}
+
+ERROR_TEXT = {
+    401: "no valid credentials", 403: "the caller may not do this", 404: "no such thing (or not the caller's)",
+    409: "conflicts with the current state (or a reused idempotency key)", 413: "request body too large",
+    422: "the request is malformed or names impossible values", 503: "the store stayed busy; retry with the same key",
+}  # fmt: skip
+
+
+def _reject_non_finite(text: str) -> None:
+    raise ValueError(f"{text} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise ValueError(f"{text[:40]} is too large for a number")
+    return value
+
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming)."""
+    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming),
+    and JSON bodies that hold NaN, Infinity or numbers beyond a double's range."""
 
     def __init__(self, app, limit: int):  # type: ignore[no-untyped-def]
         self.app, self.limit = app, limit
@@ -55,33 +134,49 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        declared = dict(scope.get("headers") or []).get(b"content-length")
+        headers = dict(scope.get("headers") or [])
+        declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _too_large(self.limit, send)
-        seen = 0
-
-        async def limited_receive():  # type: ignore[no-untyped-def]
-            nonlocal seen
+            return await _error(send, PayloadTooLarge(f"request body exceeds {self.limit} bytes"))
+        chunks, seen, more = [], 0, True
+        while more:
             message = await receive()
-            seen += len(message.get("body", b""))
+            if message["type"] != "http.request":
+                break
+            chunks.append(message.get("body", b""))
+            seen += len(chunks[-1])
             if seen > self.limit:
-                raise PayloadTooLarge(f"request body exceeds {self.limit} bytes")
-            return message
+                return await _error(send, PayloadTooLarge(f"request body exceeds {self.limit} bytes"))
+            more = message.get("more_body", False)
+        body = b"".join(chunks)
+        if body and b"json" in headers.get(b"content-type", b""):
+            try:
+                json.loads(body, parse_constant=_reject_non_finite, parse_float=_finite_float)
+            except ValueError as exc:
+                if "number" in str(exc):
+                    return await _error(send, BadRequest(f"the JSON body holds a non-finite number: {exc}"))
+        replayed = False
 
-        try:
-            await self.app(scope, limited_receive, send)
-        except PayloadTooLarge:
-            await _too_large(self.limit, send)
+        async def replay():  # type: ignore[no-untyped-def]
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
 
 
-async def _too_large(limit: int, send) -> None:  # type: ignore[no-untyped-def]
-    response = JSONResponse(PayloadTooLarge(f"request body exceeds {limit} bytes").to_json(), status_code=413)
+async def _error(send, exc: MarketError) -> None:  # type: ignore[no-untyped-def]
+    response = JSONResponse(exc.to_json(), status_code=exc.status)
     await response({"type": "http"}, None, send)
 
 
 def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: int = 64) -> FastAPI:
     """The FastAPI application serving `market`. Endpoints are synchronous (the store is) and run
     in AnyIO's thread pool, raised to `threads` so that many clients are served at once."""
+    missing = {op.name for op in OPERATIONS} ^ set(HANDLERS)
+    assert not missing, f"operations and handlers disagree: {sorted(missing)}"
 
     @asynccontextmanager
     async def lifespan(_: FastAPI):  # type: ignore[no-untyped-def]
@@ -92,7 +187,11 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
         lifespan=lifespan,
         title="runyard market",
         version="1",
-        description="Verified identities, listings, escrow-backed demands, leases, signed usage, settlement.",
+        description=(
+            "Verified identities, listings, escrow-backed demands, leases, signed usage, settlement. "
+            "The protocol (signed payloads, canonical JSON, idempotency, errors, state machines) is "
+            "described in docs/market-protocol.md."
+        ),
     )
     app.add_middleware(BodyLimit, limit=max_body_bytes)
 
@@ -116,199 +215,85 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
         log.exception("unhandled error", exc_info=exc)
         return JSONResponse({"error": "internal", "message": "internal error; nothing was applied"}, 500)
 
-    def who(authorization: Annotated[str | None, Header()] = None) -> Principal:
-        token = None
-        if authorization and authorization.lower().startswith("bearer "):
-            token = authorization[7:].strip()
-        return identity.authenticate(market, token)
+    bearer = HTTPBearer(auto_error=False, description="the API token `register` returned (ryk_...)")
+    rail_signature = APIKeyHeader(
+        name=SIGNATURE_HEADER, auto_error=False, description="t=<unix seconds>,v1=<hex HMAC-SHA256>"
+    )
+
+    def who(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]) -> Principal:
+        return identity.authenticate(market, credentials.credentials if credentials else None)
 
     def operator(principal: Annotated[Principal, Depends(who)]) -> Principal:
         principal.require_role("operator")
+        principal.require_verified("act as operator")
         return principal
 
-    Who = Annotated[Principal, Depends(who)]
-    Operator = Annotated[Principal, Depends(operator)]
-    Key = Annotated[str | None, Header(alias="Idempotency-Key")]
+    async def rail_checked(
+        rail: Annotated[str, Path(min_length=1, max_length=32)],
+        request: Request,
+        _: Annotated[str | None, Depends(rail_signature)],
+    ) -> str:
+        adapter = market.rails.get(rail)
+        if adapter is None:
+            raise NotFound(f"no payment rail {rail!r} here")
+        adapter.verify(await request.body(), request.headers)
+        return rail
 
-    # -- market and identity -----------------------------------------------------------------------
-
-    @app.get("/healthz")
-    def healthz() -> dict:
-        return {"ok": True}
-
-    @app.get("/v1/market")
-    def market_info() -> dict:
-        config = market.read(lambda conn, now: {**Market.config(conn), "now": now})
-        config.pop("id")
-        return config
-
-    @app.post("/v1/accounts", status_code=201)
-    def register(body: RegisterIn) -> dict:
-        return identity.register(market, body.name, body.role, body.public_key)
-
-    @app.get("/v1/accounts/me")
-    def me(p: Who) -> dict:
-        return identity.status(market, p)
-
-    @app.post("/v1/accounts/me/verification")
-    def request_verification(body: VerifyRequestIn, p: Who) -> dict:
-        return identity.request_verification(market, p, body.evidence)
-
-    # -- money -------------------------------------------------------------------------------------
-
-    @app.post("/v1/funds/deposit")
-    def deposit(body: AmountIn, p: Who, key: Key = None) -> dict:
-        return funds.deposit(market, p, body.amount, key)
-
-    @app.post("/v1/funds/withdraw")
-    def withdraw(body: AmountIn, p: Who, key: Key = None) -> dict:
-        return funds.withdraw(market, p, body.amount, key)
-
-    @app.get("/v1/funds/balances")
-    def balances(p: Who) -> dict:
-        return funds.balances(market, p)
-
-    @app.get("/v1/statement")
-    def statement(p: Who) -> dict:
-        return statements.statement(market, p)
-
-    # -- listings and demands ----------------------------------------------------------------------
-
-    @app.post("/v1/listings", status_code=201)
-    def create_listing(body: ListingIn, p: Who, key: Key = None) -> dict:
-        return orders.create_listing(market, p, body, key)
-
-    @app.get("/v1/listings")
-    def list_listings(p: Who, mine: bool = False) -> list[dict]:
-        return orders.list_listings(market, p, mine)
-
-    @app.post("/v1/listings/{listing_id}/withdraw")
-    def withdraw_listing(listing_id: int, p: Who) -> dict:
-        return orders.withdraw_listing(market, p, listing_id)
-
-    @app.post("/v1/demands", status_code=201)
-    def place_demand(body: DemandIn, p: Who, key: Key = None) -> dict:
-        return orders.place_demand(market, p, body, key)
-
-    @app.get("/v1/demands")
-    def list_demands(p: Who) -> list[dict]:
-        return orders.list_demands(market, p)
-
-    @app.get("/v1/demands/{demand_id}")
-    def get_demand(demand_id: int, p: Who) -> dict:
-        return orders.get_demand(market, p, demand_id)
-
-    @app.post("/v1/demands/{demand_id}/cancel")
-    def cancel_demand(demand_id: int, p: Who, key: Key = None) -> dict:
-        return orders.cancel_demand(market, p, demand_id, key)
-
-    # -- leases ------------------------------------------------------------------------------------
-
-    @app.get("/v1/leases")
-    def list_leases(p: Who, state: str | None = None) -> list[dict]:
-        return leases.list_leases(market, p, state)
-
-    @app.get("/v1/leases/{lease_id}")
-    def get_lease(lease_id: int, p: Who) -> dict:
-        return leases.get_lease(market, p, lease_id)
-
-    @app.post("/v1/leases/{lease_id}/accept")
-    def accept(lease_id: int, body: AcceptIn, p: Who, key: Key = None) -> dict:
-        return leases.accept(market, p, lease_id, body, key)
-
-    @app.post("/v1/leases/{lease_id}/reject")
-    def reject(lease_id: int, body: EndIn, p: Who, key: Key = None) -> dict:
-        return leases.reject(market, p, lease_id, body, key)
-
-    @app.post("/v1/leases/{lease_id}/start")
-    def start(lease_id: int, p: Who, key: Key = None) -> dict:
-        return leases.start(market, p, lease_id, key)
-
-    @app.post("/v1/leases/{lease_id}/close")
-    def close(lease_id: int, p: Who, key: Key = None) -> dict:
-        return leases.close_window(market, p, lease_id, key)
-
-    @app.post("/v1/leases/{lease_id}/terminate")
-    def terminate(lease_id: int, body: EndIn, p: Who, key: Key = None) -> dict:
-        return leases.terminate(market, p, lease_id, body, key)
-
-    @app.post("/v1/leases/{lease_id}/cancel")
-    def cancel(lease_id: int, body: EndIn, p: Who, key: Key = None) -> dict:
-        return leases.cancel(market, p, lease_id, body, key)
-
-    @app.post("/v1/leases/{lease_id}/settle")
-    def settle(lease_id: int, p: Who, key: Key = None) -> dict:
-        return settlement.settle(market, p, lease_id, key)
-
-    # -- usage and disputes ------------------------------------------------------------------------
-
-    @app.post("/v1/leases/{lease_id}/usage", status_code=201)
-    def report_usage(lease_id: int, body: UsageIn, p: Who, key: Key = None) -> dict:
-        return usage.report(market, p, lease_id, body, key)
-
-    @app.get("/v1/leases/{lease_id}/usage")
-    def lease_usage(lease_id: int, p: Who) -> dict:
-        return usage.lease_usage(market, p, lease_id)
-
-    @app.post("/v1/leases/{lease_id}/measurements", status_code=201)
-    def measure(lease_id: int, body: MeasurementIn, p: Who, key: Key = None) -> dict:
-        return usage.submit_measurement(market, p, lease_id, body, key)
-
-    @app.post("/v1/usage/{record_id}/ack")
-    def ack(record_id: int, body: AckIn, p: Who, key: Key = None) -> dict:
-        return usage.acknowledge(market, p, record_id, body, key)
-
-    @app.post("/v1/usage/{record_id}/dispute", status_code=201)
-    def dispute(record_id: int, body: DisputeIn, p: Who, key: Key = None) -> dict:
-        return usage.dispute(market, p, record_id, body, key)
-
-    @app.post("/v1/usage/{record_id}/contest", status_code=201)
-    def contest(record_id: int, body: ContestIn, p: Who, key: Key = None) -> dict:
-        return usage.contest(market, p, record_id, body, key)
-
-    @app.get("/v1/disputes")
-    def list_disputes(p: Who) -> list[dict]:
-        return usage.open_disputes(market, p)
-
-    @app.post("/v1/disputes/{dispute_id}/withdraw")
-    def withdraw_dispute(dispute_id: int, p: Who, key: Key = None) -> dict:
-        return usage.withdraw_dispute(market, p, dispute_id, key)
-
-    # -- operator ----------------------------------------------------------------------------------
-
-    @app.get("/v1/admin/accounts/pending")
-    def pending(p: Operator) -> list[dict]:
-        return identity.pending_accounts(market)
-
-    @app.post("/v1/admin/accounts/{account}/decision")
-    def decide(account: str, body: DecisionIn, p: Operator) -> dict:
-        return identity.decide(market, p.actor, account, body.approve, body.reason)
-
-    @app.post("/v1/admin/disputes/{dispute_id}/resolve")
-    def resolve(dispute_id: int, body: ResolveIn, p: Operator, key: Key = None) -> dict:
-        return usage.resolve(market, p, dispute_id, body, key)
-
-    @app.post("/v1/admin/fee")
-    def set_fee(body: FeeIn, p: Operator) -> dict:
-        config = market.set_fee(body.fee_bps, p.actor)
-        return {"fee_bps": config["fee_bps"]}
-
-    @app.post("/v1/admin/clock")
-    def advance_clock(body: ClockIn, p: Operator) -> dict:
-        return {"now": market.advance_clock(body.seconds, p.actor)}
-
-    @app.post("/v1/admin/sweep")
-    def sweep(p: Operator) -> dict:
-        return leases.sweep(market)
-
-    @app.get("/v1/admin/audit")
-    def audit(p: Operator) -> dict:
-        return invariants.audit_market(market)
-
+    dependencies = {"account": who, "operator": operator, "rail": rail_checked}
+    for op in OPERATIONS:
+        _add_route(app, market, op, HANDLERS[op.name], dependencies)
     return app
 
 
+def _add_route(app: FastAPI, market: Market, op: Operation, handler: Handler, dependencies: dict) -> None:
+    kw = inspect.Parameter.KEYWORD_ONLY
+    params = []
+    for name in op.path_params:
+        if name.endswith("_id"):
+            annotation: Any = Annotated[int, Path(ge=1, le=MAX_ID)]
+        else:
+            annotation = Annotated[str, Path(min_length=1, max_length=100)]
+        params.append(inspect.Parameter(name, kw, annotation=annotation))
+    for name, q in op.query.items():
+        annotation = Annotated[q.annotation, Query(description=q.description)]
+        params.append(inspect.Parameter(name, kw, annotation=annotation, default=q.default))
+    if op.body is not None:
+        params.append(inspect.Parameter("body", kw, annotation=Annotated[op.body, Body()]))
+    if op.auth != "none":
+        depends = Depends(dependencies[op.auth])
+        params.append(inspect.Parameter("auth", kw, annotation=Annotated[Any, depends]))
+    if op.key is not None:
+        header = Header(
+            alias="Idempotency-Key", min_length=1, max_length=200,
+            description="any unique string; a retry with the same key and body returns the first answer",
+        )  # fmt: skip
+        if op.key == "required":
+            params.append(inspect.Parameter("idempotency_key", kw, annotation=Annotated[str, header]))
+        else:
+            params.append(
+                inspect.Parameter(
+                    "idempotency_key", kw, annotation=Annotated[str | None, header], default=None
+                )
+            )
+
+    def endpoint(**values: Any) -> Any:
+        auth = values.pop("auth", None)
+        principal = auth if isinstance(auth, Principal) else None
+        key = values.pop("idempotency_key", None)
+        return handler(market, principal, SimpleNamespace(key=key, **values))
+
+    endpoint.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    endpoint.__name__ = op.name
+    app.add_api_route(
+        op.path, endpoint, methods=[op.method], status_code=op.status, operation_id=op.name,
+        summary=op.summary, tags=[op.tag], response_model=op.response, response_model_exclude_unset=True,
+        responses={code: {"model": ErrorOut, "description": ERROR_TEXT[code]} for code in op.errors},
+    )  # fmt: skip
+
+
 def _short(value: object) -> object:
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
     text = repr(value)
     return (
         value if len(text) <= 200 and isinstance(value, int | str | float | bool | type(None)) else text[:200]

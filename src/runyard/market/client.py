@@ -13,7 +13,8 @@ the control plane's market agent). It imports no torch.
                             available_until=now + 30 * 86400, start_class="immediate")
 
     tenant = MarketClient(url); tenant.register("lab", "tenant"); ...
-    tenant.deposit(100_000)                          # minor units; idempotent (see below)
+    # money arrives through a payment rail (rails.TestRail in tests) or an operator's credit:
+    operator.credit(account="lab", amount=100_000, reason="wire 2026-11-30")
     demand = tenant.place_demand({"accelerator_kinds": ["h100-80gb"], "device_count": 4,
                                   "duration_s": 7200}, max_price_per_device_hour=300,
                                  job={"spec": Path("job.yaml").read_text(), "results_to": "/srv/results/x"})
@@ -31,11 +32,12 @@ Money-moving calls take an optional `idempotency_key`; without one the client ma
 call and reuses it for its own retries (connection errors and 503), so a retried call is applied
 once. Every method returns the server's JSON (dicts and lists); an error answer raises
 `MarketClientError` with `status`, `code` and the server's message. Lease-state names are in
-`runyard.market.machines.lease`; signed payloads are built by `runyard.market.payloads`.
+`runyard.market.states.lease`; signed payloads are built by `runyard.market.payloads`.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import time
 import uuid
@@ -47,6 +49,8 @@ import httpx
 from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_text
 from runyard.market import payloads
+from runyard.market.operations import BY_NAME, OPERATIONS, Operation
+from runyard.market.rails import TestRail
 from runyard.market.requirement import Requirement
 from runyard.market.signing import generate_keypair, public_key_of, sign
 
@@ -124,8 +128,18 @@ class MarketClient:
             return response.json()
         raise AssertionError("unreachable")
 
-    def _money(self, method: str, path: str, body: Any = None, key: str | None = None) -> Any:
-        return self.request(method, path, body, key=key or uuid.uuid4().hex)
+    def call(
+        self, name: str, *path_args: Any, body: Any = None, idempotency_key: str | None = None, **query: Any
+    ) -> Any:
+        """Call operation `name` (see `runyard.market.operations`) with its path parameters in order."""
+        op = BY_NAME[name]
+        if len(path_args) != len(op.path_params):
+            raise TypeError(f"{name} takes {op.path_params}, got {path_args!r}")
+        path = op.path.format(**dict(zip(op.path_params, path_args, strict=True)))
+        key = idempotency_key
+        if op.key == "required" and key is None:
+            key = uuid.uuid4().hex
+        return self.request(op.method, path, body, key=key, **query)
 
     def _sign(self, payload: dict) -> str:
         if not self.private_key:
@@ -145,11 +159,7 @@ class MarketClient:
             self._currency = self.market_info()["currency"]
         return self._currency
 
-    # -- identity ----------------------------------------------------------------------------------
-
-    def market_info(self) -> dict:
-        """Currency, fee rate, windows and the market's clock."""
-        return self.request("GET", "/v1/market")
+    # -- operations that do more than send their fields --------------------------------------------
 
     def register(self, name: str, role: str, public_key: str | None = None) -> dict:
         """Register as 'tenant' or 'provider'. Without `public_key` a key pair is made and kept here."""
@@ -158,7 +168,7 @@ class MarketClient:
                 self.private_key, public_key = generate_keypair()
             else:
                 public_key = public_key_of(self.private_key)
-        result = self.request("POST", "/v1/accounts", {"name": name, "role": role, "public_key": public_key})
+        result = self.call("register", body={"name": name, "role": role, "public_key": public_key})
         self.token = result["token"]
         return result
 
@@ -178,48 +188,17 @@ class MarketClient:
         if not isinstance(data, dict) or not all(
             isinstance(data.get(k), str | None) for k in ("url", "token", "private_key")
         ):
-            raise RunyardError(f"market identity {path} is not an object of url, token and private_key strings")
+            raise RunyardError(
+                f"market identity {path} is not an object of url, token and private_key strings"
+            )
         url = base_url or data.get("url")
         if not url:
             raise RunyardError(f"market identity {path} names no market url; pass one (--url)")
         return cls(url, token=data.get("token"), private_key=data.get("private_key"), **kwargs)
 
-    def me(self) -> dict:
-        return self.request("GET", "/v1/accounts/me")
-
-    def request_verification(self, evidence: str = "") -> dict:
-        return self.request("POST", "/v1/accounts/me/verification", {"evidence": evidence})
-
     def verify_status(self) -> str:
         """unverified | pending | verified | rejected."""
         return self.me()["state"]
-
-    # -- money -------------------------------------------------------------------------------------
-
-    def deposit(self, amount: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", "/v1/funds/deposit", {"amount": amount}, idempotency_key)
-
-    def withdraw(self, amount: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", "/v1/funds/withdraw", {"amount": amount}, idempotency_key)
-
-    def balances(self) -> dict:
-        return self.request("GET", "/v1/funds/balances")
-
-    def statement(self) -> dict:
-        """Balances, ledger entries, per-lease lines (with fees) and reconciled totals."""
-        return self.request("GET", "/v1/statement")
-
-    # -- listings and demands ----------------------------------------------------------------------
-
-    def create_listing(self, idempotency_key: str | None = None, **fields: Any) -> dict:
-        """Offer capacity; fields as in `runyard.market.models.ListingIn`."""
-        return self.request("POST", "/v1/listings", fields, key=idempotency_key)
-
-    def listings(self, mine: bool = False) -> list[dict]:
-        return self.request("GET", "/v1/listings", mine=str(mine).lower())
-
-    def withdraw_listing(self, listing_id: int) -> dict:
-        return self.request("POST", f"/v1/listings/{listing_id}/withdraw")
 
     def place_demand(
         self,
@@ -236,59 +215,15 @@ class MarketClient:
         body: dict[str, Any] = {"requirement": req, "max_price_per_device_hour": max_price_per_device_hour}
         if job is not None:
             body["job"] = job
-        return self._money("POST", "/v1/demands", body, idempotency_key)
-
-    def demands(self) -> list[dict]:
-        return self.request("GET", "/v1/demands")
-
-    def demand(self, demand_id: int) -> dict:
-        return self.request("GET", f"/v1/demands/{demand_id}")
-
-    def cancel_demand(self, demand_id: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", f"/v1/demands/{demand_id}/cancel", None, idempotency_key)
-
-    # -- leases ------------------------------------------------------------------------------------
-
-    def leases(self, state: str | None = None) -> list[dict]:
-        return self.request("GET", "/v1/leases", state=state)
-
-    def lease(self, lease_id: int) -> dict:
-        """One lease, with the `terms` a provider signs to accept it."""
-        return self.request("GET", f"/v1/leases/{lease_id}")
+        return self.call("place_demand", body=body, idempotency_key=idempotency_key)
 
     def accept_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
         """Sign the lease's terms with this provider's key and accept it."""
         lease = self.lease(lease_id)
         signature = self._sign(payloads.lease_terms(lease, self.currency))
-        return self._money("POST", f"/v1/leases/{lease_id}/accept", {"signature": signature}, idempotency_key)
-
-    def reject_lease(self, lease_id: int, reason_code: str = "capacity_unavailable", note: str = "") -> dict:
-        return self._money(
-            "POST", f"/v1/leases/{lease_id}/reject", {"reason_code": reason_code, "note": note}
+        return self.call(
+            "accept_lease", lease_id, body={"signature": signature}, idempotency_key=idempotency_key
         )
-
-    def start_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", f"/v1/leases/{lease_id}/start", None, idempotency_key)
-
-    def close_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
-        """Mark the window as over (allowed once the window's end has come)."""
-        return self._money("POST", f"/v1/leases/{lease_id}/close", None, idempotency_key)
-
-    def terminate_lease(
-        self, lease_id: int, reason_code: str, note: str = "", idempotency_key: str | None = None
-    ) -> dict:
-        body = {"reason_code": reason_code, "note": note}
-        return self._money("POST", f"/v1/leases/{lease_id}/terminate", body, idempotency_key)
-
-    def cancel_lease(self, lease_id: int, reason_code: str = "tenant_request", note: str = "") -> dict:
-        return self._money(
-            "POST", f"/v1/leases/{lease_id}/cancel", {"reason_code": reason_code, "note": note}
-        )
-
-    def settle(self, lease_id: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", f"/v1/leases/{lease_id}/settle", None, idempotency_key)
-
-    # -- usage -------------------------------------------------------------------------------------
 
     def report_usage(
         self,
@@ -302,8 +237,9 @@ class MarketClient:
     ) -> dict:
         """Report one usage record, signed with this provider's key."""
         payload = payloads.usage_record(lease_id, seq, interval_start, interval_end, device_seconds, evidence)
-        body = self._signed_body(payload)
-        return self._money("POST", f"/v1/leases/{lease_id}/usage", body, idempotency_key)
+        return self.call(
+            "report_usage", lease_id, body=self._signed_body(payload), idempotency_key=idempotency_key
+        )
 
     def submit_measurement(
         self,
@@ -315,64 +251,69 @@ class MarketClient:
     ) -> dict:
         """The tenant's own signed view of an interval; a mismatch beyond tolerance opens a dispute."""
         payload = payloads.measurement(lease_id, interval_start, interval_end, device_seconds)
-        body = self._signed_body(payload)
-        return self._money("POST", f"/v1/leases/{lease_id}/measurements", body, idempotency_key)
-
-    def usage(self, lease_id: int) -> dict:
-        """Records, measurements and disputes of a lease."""
-        return self.request("GET", f"/v1/leases/{lease_id}/usage")
-
-    def acknowledge(
-        self, record_id: int, accepted_device_seconds: int | None = None, idempotency_key: str | None = None
-    ) -> dict:
-        body = {"accepted_device_seconds": accepted_device_seconds}
-        return self._money("POST", f"/v1/usage/{record_id}/ack", body, idempotency_key)
-
-    def dispute(
-        self, record_id: int, reason: str, claimed_device_seconds: int = 0, idempotency_key: str | None = None
-    ) -> dict:
-        body = {"reason": reason, "claimed_device_seconds": claimed_device_seconds}
-        return self._money("POST", f"/v1/usage/{record_id}/dispute", body, idempotency_key)
-
-    def contest(self, record_id: int, reason: str, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", f"/v1/usage/{record_id}/contest", {"reason": reason}, idempotency_key)
-
-    def disputes(self) -> list[dict]:
-        return self.request("GET", "/v1/disputes")
-
-    def withdraw_dispute(self, dispute_id: int, idempotency_key: str | None = None) -> dict:
-        return self._money("POST", f"/v1/disputes/{dispute_id}/withdraw", None, idempotency_key)
-
-    # -- operator ----------------------------------------------------------------------------------
-
-    def pending_accounts(self) -> list[dict]:
-        return self.request("GET", "/v1/admin/accounts/pending")
-
-    def decide(self, account: str | int, approve: bool, reason: str) -> dict:
-        return self.request(
-            "POST", f"/v1/admin/accounts/{account}/decision", {"approve": approve, "reason": reason}
+        return self.call(
+            "submit_measurement", lease_id, body=self._signed_body(payload), idempotency_key=idempotency_key
         )
-
-    def resolve_dispute(
-        self,
-        dispute_id: int,
-        outcome: str,
-        reason: str,
-        device_seconds: int | None = None,
-        idempotency_key: str | None = None,
-    ) -> dict:
-        body = {"outcome": outcome, "reason": reason, "device_seconds": device_seconds}
-        return self._money("POST", f"/v1/admin/disputes/{dispute_id}/resolve", body, idempotency_key)
-
-    def set_fee(self, fee_bps: int) -> dict:
-        return self.request("POST", "/v1/admin/fee", {"fee_bps": fee_bps})
 
     def advance_clock(self, seconds: int) -> int:
         """Move a test market's clock forward; returns the new market time."""
-        return self.request("POST", "/v1/admin/clock", {"seconds": seconds})["now"]
+        return self.call("advance_clock", body={"seconds": seconds})["now"]
 
-    def sweep(self) -> dict:
-        return self.request("POST", "/v1/admin/sweep")
+    def rail_deposit(self, rail: TestRail, account_id: int, amount: int, event_id: str | None = None) -> dict:
+        """Post a deposit event signed by `rail` (a test rail: tests and demos) for `account_id`."""
+        body, headers = rail.deposit_event(account_id, amount, self.currency, event_id)
+        response = self._http.post(f"/v1/rails/{rail.name}/events", content=body, headers=headers)
+        if response.status_code >= 400:
+            data = response.json()
+            raise MarketClientError(response.status_code, data.get("error", "error"), data.get("message", ""))
+        return response.json()
 
-    def audit(self) -> dict:
-        return self.request("GET", "/v1/admin/audit")
+
+def _generated(op: Operation) -> Any:
+    """A client method for `op`: path parameters first, then the body's fields and the query
+    parameters (by name or position), then `idempotency_key` when the operation takes one."""
+    body_fields = dict(op.body.model_fields) if op.body is not None else {}
+    kw = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    params = [inspect.Parameter("self", kw)]
+    params += [
+        inspect.Parameter(name, kw, annotation=int if name.endswith("_id") else str)
+        for name in op.path_params
+    ]
+    required, optional = [], []
+    for name, info in body_fields.items():
+        default = op.client_defaults.get(
+            name, inspect.Parameter.empty if info.is_required() else info.default
+        )
+        target = required if default is inspect.Parameter.empty else optional
+        target.append(inspect.Parameter(name, kw, annotation=info.annotation, default=default))
+    for name, q in op.query.items():
+        optional.append(inspect.Parameter(name, kw, annotation=q.annotation, default=q.default))
+    params += required + optional
+    if op.key is not None:
+        params.append(inspect.Parameter("idempotency_key", kw, annotation=str | None, default=None))
+    signature = inspect.Signature(params)
+
+    def method(self: MarketClient, *args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.apply_defaults()
+        values = dict(bound.arguments)
+        values.pop("self")
+        path_args = [values.pop(name) for name in op.path_params]
+        key = values.pop("idempotency_key", None)
+        query = {name: _query_value(values.pop(name)) for name in op.query}
+        body = {name: values[name] for name in body_fields} if op.body is not None else None
+        return self.call(op.name, *path_args, body=body, idempotency_key=key, **query)
+
+    method.__signature__ = signature  # type: ignore[attr-defined]
+    method.__name__ = method.__qualname__ = op.name
+    method.__doc__ = f"{op.summary} ({op.method} {op.path})."
+    return method
+
+
+def _query_value(value: Any) -> Any:
+    return str(value).lower() if isinstance(value, bool) else value
+
+
+for _op in OPERATIONS:
+    if not hasattr(MarketClient, _op.name):
+        setattr(MarketClient, _op.name, _generated(_op))

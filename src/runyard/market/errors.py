@@ -8,7 +8,7 @@ from runyard.errors import RunyardError
 
 
 class MarketError(RunyardError):
-    """Base: a request the market refuses. `status` is the HTTP status; `code` a stable name."""
+    """A request the market refuses (the base of every error below)."""
 
     status = 400
     code = "bad_request"
@@ -34,6 +34,8 @@ class BadRequest(MarketError):
 
 
 class Unauthenticated(MarketError):
+    """No valid credentials: a missing or unknown bearer token, or a rail event's bad signature."""
+
     status = 401
     code = "unauthenticated"
 
@@ -46,6 +48,8 @@ class Forbidden(MarketError):
 
 
 class NotVerified(Forbidden):
+    """The caller's account is not verified (or its verification was revoked)."""
+
     code = "not_verified"
 
 
@@ -57,6 +61,8 @@ class NotFound(MarketError):
 
 
 class Conflict(MarketError):
+    """The request conflicts with the current state: a name or key taken, a window closed, ..."""
+
     status = 409
     code = "conflict"
 
@@ -80,6 +86,8 @@ class InsufficientFunds(Conflict):
 
 
 class SignatureInvalid(MarketError):
+    """A signed payload's signature does not verify against the signer's registered key."""
+
     status = 422
     code = "signature_invalid"
 
@@ -91,6 +99,8 @@ class UsageRejected(Conflict):
 
 
 class PayloadTooLarge(MarketError):
+    """The request body is over the market's limit; it was not read."""
+
     status = 413
     code = "payload_too_large"
 
@@ -100,3 +110,16 @@ class StoreBusy(MarketError):
 
     status = 503
     code = "store_busy"
+
+
+class LimitExceeded(Conflict):
+    """A per-account limit (deposits or withdrawals per day, balance) would be exceeded."""
+
+    code = "limit_exceeded"
+
+
+class EscrowShort(Conflict):
+    """Settlement would pay out more than a lease's escrow holds (a bug or a bad record): the lease is
+    reported and skipped, never paid from someone else's money."""
+
+    code = "escrow_short"

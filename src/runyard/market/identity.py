@@ -1,9 +1,8 @@
 """Identities: registration, API tokens (stored only as SHA-256 hashes), and verification.
 
-Verification goes through a `Verifier`. The default, `OperatorVerifier`, decides nothing by itself:
-a request waits in `pending` until an operator approves or rejects it with a reason. A verifier
-that checks documents automatically returns its decision from `review` and the market applies it
-as the system actor.
+Verification goes through the market's `Verifier` (`runyard.market.verifiers`): with
+`OperatorVerifier` a request waits in `pending` until an operator approves or rejects it with a
+reason; a verifier that decides by itself has its decision applied as the system actor.
 """
 
 from __future__ import annotations
@@ -11,40 +10,23 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from typing import Protocol
 
 from sqlalchemy import Connection, select
 
 from runyard.market import ledger
-from runyard.market.errors import BadRequest, Conflict, NotFound, Unauthenticated
-from runyard.market.machines import SYSTEM, Actor, record_initial, transition
-from runyard.market.machines.identity import IDENTITY, PENDING, REJECTED, UNVERIFIED, VERIFIED
+from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
+from runyard.market.matcher import match_open_demands
 from runyard.market.schema import accounts
 from runyard.market.service import Market, Principal, audit
 from runyard.market.signing import check_public_key, generate_keypair
+from runyard.market.states import SYSTEM, Actor, record_initial, transition
+from runyard.market.states.identity import IDENTITY, PENDING, REJECTED, UNVERIFIED, VERIFIED
+from runyard.market.verifiers import AutoApproveVerifier, OperatorVerifier, Verifier
+
+__all__ = ["AutoApproveVerifier", "OperatorVerifier", "Verifier"]  # re-exported for older imports
 
 ROLES = ("tenant", "provider")
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,99}$")
-
-
-class Verifier(Protocol):
-    """Decides verification requests. Return (approved, reason), or None to leave it to an operator."""
-
-    def review(self, account: dict, evidence: str) -> tuple[bool, str] | None: ...
-
-
-class OperatorVerifier:
-    """The default: every request waits for an operator (`runyard market admin verify`)."""
-
-    def review(self, account: dict, evidence: str) -> tuple[bool, str] | None:
-        return None
-
-
-class AutoApproveVerifier:
-    """Approves every request at once: for demos and benchmarks, never for a real market."""
-
-    def review(self, account: dict, evidence: str) -> tuple[bool, str] | None:
-        return True, "auto-approved (demo verifier)"
 
 
 def hash_token(token: str) -> str:
@@ -68,6 +50,10 @@ def _create(
         )
     if conn.execute(select(accounts.c.id).where(accounts.c.name == name)).scalar() is not None:
         raise Conflict(f"the name {name!r} is taken")
+    if conn.execute(select(accounts.c.id).where(accounts.c.public_key == public_key)).scalar() is not None:
+        raise Conflict(
+            "this public key is already registered to another account; make a key pair of your own"
+        )
     token = new_token()
     account_id = conn.execute(
         accounts.insert().values(
@@ -83,8 +69,12 @@ def _create(
     record_initial(conn, IDENTITY, account_id, actor or Actor(role, account_id), "registered", now)
     if role == "tenant":
         ledger.open_account(conn, f"tenant:{account_id}:available", "tenant_available", account_id)
+        ledger.open_account(conn, ledger.external_code(account_id, "deposits"), "external_deposits", account_id)
     elif role == "provider":
         ledger.open_account(conn, f"provider:{account_id}:earnings", "provider_earnings", account_id)
+    if role in ROLES:
+        # Opened now, not on first use, so that two first deposits at once never race to make it.
+        ledger.open_account(conn, ledger.external_code(account_id, "withdrawals"), "external_withdrawals", account_id)
     audit(
         conn,
         actor or Actor(role, account_id),
@@ -183,8 +173,6 @@ def request_verification(market: Market, principal: Principal, evidence: str) ->
 
 
 def _decide(conn: Connection, account_id: int, approve: bool, reason: str, actor: Actor, now: int) -> None:
-    from runyard.market.orders import match_open_demands
-
     target = VERIFIED if approve else REJECTED
     transition(conn, IDENTITY, account_id, target, actor, reason, now)
     audit(conn, actor, "identity.decide", f"account:{account_id}", now, state=target, reason=reason)
@@ -201,9 +189,13 @@ def decide(market: Market, actor: Actor, account: str | int, approve: bool, reas
     def tx(conn: Connection, now: int) -> dict:
         column = accounts.c.id if isinstance(account, int) or str(account).isdigit() else accounts.c.name
         key = int(account) if column is accounts.c.id else account
+        if column is accounts.c.id and not 0 < int(key) < 2**63:
+            raise NotFound(f"no account {account!r}")
         account_id = conn.execute(select(accounts.c.id).where(column == key)).scalar()
         if account_id is None:
             raise NotFound(f"no account {account!r}")
+        if account_id == actor.account_id:
+            raise Forbidden("an operator cannot decide on its own account; another operator must")
         _decide(conn, account_id, approve, reason, actor, now)
         row = conn.execute(select(accounts).where(accounts.c.id == account_id)).one()
         return {"id": row.id, "name": row.name, "role": row.role, "state": row.state}

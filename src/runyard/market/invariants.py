@@ -13,7 +13,8 @@ by the tests after every random step.
  6. closed_returned     every closed lease (settled, rejected, expired, cancelled) and every demand
                         that ended without a lease has an empty escrow.
  7. demand_escrow       an open demand's hold is pending; a matched demand's hold was posted; a
-                        cancelled or expired demand's hold was voided.
+                        cancelled or expired demand's hold was voided, or posted to a lease that
+                        then closed (its escrow returned by that lease).
  8. capacity            a listing's reserved devices equal the devices of its active leases.
  9. transitions         every entity's state is the last state its transition log records.
 10. idempotency         every stored idempotency key has its response.
@@ -25,10 +26,6 @@ from collections import defaultdict
 
 from sqlalchemy import Connection, func, select
 
-from runyard.market.machines.demand import CANCELLED as D_CANCELLED
-from runyard.market.machines.demand import EXPIRED as D_EXPIRED
-from runyard.market.machines.demand import MATCHED, OPEN
-from runyard.market.machines.lease import ACTIVE, CLOSED, SETTLED
 from runyard.market.schema import (
     accounts,
     demands,
@@ -42,6 +39,11 @@ from runyard.market.schema import (
     usage_records,
 )
 from runyard.market.service import Market
+from runyard.market.settlement import position
+from runyard.market.states.demand import CANCELLED as D_CANCELLED
+from runyard.market.states.demand import EXPIRED as D_EXPIRED
+from runyard.market.states.demand import MATCHED, OPEN
+from runyard.market.states.lease import ACTIVE, CLOSED, SETTLED
 
 FAR_FUTURE = 2**62
 
@@ -103,8 +105,6 @@ def check(conn: Connection) -> list[str]:
             )
 
     # 5. settled_once and 6. closed_returned (leases)
-    from runyard.market.settlement import position
-
     paid: dict[tuple[int, str], int] = defaultdict(int)
     for t in xfers:
         if t["lease_id"] is not None and t["kind"] == "single":
@@ -142,6 +142,9 @@ def check(conn: Connection) -> list[str]:
                 )
 
     # 6 and 7. demands
+    closed_leases = dict(
+        conn.execute(select(leases.c.id, leases.c.state).where(leases.c.state.in_(CLOSED))).all()
+    )
     for demand in conn.execute(select(demands)).mappings():
         did, pid = demand["id"], demand["escrow_pending_id"]
         resolved = resolution.get(pid)
@@ -150,7 +153,11 @@ def check(conn: Connection) -> list[str]:
             problems.append(f"demand_escrow: open demand {did} has its hold {resolved['kind']}ed")
         if state == MATCHED and (resolved is None or resolved["kind"] != "post"):
             problems.append(f"demand_escrow: matched demand {did} hold was not posted")
-        if state in (D_CANCELLED, D_EXPIRED):
+        if state in (D_CANCELLED, D_EXPIRED) and resolved is not None and resolved["kind"] == "post":
+            lease_state = closed_leases.get(resolved["lease_id"])
+            if lease_state is None:
+                problems.append(f"demand_escrow: {state} demand {did} hold went to lease {resolved['lease_id']}, not closed")
+        elif state in (D_CANCELLED, D_EXPIRED):
             escrow = accts[demand["escrow_account_id"]]
             if resolved is None or resolved["kind"] != "void":
                 problems.append(f"demand_escrow: {state} demand {did} hold was not voided")

@@ -1,39 +1,40 @@
 """Lease operations: accept (with the provider's signature over the terms), reject, start, close the
-window, terminate, cancel, and the sweep that applies deadlines (expiry, window end, settlement).
+window, terminate, cancel, and reading leases. (`deadlines.sweep` applies the timeouts.)
 
-Every state change goes through the lease machine (`machines/lease.py`). Ends before any usage
-(rejected, expired, cancelled) return the whole escrow to the tenant and free the listing's devices.
+Every state change goes through the lease machine (`states/lease.py`). Ends before any usage
+(rejected, expired, cancelled) return the whole escrow to the tenant; every end that frees the
+listing's devices offers them to waiting demands (`matcher.release_capacity`).
 """
 
 from __future__ import annotations
 
 from sqlalchemy import Connection, or_, select, update
 
-from runyard.market import ledger
+from runyard.market import escrow
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
 from runyard.market.jobs import job_of, job_sha256
-from runyard.market.machines import SYSTEM, Actor, transition
-from runyard.market.machines.demand import DEMAND
-from runyard.market.machines.demand import EXPIRED as DEMAND_EXPIRED
-from runyard.market.machines.demand import OPEN as DEMAND_OPEN
-from runyard.market.machines.lease import (
+from runyard.market.matcher import release_capacity
+from runyard.market.models import AcceptIn, EndIn
+from runyard.market.payloads import lease_terms
+from runyard.market.rows import is_party, lock_demand, lock_lease, lock_lease_as
+from runyard.market.schema import demands, leases, listings
+from runyard.market.service import Market, Principal, audit
+from runyard.market.signing import verify
+from runyard.market.states import SYSTEM, Actor, transition
+from runyard.market.states.demand import CANCELLED as DEMAND_CANCELLED
+from runyard.market.states.demand import DEMAND, MATCHED
+from runyard.market.states.demand import OPEN as DEMAND_OPEN
+from runyard.market.states.lease import (
     ACCEPTED,
-    ACTIVE,
     CANCELLED,
     EXPIRED,
     LEASE,
     OFFERED,
     REJECTED,
     RUNNING,
-    SETTLEABLE,
     TERMINATED,
     WINDOW_CLOSED,
 )
-from runyard.market.models import AcceptIn, EndIn
-from runyard.market.payloads import lease_terms
-from runyard.market.schema import demands, leases, listings
-from runyard.market.service import Market, Principal, audit
-from runyard.market.signing import verify
 
 
 def lease_json(row) -> dict:  # type: ignore[no-untyped-def]
@@ -66,60 +67,13 @@ def _job_digest(conn: Connection, demand_id: int) -> str | None:
     return job_sha256(job_of(row))
 
 
-def lock_lease(conn: Connection, lease_id: int, principal: Principal | None) -> dict:
-    """Lock a lease row for this transaction; NotFound unless the caller is a party or an operator."""
-    row = (
-        conn.execute(select(leases).where(leases.c.id == lease_id).with_for_update()).mappings().one_or_none()
-    )
-    if row is None or (principal is not None and not _party(principal, row)):
-        raise NotFound(f"no lease {lease_id} of yours")
-    return dict(row)
-
-
-def _lock_as(conn: Connection, lease_id: int, principal: Principal, side: str) -> dict:
-    """Lock a lease the caller holds as `side` ("tenant" or "provider"); operators may act on any.
-    NotFound otherwise, as for a lease that does not exist."""
-    lease = lock_lease(conn, lease_id, principal)
-    if principal.role != "operator" and lease[f"{side}_id"] != principal.id:
-        raise NotFound(f"no lease {lease_id} of yours")
-    return lease
-
-
-def _party(principal: Principal, row) -> bool:  # type: ignore[no-untyped-def]
-    return principal.role == "operator" or principal.id in (row["tenant_id"], row["provider_id"])
-
-
-def release_capacity(conn: Connection, lease: dict) -> None:
-    conn.execute(
-        update(listings)
-        .where(listings.c.id == lease["listing_id"])
-        .values(reserved=listings.c.reserved - lease["devices"])
-    )
-
-
-def refund_remainder(conn: Connection, lease: dict, actor: Actor, now: int) -> int:
-    """Return whatever is left in the lease's escrow to the tenant. Returns the amount moved."""
-    remaining = ledger.balance(conn, lease["escrow_account_id"]).available
-    if remaining > 0:
-        tenant = ledger.account_id(conn, f"tenant:{lease['tenant_id']}:available")
-        ledger.transfer(
-            conn, lease["escrow_account_id"], tenant, remaining,
-            reason="escrow_refund", actor=str(actor), now=now, lease_id=lease["id"],
-        )  # fmt: skip
-        conn.execute(
-            update(leases).where(leases.c.id == lease["id"]).values(refunded=leases.c.refunded + remaining)
-        )
-    return remaining
-
-
-def _end_before_start(
+def end_before_start(
     conn: Connection, lease: dict, to: str, actor: Actor, reason: str, now: int, note: str = ""
 ) -> None:
     # end_reason keeps the code; the transition's reason also says why in the party's words.
     why = f"{reason}: {note}" if note else reason
     transition(conn, LEASE, lease["id"], to, actor, why, now, end_reason=reason)
-    release_capacity(conn, lease)
-    refund_remainder(conn, lease, actor, now)
+    escrow.refund(conn, lease, actor, now)
     if to == EXPIRED:
         conn.execute(
             update(listings)
@@ -127,10 +81,41 @@ def _end_before_start(
             .values(leases_expired=listings.c.leases_expired + 1)
         )
     audit(conn, actor, f"lease.{to}", f"lease:{lease['id']}", now, reason=reason)
-    # The devices are free again: someone waiting may fit.
-    from runyard.market.orders import match_open_demands
+    _after_lease_failed(conn, lease, to, actor, now)
+    release_capacity(conn, lease, now)
 
-    match_open_demands(conn, now, listing_id=lease["listing_id"])
+
+def _after_lease_failed(conn: Connection, lease: dict, to: str, actor: Actor, now: int) -> None:
+    """The lease's demand after the lease ended before it started: open again with a fresh hold
+    (so another listing may serve it), or cancelled when its tenant cancelled the lease or the hold
+    cannot be made again."""
+    demand = lock_demand(conn, lease["demand_id"])
+    if demand is None or demand["state"] != MATCHED or demand["lease_id"] != lease["id"]:
+        return
+    if to == CANCELLED and actor.side == "tenant":
+        transition(
+            conn,
+            DEMAND,
+            demand["id"],
+            DEMAND_CANCELLED,
+            actor,
+            f"lease {lease['id']} cancelled by its tenant",
+            now,
+        )
+        return
+    short = escrow.shortfall(conn, demand["tenant_id"], demand["escrow_amount"])
+    if short:
+        why = f"lease {lease['id']} {to}; {short} more is needed to hold the escrow again"
+        transition(conn, DEMAND, demand["id"], DEMAND_CANCELLED, SYSTEM, why, now)
+        return
+    escrow_id, pending_id = escrow.reserve(
+        conn, demand["id"], demand["tenant_id"], demand["escrow_amount"], SYSTEM, now
+    )
+    transition(
+        conn, DEMAND, demand["id"], DEMAND_OPEN, SYSTEM, f"lease {lease['id']} {to}; open again", now,
+        escrow_account_id=escrow_id, escrow_pending_id=pending_id, lease_id=None,
+    )  # fmt: skip
+    audit(conn, SYSTEM, "demand.reopen", f"demand:{demand['id']}", now, lease=lease["id"])
 
 
 def _reread(conn: Connection, lease_id: int) -> dict:
@@ -142,7 +127,7 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = _lock_as(conn, lease_id, principal, "provider")
+        lease = lock_lease_as(conn, lease_id, principal, "provider")
         if lease["state"] != OFFERED:
             raise InvalidTransition(
                 f"lease {lease_id} is {lease['state']}; only an offered lease can be accepted"
@@ -171,8 +156,8 @@ def reject(market: Market, principal: Principal, lease_id: int, body: EndIn, key
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = _lock_as(conn, lease_id, principal, "provider")
-        _end_before_start(conn, lease, REJECTED, principal.actor, body.reason_code, now, body.note)
+        lease = lock_lease_as(conn, lease_id, principal, "provider")
+        end_before_start(conn, lease, REJECTED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
     return market.idempotent(principal, key, "lease.reject", {"lease_id": lease_id, **body.model_dump()}, tx)
@@ -183,8 +168,8 @@ def cancel(market: Market, principal: Principal, lease_id: int, body: EndIn, key
     principal.require_role("tenant", "operator")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = _lock_as(conn, lease_id, principal, "tenant")
-        _end_before_start(conn, lease, CANCELLED, principal.actor, body.reason_code, now, body.note)
+        lease = lock_lease_as(conn, lease_id, principal, "tenant")
+        end_before_start(conn, lease, CANCELLED, principal.actor, body.reason_code, now, body.note)
         return _reread(conn, lease_id)
 
     return market.idempotent(principal, key, "lease.cancel", {"lease_id": lease_id, **body.model_dump()}, tx)
@@ -195,7 +180,7 @@ def start(market: Market, principal: Principal, lease_id: int, key: str | None) 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = _lock_as(conn, lease_id, principal, "provider")
+        lease = lock_lease_as(conn, lease_id, principal, "provider")
         if lease["state"] != ACCEPTED:
             raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an accepted lease can start")
         if now > lease["start_by"]:
@@ -215,13 +200,13 @@ def close_window(market: Market, principal: Principal, lease_id: int, key: str |
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
-        lease = _lock_as(conn, lease_id, principal, "provider")
+        lease = lock_lease_as(conn, lease_id, principal, "provider")
         if lease["state"] == RUNNING and now < lease["window_end"]:
             raise Conflict(
                 f"lease {lease_id}'s window ends at {lease['window_end']}; to stop early, terminate it"
             )
         transition(conn, LEASE, lease_id, WINDOW_CLOSED, principal.actor, "window ended", now, expect=RUNNING)
-        release_capacity(conn, lease)
+        release_capacity(conn, lease, now)
         audit(conn, principal.actor, "lease.window_closed", f"lease:{lease_id}", now)
         return _reread(conn, lease_id)
 
@@ -237,7 +222,7 @@ def terminate(market: Market, principal: Principal, lease_id: int, body: EndIn, 
             conn, LEASE, lease_id, TERMINATED, principal.actor, f"{body.reason_code}: {body.note}".rstrip(": "), now,
             expect=RUNNING, end_reason=body.reason_code, window_end=min(now, lease["window_end"] or now),
         )  # fmt: skip
-        release_capacity(conn, lease)
+        release_capacity(conn, lease, now)
         audit(conn, principal.actor, "lease.terminate", f"lease:{lease_id}", now, reason=body.reason_code)
         return _reread(conn, lease_id)
 
@@ -265,85 +250,10 @@ def list_leases(market: Market, principal: Principal, state: str | None = None) 
 def get_lease(market: Market, principal: Principal, lease_id: int) -> dict:
     def tx(conn: Connection, now: int) -> dict:
         row = conn.execute(_job_query().where(leases.c.id == lease_id)).mappings().one_or_none()
-        if row is None or not _party(principal, row):
+        if row is None or not is_party(principal, row):
             raise NotFound(f"no lease {lease_id} of yours")
         out = _with_job(row, principal)
         out["terms"] = lease_terms(out, Market.config(conn)["currency"])
         return out
 
     return market.read(tx)
-
-
-# -- deadlines -------------------------------------------------------------------------------------
-
-
-def sweep(market: Market) -> dict:
-    """Apply every deadline that has passed, each in its own transaction (system actor):
-    expire leases not accepted or started in time and demands past their latest start, close
-    windows that have ended, and settle what can be settled."""
-    from runyard.market.settlement import settle_in_tx
-
-    now = market.now()
-
-    def due(conn: Connection, _now: int) -> dict[str, list[int]]:
-        ids = lambda q: conn.execute(q).scalars().all()  # noqa: E731
-        return {
-            "expire": ids(
-                select(leases.c.id).where(
-                    or_(
-                        (leases.c.state == OFFERED) & (leases.c.accept_by < now),
-                        (leases.c.state.in_(ACTIVE[:2])) & (leases.c.start_by < now),
-                    )
-                )
-            ),
-            "close": ids(select(leases.c.id).where(leases.c.state == RUNNING, leases.c.window_end <= now)),
-            "settle": ids(select(leases.c.id).where(leases.c.state.in_(SETTLEABLE))),
-            "demands": ids(
-                select(demands.c.id).where(demands.c.state == DEMAND_OPEN, demands.c.latest_start < now)
-            ),
-        }
-
-    todo = market.read(due)
-
-    # Each step re-checks its condition under the row lock, so a sweep racing a party is harmless.
-    def expire(conn: Connection, lease_id: int) -> int:
-        lease = lock_lease(conn, lease_id, None)
-        if lease["state"] == OFFERED and lease["accept_by"] < now:
-            reason = "accept_timeout"
-        elif lease["state"] in (OFFERED, ACCEPTED) and lease["start_by"] < now:
-            reason = "start_timeout"
-        else:
-            return 0
-        _end_before_start(conn, lease, EXPIRED, SYSTEM, reason, now)
-        return 1
-
-    def close(conn: Connection, lease_id: int) -> int:
-        lease = lock_lease(conn, lease_id, None)
-        if lease["state"] != RUNNING or lease["window_end"] > now:
-            return 0
-        transition(conn, LEASE, lease_id, WINDOW_CLOSED, SYSTEM, "window ended", now)
-        release_capacity(conn, lease)
-        return 1
-
-    def expire_demand(conn: Connection, demand_id: int) -> int:
-        row = (
-            conn.execute(select(demands).where(demands.c.id == demand_id).with_for_update()).mappings().one()
-        )
-        if row["state"] != DEMAND_OPEN or row["latest_start"] is None or row["latest_start"] >= now:
-            return 0
-        transition(conn, DEMAND, demand_id, DEMAND_EXPIRED, SYSTEM, "no match before latest_start", now)
-        ledger.void_pending(conn, row["escrow_pending_id"], reason="escrow_release", actor="system", now=now)
-        return 1
-
-    write = market.store.write
-    done = {
-        "expired": sum(write(lambda c, i=i: expire(c, i)) for i in todo["expire"]),
-        "closed": sum(write(lambda c, i=i: close(c, i)) for i in todo["close"]),
-        "demands_expired": sum(write(lambda c, i=i: expire_demand(c, i)) for i in todo["demands"]),
-    }
-    settled = [
-        write(lambda c, i=i: settle_in_tx(c, i, SYSTEM, now))
-        for i in sorted(set(todo["settle"]) | set(todo["close"]))
-    ]
-    done["settled"] = sum(1 for s in settled if s["state"] == "settled")
-    return done

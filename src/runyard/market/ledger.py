@@ -18,11 +18,10 @@ from dataclasses import dataclass
 from sqlalchemy import Connection, select, update
 
 from runyard.market.errors import BadRequest, InsufficientFunds, InvalidTransition
+from runyard.market.models import MAX_AMOUNT
 from runyard.market.schema import ledger_accounts, transfers
 
-# Largest amount one transfer may move, and the ceiling on any counter: far inside a signed 64-bit
-# integer, so sums of many accounts in the audit cannot overflow either.
-MAX_AMOUNT = 10**15
+# The ceiling on any counter: far inside a signed 64-bit integer.
 MAX_BALANCE = 2**62
 
 # Ledger account kinds and whether each must stay non-negative.
@@ -35,8 +34,12 @@ KINDS = {
     "external_withdrawals": True,
 }
 MARKET_FEES = "market:fees"
-EXTERNAL_DEPOSITS = "external:deposits"
-EXTERNAL_WITHDRAWALS = "external:withdrawals"
+
+
+def external_code(account_id: int, direction: str) -> str:
+    """The outside world's side of one account's money in ("deposits") or out ("withdrawals"). One
+    per account, so no party can fill a counter that others need."""
+    return f"external:{account_id}:{direction}"
 
 
 @dataclass(frozen=True)

@@ -66,6 +66,21 @@ class DemandView:
         )
 
 
+MAX_LISTING_GBPS = 100_000  # the largest interconnect bandwidth a listing may state
+MAX_REGION = 64  # the longest region or jurisdiction a listing may state
+
+
+def never_matches(requirement: Requirement) -> str | None:
+    """Why no listing could ever satisfy `requirement`, or None when one could."""
+    if requirement.allowed_regions is not None:
+        usable = [r for r in requirement.allowed_regions if 0 < len(r) <= MAX_REGION]
+        if not usable:
+            return "allowed_regions names no region a listing could have (an empty list allows none)"
+    if requirement.min_interconnect_gbps > MAX_LISTING_GBPS:
+        return f"min_interconnect_gbps {requirement.min_interconnect_gbps} exceeds what any listing may offer ({MAX_LISTING_GBPS})"
+    return None
+
+
 def expected_start(listing: ListingView, now: int) -> int:
     """When a lease on this listing would start at the latest: queued capacity may wait its queue time."""
     begin = max(now, listing.available_from)

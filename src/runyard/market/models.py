@@ -3,16 +3,41 @@ forbids unknown fields, so a typo is an error rather than a silently ignored set
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runyard.market.jobs import MAX_RESULTS_TO, MAX_SPEC_BYTES, check_results_to, check_spec_text
-from runyard.market.ledger import MAX_AMOUNT
-from runyard.market.machines.lease import END_REASONS
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
 
+# Largest amount one transfer may move: far inside a signed 64-bit integer, so that sums of many
+# accounts cannot overflow either.
+MAX_AMOUNT = 10**15
 MAX_PRICE = 10**9  # minor units per device-hour
 MAX_TIME = 2**40  # Unix seconds; far beyond any real date, far inside 64 bits
+MAX_ID = 2**63 - 1  # ids in paths: anything above is not an id (and would overflow a BIGINT)
 SCHEDULER_KINDS = ("local", "slurm", "kubernetes", "torchrun", "other")
+
+# Closed sets, typed as such so that the OpenAPI document lists them as enums.
+Role = Literal["tenant", "provider"]
+# Reason codes for early ends of a lease (terminated, cancelled, rejected, expired).
+EndReason = Literal[
+    "tenant_request",
+    "provider_request",
+    "hardware_failure",
+    "job_failed",
+    "policy_violation",
+    "nonpayment",
+    "operator_action",
+    "accept_timeout",
+    "start_timeout",
+    "capacity_unavailable",
+    "other",
+]
+END_REASONS: tuple[str, ...] = EndReason.__args__  # type: ignore[attr-defined]
+Outcome = Literal["upheld", "partial", "rejected"]
+AcceleratorKind = Literal[ACCELERATOR_KINDS]  # type: ignore[valid-type]
+SchedulerKind = Literal[SCHEDULER_KINDS]  # type: ignore[valid-type]
 
 
 class Strict(BaseModel):
@@ -20,13 +45,15 @@ class Strict(BaseModel):
 
 
 class RegisterIn(Strict):
-    name: str = Field(min_length=1, max_length=100)
-    role: str = Field(pattern="^(tenant|provider)$")
+    name: str = Field(
+        min_length=1, max_length=100, description="account name: letters, digits, '.', '_', '-'"
+    )
+    role: Role = Field(description="tenant (buys capacity) or provider (sells it)")
     public_key: str = Field(min_length=40, max_length=64, description="base64url raw Ed25519 public key")
 
 
 class VerifyRequestIn(Strict):
-    evidence: str = Field(default="", max_length=10_000)
+    evidence: str = Field(default="", max_length=10_000, description="what the verifier should check")
 
 
 class AmountIn(Strict):
@@ -35,36 +62,34 @@ class AmountIn(Strict):
 
 
 class ListingIn(Strict):
-    accelerator_kind: str
-    devices_per_node: int = Field(ge=1, le=1024)
-    node_count: int = Field(ge=1, le=100_000)
-    interconnect: Interconnect = Interconnect.ETHERNET
-    interconnect_gbps: int = Field(default=0, ge=0, le=100_000)
-    region: str = Field(min_length=1, max_length=64)
-    jurisdiction: str = Field(min_length=1, max_length=64)
-    price_per_device_hour: int = Field(gt=0, le=MAX_PRICE, strict=True)
+    accelerator_kind: AcceleratorKind = Field(description="the devices offered")
+    devices_per_node: int = Field(ge=1, le=1024, description="devices on each node")
+    node_count: int = Field(ge=1, le=100_000, description="number of nodes")
+    interconnect: Interconnect = Field(default=Interconnect.ETHERNET, description="how the nodes are linked")
+    interconnect_gbps: int = Field(default=0, ge=0, le=100_000, description="interconnect bandwidth, Gbit/s")
+    region: str = Field(min_length=1, max_length=64, description="where the devices are, e.g. eu-west")
+    jurisdiction: str = Field(min_length=1, max_length=64, description="legal jurisdiction, e.g. eu")
+    price_per_device_hour: int = Field(
+        gt=0, le=MAX_PRICE, strict=True, description="minor units per device-hour"
+    )
     available_from: int | None = Field(
         default=None, ge=0, le=MAX_TIME, description="Unix seconds; default now"
     )
     available_until: int = Field(gt=0, le=MAX_TIME, description="Unix seconds")
-    start_class: StartClass = StartClass.IMMEDIATE
-    max_queue_s: int = Field(default=0, ge=0, le=30 * 86400)
-    scheduler_kind: str = "local"
+    start_class: StartClass = Field(
+        default=StartClass.IMMEDIATE, description="immediate, or queued (may wait up to max_queue_s)"
+    )
+    max_queue_s: int = Field(default=0, ge=0, le=30 * 86400, description="longest wait before start (queued)")
+    scheduler_kind: SchedulerKind = Field(default="local", description="the provider's scheduler")
 
     @model_validator(mode="after")
     def _coherent(self) -> ListingIn:
-        if self.accelerator_kind not in ACCELERATOR_KINDS:
-            raise ValueError(
-                f"unknown accelerator_kind {self.accelerator_kind!r}; expected one of {list(ACCELERATOR_KINDS)}"
-            )
         if self.available_from is not None and self.available_until <= self.available_from:
             raise ValueError("available_until must be after available_from")
         if self.start_class == StartClass.IMMEDIATE and self.max_queue_s:
             raise ValueError("max_queue_s applies only to start_class 'queued'")
         if self.start_class == StartClass.QUEUED and not self.max_queue_s:
             raise ValueError("a queued listing states its max_queue_s (> 0)")
-        if self.scheduler_kind not in SCHEDULER_KINDS:
-            raise ValueError(f"scheduler_kind must be one of {list(SCHEDULER_KINDS)}")
         if self.devices_per_node * self.node_count > 1_000_000:
             raise ValueError("a listing offers at most 1,000,000 devices")
         return self
@@ -102,23 +127,20 @@ class AcceptIn(Strict):
 
 
 class EndIn(Strict):
-    reason_code: str = Field(description=f"one of {list(END_REASONS)}")
-    note: str = Field(default="", max_length=2000)
-
-    @model_validator(mode="after")
-    def _known(self) -> EndIn:
-        if self.reason_code not in END_REASONS:
-            raise ValueError(f"unknown reason_code {self.reason_code!r}; expected one of {list(END_REASONS)}")
-        return self
+    reason_code: EndReason = Field(description="why the lease ends early")
+    note: str = Field(default="", max_length=2000, description="free text for the record")
 
 
 class UsageIn(Strict):
-    seq: int = Field(ge=1, le=2**62)
-    interval_start: int = Field(ge=0, le=MAX_TIME)
-    interval_end: int = Field(ge=0, le=MAX_TIME)
-    device_seconds: int = Field(ge=0, le=2**50)
-    evidence: str | None = Field(default=None, max_length=2000)
-    signature: str = Field(min_length=80, max_length=100)
+    """A usage record: the fields of the signed payload `runyard.market.usage_record.v1` less `type`
+    and `lease_id`, and the provider's signature of it (docs/market-protocol.md)."""
+
+    seq: int = Field(ge=1, le=2**62, description="1, 2, ... strictly increasing per lease")
+    interval_start: int = Field(ge=0, le=MAX_TIME, description="start of the interval, Unix seconds")
+    interval_end: int = Field(ge=0, le=MAX_TIME, description="end of the interval, Unix seconds")
+    device_seconds: int = Field(ge=0, le=2**50, description="devices used x seconds, in the interval")
+    evidence: str | None = Field(default=None, max_length=2000, description="e.g. the run's metrics digest")
+    signature: str = Field(min_length=80, max_length=100, description="base64url Ed25519 signature")
 
     @model_validator(mode="after")
     def _window(self) -> UsageIn:
@@ -128,10 +150,12 @@ class UsageIn(Strict):
 
 
 class MeasurementIn(Strict):
-    interval_start: int = Field(ge=0, le=MAX_TIME)
-    interval_end: int = Field(ge=0, le=MAX_TIME)
-    device_seconds: int = Field(ge=0, le=2**50)
-    signature: str = Field(min_length=80, max_length=100)
+    """A tenant measurement: `runyard.market.tenant_measurement.v1` less `type` and `lease_id`, signed."""
+
+    interval_start: int = Field(ge=0, le=MAX_TIME, description="start of the interval, Unix seconds")
+    interval_end: int = Field(ge=0, le=MAX_TIME, description="end of the interval, Unix seconds")
+    device_seconds: int = Field(ge=0, le=2**50, description="what the tenant's job saw, device-seconds")
+    signature: str = Field(min_length=80, max_length=100, description="base64url Ed25519 signature")
 
     @model_validator(mode="after")
     def _window(self) -> MeasurementIn:
@@ -147,30 +171,72 @@ class AckIn(Strict):
 
 
 class DisputeIn(Strict):
-    reason: str = Field(min_length=1, max_length=2000)
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
     claimed_device_seconds: int = Field(
         default=0, ge=0, le=2**50, description="what the tenant says was used"
     )
 
 
 class ContestIn(Strict):
-    reason: str = Field(min_length=1, max_length=2000)
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
 
 
 class ResolveIn(Strict):
-    outcome: str = Field(pattern="^(upheld|partial|rejected)$")
+    outcome: Outcome = Field(
+        description="upheld: the opener's claim; rejected: the other side's; partial: a value between"
+    )
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded)")
     device_seconds: int | None = Field(default=None, ge=0, le=2**50, description="required for 'partial'")
-    reason: str = Field(min_length=1, max_length=2000)
 
 
 class DecisionIn(Strict):
-    approve: bool
-    reason: str = Field(min_length=1, max_length=2000)
+    approve: bool = Field(description="verify the account (or refuse / revoke its verification)")
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded with the decision)")
 
 
 class FeeIn(Strict):
-    fee_bps: int = Field(ge=0, le=5000)
+    fee_bps: int = Field(ge=0, le=5000, description="market fee for new leases, basis points (100 = 1%)")
 
 
 class ClockIn(Strict):
-    seconds: int = Field(ge=0, le=10 * 366 * 86400)
+    seconds: int = Field(ge=0, le=10 * 366 * 86400, description="how far to move a test market's clock")
+
+
+LeaseStateName = Literal[
+    "offered", "accepted", "running", "window_closed", "settled", "rejected", "expired", "cancelled", "terminated"
+]  # fmt: skip
+
+
+class WithdrawIn(Strict):
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True, description="minor units of the market's currency")
+    payout_method_id: int = Field(
+        ge=1, le=MAX_ID, strict=True, description="one of the caller's payout methods"
+    )
+
+
+class PayoutMethodIn(Strict):
+    rail: str = Field(
+        min_length=1, max_length=32, pattern=r"^[a-z0-9_-]+$", description="a configured payment rail"
+    )
+    destination: str = Field(
+        min_length=1,
+        max_length=200,
+        description="where the rail pays out (an account reference it understands)",
+    )
+
+
+class CreditIn(Strict):
+    account: str = Field(min_length=1, max_length=100, description="account name or id")
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True, description="minor units of the market's currency")
+    reason: str = Field(min_length=1, max_length=2000)
+
+
+class RailEventIn(BaseModel):
+    """A payment rail's event. Unknown fields are ignored (rails add fields over time); the signature
+    over the raw body is checked before this is read."""
+
+    id: str = Field(min_length=1, max_length=200, description="the rail's event id (idempotency)")
+    type: Literal["deposit.succeeded"]
+    account_id: int = Field(ge=1, le=MAX_ID, strict=True, description="the market account credited")
+    amount: int = Field(gt=0, le=MAX_AMOUNT, strict=True)
+    currency: str = Field(min_length=1, max_length=8)

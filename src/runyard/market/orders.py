@@ -1,37 +1,28 @@
-"""Listings (providers) and demands (tenants), and matching them in the store.
+"""Listings (providers) and demands (tenants).
 
 A demand is placed with its escrow: max price x devices x duration is reserved from the tenant's
 available balance as a pending transfer before anything else happens, so a provider only ever sees
-demands backed by real money. Matching runs when a demand is placed, a listing is created, an
-account is verified or capacity is released; it posts the escrow at the listing's price (the rest of
-the hold goes back to the tenant in the same step) and creates the lease.
+demands backed by real money. Placing either one runs matching (`matcher`) at once.
 """
 
 from __future__ import annotations
 
 import json
-from datetime import UTC
 
-from sqlalchemy import Connection, and_, select, update
+from sqlalchemy import Connection, select, update
 
-from runyard.market import ledger
+from runyard.market import escrow, ledger
 from runyard.market.errors import BadRequest, NotFound
 from runyard.market.jobs import job_of
-from runyard.market.machines import SYSTEM, record_initial, transition
-from runyard.market.machines.demand import CANCELLED, DEMAND, MATCHED, OPEN
-from runyard.market.machines.identity import VERIFIED
-from runyard.market.machines.lease import LEASE
-from runyard.market.machines.listing import LISTING, WITHDRAWN
-from runyard.market.matching import DemandView, ListingView, best_listing
+from runyard.market.matcher import cost, match_demand, match_open_demands, timestamp
+from runyard.market.matching import never_matches
 from runyard.market.models import DemandIn, ListingIn
-from runyard.market.requirement import Interconnect, Requirement
-from runyard.market.schema import accounts, demands, leases, listings
+from runyard.market.rows import lock_demand
+from runyard.market.schema import demands, listings
 from runyard.market.service import Market, Principal, audit
-
-
-def cost(price_per_device_hour: int, devices: int, seconds: int) -> int:
-    """Price of `devices` for `seconds`, rounded up to a whole minor unit."""
-    return -(-price_per_device_hour * devices * seconds // 3600)
+from runyard.market.states import record_initial, transition
+from runyard.market.states.demand import CANCELLED, DEMAND, OPEN
+from runyard.market.states.listing import LISTING, WITHDRAWN
 
 
 def listing_json(row) -> dict:  # type: ignore[no-untyped-def]
@@ -136,11 +127,14 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
     principal.require_role("tenant")
     principal.require_verified("place demands")
     req = body.requirement
-    escrow = cost(body.max_price_per_device_hour, req.device_count, req.duration_s)
-    ledger.check_amount(escrow, "escrow (max price x devices x duration)")
+    impossible = never_matches(req)
+    if impossible:
+        raise BadRequest(f"this demand could never match: {impossible}")
+    amount = cost(body.max_price_per_device_hour, req.device_count, req.duration_s)
+    ledger.check_amount(amount, "escrow (max price x devices x duration)")
 
     def tx(conn: Connection, now: int) -> dict:
-        if req.latest_start is not None and _ts(req) < now:
+        if req.latest_start is not None and timestamp(req) < now:
             raise BadRequest("requirement.latest_start is in the past")
         demand_id = conn.execute(
             demands.insert().values(
@@ -150,27 +144,22 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
                 device_count=req.device_count,
                 duration_s=req.duration_s,
                 max_price_per_device_hour=body.max_price_per_device_hour,
-                latest_start=None if req.latest_start is None else _ts(req),
-                escrow_amount=escrow,
+                latest_start=None if req.latest_start is None else timestamp(req),
+                escrow_amount=amount,
                 state=OPEN,
                 created_at=now,
                 job_spec=body.job.spec if body.job else None,
                 job_results_to=body.job.results_to if body.job else None,
             )
         ).inserted_primary_key[0]
-        escrow_id = ledger.open_account(conn, f"escrow:demand:{demand_id}", "escrow", principal.id)
-        available = ledger.account_id(conn, f"tenant:{principal.id}:available")
-        pending_id = ledger.transfer(
-            conn, available, escrow_id, escrow, reason="escrow_reserve", actor=str(principal.actor), now=now,
-            pending=True, demand_id=demand_id,
-        )  # fmt: skip
+        escrow_id, pending_id = escrow.reserve(conn, demand_id, principal.id, amount, principal.actor, now)
         conn.execute(
             update(demands)
             .where(demands.c.id == demand_id)
             .values(escrow_account_id=escrow_id, escrow_pending_id=pending_id)
         )
         record_initial(conn, DEMAND, demand_id, principal.actor, "placed with escrow", now)
-        audit(conn, principal.actor, "demand.place", f"demand:{demand_id}", now, escrow=escrow)
+        audit(conn, principal.actor, "demand.place", f"demand:{demand_id}", now, escrow=amount)
         match_demand(conn, demand_id, now)
         return demand_json(conn.execute(select(demands).where(demands.c.id == demand_id)).mappings().one())
 
@@ -182,15 +171,13 @@ def cancel_demand(market: Market, principal: Principal, demand_id: int, key: str
     principal.require_role("tenant")
 
     def tx(conn: Connection, now: int) -> dict:
-        row = _lock_demand(conn, demand_id)
+        row = lock_demand(conn, demand_id)
         if row is None or row["tenant_id"] != principal.id:
             raise NotFound(f"no demand {demand_id} of yours")
         transition(
             conn, DEMAND, demand_id, CANCELLED, principal.actor, "cancelled by tenant", now, expect=OPEN
         )
-        ledger.void_pending(
-            conn, row["escrow_pending_id"], reason="escrow_release", actor=str(principal.actor), now=now
-        )
+        escrow.release(conn, row["escrow_pending_id"], principal.actor, now)
         audit(conn, principal.actor, "demand.cancel", f"demand:{demand_id}", now)
         return demand_json(conn.execute(select(demands).where(demands.c.id == demand_id)).mappings().one())
 
@@ -217,168 +204,3 @@ def get_demand(market: Market, principal: Principal, demand_id: int) -> dict:
         return demand_json(row, principal.role == "tenant")
 
     return market.read(tx)
-
-
-# -- matching in the store -------------------------------------------------------------------------
-
-
-def _ts(req: Requirement) -> int:
-    latest = req.latest_start
-    assert latest is not None
-    return int((latest if latest.tzinfo else latest.replace(tzinfo=UTC)).timestamp())
-
-
-def _lock_demand(conn: Connection, demand_id: int):  # type: ignore[no-untyped-def]
-    return (
-        conn.execute(select(demands).where(demands.c.id == demand_id).with_for_update())
-        .mappings()
-        .one_or_none()
-    )
-
-
-def _view(row) -> ListingView:  # type: ignore[no-untyped-def]
-    return ListingView(
-        id=row["id"],
-        kind=row["accelerator_kind"],
-        price=row["price_per_device_hour"],
-        interconnect_rank=Interconnect(row["interconnect"]).rank,
-        interconnect_gbps=row["interconnect_gbps"],
-        region=row["region"],
-        jurisdiction=row["jurisdiction"],
-        start_class=row["start_class"],
-        max_queue_s=row["max_queue_s"],
-        available_from=row["available_from"],
-        available_until=row["available_until"],
-    )
-
-
-def match_demand(conn: Connection, demand_id: int, now: int) -> int | None:
-    """Match one open demand to the best listing, if any; returns the new lease id."""
-    row = _lock_demand(conn, demand_id)
-    if row is None or row["state"] != OPEN:
-        return None
-    tenant_state = conn.execute(
-        select(accounts.c.state).where(accounts.c.id == row["tenant_id"])
-    ).scalar_one()
-    if tenant_state != VERIFIED:
-        return None
-    req = Requirement.model_validate_json(row["requirement"])
-    demand = DemandView.of(demand_id, req, row["max_price_per_device_hour"])
-    candidates = (
-        conn.execute(
-            select(listings)
-            .join(accounts, and_(accounts.c.id == listings.c.provider_id, accounts.c.state == VERIFIED))
-            .where(
-                listings.c.state == "open",
-                listings.c.accelerator_kind.in_(sorted(demand.kinds)),
-                listings.c.price_per_device_hour <= demand.max_price,
-                listings.c.capacity - listings.c.reserved >= demand.device_count,
-                listings.c.start_class.in_(sorted(demand.start_classes)),
-                listings.c.available_until >= now + demand.duration_s,
-            )
-        )
-        .mappings()
-        .all()
-    )
-    views = [_view(c) for c in candidates]
-    free = {c["id"]: c["capacity"] - c["reserved"] for c in candidates}
-    by_id = {c["id"]: c for c in candidates}
-    while views:
-        found = best_listing(demand, views, free, now)
-        if found is None:
-            return None
-        listing, start = found
-        # Reserve only if the devices are still free (a concurrent match may have taken them).
-        taken = conn.execute(
-            update(listings)
-            .where(
-                listings.c.id == listing.id,
-                listings.c.state == "open",
-                listings.c.capacity - listings.c.reserved >= demand.device_count,
-            )
-            .values(reserved=listings.c.reserved + demand.device_count)
-        ).rowcount
-        if taken == 1:
-            return _create_lease(conn, row, by_id[listing.id], start, now)
-        views = [v for v in views if v.id != listing.id]
-    return None
-
-
-def _create_lease(conn: Connection, demand: dict, listing: dict, start: int, now: int) -> int:
-    config = Market.config(conn)
-    price = listing["price_per_device_hour"]
-    escrow = cost(price, demand["device_count"], demand["duration_s"])
-    lease_id = conn.execute(
-        leases.insert().values(
-            demand_id=demand["id"],
-            listing_id=listing["id"],
-            tenant_id=demand["tenant_id"],
-            provider_id=listing["provider_id"],
-            devices=demand["device_count"],
-            price_per_device_hour=price,
-            duration_s=demand["duration_s"],
-            fee_bps=config["fee_bps"],
-            escrow_account_id=demand["escrow_account_id"],
-            escrow_amount=escrow,
-            state=LEASE.initial,
-            created_at=now,
-            accept_by=now + config["accept_timeout_s"],
-            start_by=start + config["start_timeout_s"],
-            last_seq=0,
-            paid_provider=0,
-            paid_fee=0,
-            refunded=0,
-        )
-    ).inserted_primary_key[0]
-    # Post the hold at the listing's price; what the demand reserved beyond it is released now.
-    ledger.post_pending(
-        conn,
-        demand["escrow_pending_id"],
-        escrow,
-        reason="escrow_fund",
-        actor="system",
-        now=now,
-        lease_id=lease_id,
-    )
-    transition(
-        conn,
-        DEMAND,
-        demand["id"],
-        MATCHED,
-        SYSTEM,
-        f"matched to listing {listing['id']}",
-        now,
-        lease_id=lease_id,
-    )
-    record_initial(
-        conn, LEASE, lease_id, SYSTEM, f"demand {demand['id']} matched listing {listing['id']}", now
-    )
-    audit(
-        conn,
-        SYSTEM,
-        "lease.offer",
-        f"lease:{lease_id}",
-        now,
-        demand=demand["id"],
-        listing=listing["id"],
-        escrow=escrow,
-    )
-    return lease_id
-
-
-def match_open_demands(conn: Connection, now: int, listing_id: int | None = None) -> list[int]:
-    """Try every open demand, oldest first (time priority); returns the leases made."""
-    query = select(demands.c.id).where(demands.c.state == OPEN).order_by(demands.c.created_at, demands.c.id)
-    if listing_id is not None:
-        listing = conn.execute(select(listings).where(listings.c.id == listing_id)).mappings().one()
-        query = query.where(
-            demands.c.kinds.contains(f",{listing['accelerator_kind']},"),
-            demands.c.max_price_per_device_hour >= listing["price_per_device_hour"],
-            demands.c.device_count <= listing["capacity"] - listing["reserved"],
-        )
-    made = []
-    for demand_id in conn.execute(query).scalars().all():
-        lease_id = match_demand(conn, demand_id, now)
-        if lease_id is not None:
-            made.append(lease_id)
-    return made

@@ -3,7 +3,7 @@ schema; a test compares the two.
 
 Conventions: times are integer Unix seconds (UTC), money is integer minor units of the market's one
 currency, and every row that has a state names it in a `state` column changed only by
-`runyard.market.machines.transition`.
+`runyard.market.states.transition`.
 """
 
 from __future__ import annotations
@@ -49,6 +49,11 @@ market_config = Table(
     Column("tolerance_bps", Integer, nullable=False),
     Column("test_clock", Boolean, nullable=False),
     Column("clock_offset_s", BigInteger, nullable=False),
+    # Per-account limits: money in per rolling day, money out per rolling day, and the most a
+    # tenant's available balance may hold.
+    Column("deposit_limit_per_day", BigInteger, nullable=False),
+    Column("withdrawal_limit_per_day", BigInteger, nullable=False),
+    Column("balance_limit", BigInteger, nullable=False),
 )
 
 # Identities: tenants, providers and operators.
@@ -63,6 +68,8 @@ accounts = Table(
     Column("state", String(16), nullable=False),
     Column("evidence", Text, nullable=False, default=""),
     Column("created_at", BigInteger, nullable=False),
+    # One account per key: a shared key would let one party sign as another.
+    Index("uq_accounts_public_key", "public_key", unique=True),
 )
 
 ledger_accounts = Table(
@@ -154,7 +161,8 @@ leases = Table(
     "leases",
     metadata,
     Column("id", Integer, primary_key=True),
-    Column("demand_id", Integer, ForeignKey("demands.id"), nullable=False, unique=True),
+    # A demand whose lease failed before it started reopens and may get another lease.
+    Column("demand_id", Integer, ForeignKey("demands.id"), nullable=False, index=True),
     Column("listing_id", Integer, ForeignKey("listings.id"), nullable=False, index=True),
     Column("tenant_id", Integer, ForeignKey("accounts.id"), nullable=False, index=True),
     Column("provider_id", Integer, ForeignKey("accounts.id"), nullable=False, index=True),
@@ -264,6 +272,31 @@ idempotency_keys = Table(
     Column("response", Text, nullable=False),
     Column("created_at", BigInteger, nullable=False),
     UniqueConstraint("account_id", "key", name="uq_idempotency_keys_account_key"),
+)
+
+# Events received from payment rails: each (rail, event id) is applied once.
+rail_events = Table(
+    "rail_events",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("rail", String(32), nullable=False),
+    Column("event_id", String(200), nullable=False),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False),
+    Column("amount", BigInteger, nullable=False),
+    Column("transfer_id", Integer, ForeignKey("transfers.id"), nullable=False),
+    Column("received_at", BigInteger, nullable=False),
+    UniqueConstraint("rail", "event_id", name="uq_rail_events_rail_event"),
+)
+
+# Where an account's withdrawals are paid: a destination on a configured rail.
+payout_methods = Table(
+    "payout_methods",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("account_id", Integer, ForeignKey("accounts.id"), nullable=False, index=True),
+    Column("rail", String(32), nullable=False),
+    Column("destination", String(200), nullable=False),
+    Column("created_at", BigInteger, nullable=False),
 )
 
 APPEND_ONLY_TABLES = ("audit_log", "transitions", "transfers")

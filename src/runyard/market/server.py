@@ -14,7 +14,7 @@ import uvicorn
 
 from runyard.fsutil import atomic_write_text
 from runyard.http_thread import AppThread
-from runyard.market import identity, leases
+from runyard.market import deadlines, identity
 from runyard.market.api import DEFAULT_MAX_BODY, create_app
 from runyard.market.service import Market
 
@@ -22,7 +22,7 @@ log = logging.getLogger("runyard.market.server")
 
 
 class Sweeper(threading.Thread):
-    """Runs `leases.sweep` every `interval` seconds until stopped."""
+    """Runs `deadlines.sweep` every `interval` seconds until stopped."""
 
     def __init__(self, market: Market, interval: float):
         super().__init__(name="market-sweeper", daemon=True)
@@ -32,7 +32,7 @@ class Sweeper(threading.Thread):
     def run(self) -> None:
         while not self._stop_event.wait(self.interval):
             try:
-                leases.sweep(self.market)
+                deadlines.sweep(self.market)
             except Exception:  # a failed sweep is retried next time; it never takes the server down
                 log.exception("sweep failed")
 

@@ -11,19 +11,22 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import Connection, select, update
+from sqlalchemy.exc import IntegrityError
 
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, Conflict, Forbidden, IdempotencyConflict, NotVerified
-from runyard.market.machines import Actor
-from runyard.market.machines.identity import VERIFIED
+from runyard.market.rails import Rail
 from runyard.market.schema import audit_log, idempotency_keys, market_config
 from runyard.market.signing import canonical_bytes
+from runyard.market.states import Actor
+from runyard.market.states.identity import VERIFIED
 from runyard.market.store import Store
+from runyard.market.verifiers import Verifier
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,9 @@ class Settings:
     start_timeout_s: int = 3600
     tolerance_bps: int = 500
     test_clock: bool = False
+    deposit_limit_per_day: int = 10**12  # per account, rolling 24 hours
+    withdrawal_limit_per_day: int = 10**12  # per account, rolling 24 hours
+    balance_limit: int = 10**13  # most a tenant's available balance may hold
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,17 @@ def check_idempotency_key(key: str | None) -> str:
 class Market:
     """A market over one store. Create it with `Market.open(url)`."""
 
-    def __init__(self, store: Store, verifier: Any = None):
-        from runyard.market.identity import OperatorVerifier
-
+    def __init__(
+        self,
+        store: Store,
+        verifier: Verifier,
+        rails: Mapping[str, Rail] | None = None,
+        clock: Callable[[], float] = time.time,
+    ):
         self.store = store
-        self.verifier = verifier or OperatorVerifier()
+        self.verifier = verifier
+        self.rails: dict[str, Rail] = dict(rails or {})
+        self.clock = clock  # the real clock; a simulation may pass a fixed one
         self._offset = store.read(lambda c: c.execute(select(market_config.c.clock_offset_s)).scalar_one())
 
     @classmethod
@@ -98,11 +110,16 @@ class Market:
         cls,
         url: str,
         settings: Settings | None = None,
+        *,
+        verifier: Verifier,
+        rails: Mapping[str, Rail] | None = None,
         migrate: bool = True,
-        verifier: Any = None,
         pool_size: int = 10,
+        clock: Callable[[], float] = time.time,
     ) -> Market:
-        """Open (and, on an empty database, create) the market stored at `url`."""
+        """Open (and, on an empty database, create) the market stored at `url`. `verifier` decides
+        verification requests (`runyard.market.verifiers`); `rails` are the payment rails money
+        may arrive through, by name (`runyard.market.rails`)."""
         store = Store(url, pool_size=pool_size)
         if migrate:
             store.migrate()
@@ -121,19 +138,21 @@ class Market:
                         tolerance_bps=settings.tolerance_bps,
                         test_clock=settings.test_clock,
                         clock_offset_s=0,
+                        deposit_limit_per_day=settings.deposit_limit_per_day,
+                        withdrawal_limit_per_day=settings.withdrawal_limit_per_day,
+                        balance_limit=settings.balance_limit,
                     )
                 )
                 ledger.open_account(conn, ledger.MARKET_FEES, "market_fees")
-                ledger.open_account(conn, ledger.EXTERNAL_DEPOSITS, "external_deposits")
-                ledger.open_account(conn, ledger.EXTERNAL_WITHDRAWALS, "external_withdrawals")
 
         store.write(init)
-        return cls(store, verifier)
+        return cls(store, verifier, rails, clock)
 
     # -- time -------------------------------------------------------------------------------------
 
     def now(self) -> int:
-        return int(time.time()) + self._offset
+        """The market's time: Unix seconds, plus the test clock's offset."""
+        return int(self.clock()) + self._offset
 
     def advance_clock(self, seconds: int, actor: Actor) -> int:
         """Move a test clock forward (only markets created with test_clock=True)."""
@@ -196,26 +215,46 @@ class Market:
         key = check_idempotency_key(key)
         params_hash = hashlib.sha256(canonical_bytes({"operation": operation, "params": params})).hexdigest()
 
-        def tx(conn: Connection) -> dict:
-            table = idempotency_keys
+        table = idempotency_keys
+
+        def earlier(conn: Connection) -> dict | None:
             found = conn.execute(
                 select(table.c.params_hash, table.c.response).where(
                     table.c.account_id == principal.id, table.c.key == key
                 )
             ).one_or_none()
-            if found is not None:
-                if found.params_hash != params_hash:
-                    raise IdempotencyConflict(
-                        f"Idempotency-Key {key!r} was already used for a different request; use a new key",
-                        operation=operation,
-                    )
-                return json.loads(found.response)
-            now = self.now()
-            key_id = conn.execute(
-                table.insert().values(
-                    account_id=principal.id, key=key, params_hash=params_hash, response="", created_at=now
+            if found is None:
+                return None
+            if found.params_hash != params_hash:
+                raise IdempotencyConflict(
+                    f"Idempotency-Key {key!r} was already used for a different request; use a new key",
+                    operation=operation,
                 )
-            ).inserted_primary_key[0]
+            return json.loads(found.response)
+
+        def tx(conn: Connection) -> dict:
+            first = earlier(conn)
+            if first is not None:
+                return first
+            now = self.now()
+            try:
+                # A concurrent request with the same key waits here until the first commits, then
+                # fails on the unique key: it answers with the first one's result.
+                with conn.begin_nested():
+                    key_id = conn.execute(
+                        table.insert().values(
+                            account_id=principal.id,
+                            key=key,
+                            params_hash=params_hash,
+                            response="",
+                            created_at=now,
+                        )
+                    ).inserted_primary_key[0]
+            except IntegrityError:
+                first = earlier(conn)
+                if first is None:
+                    raise
+                return first
             result = fn(conn, now)
             conn.execute(update(table).where(table.c.id == key_id).values(response=json.dumps(result)))
             return result

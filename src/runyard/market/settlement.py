@@ -8,9 +8,10 @@ window closes, a dispute window passes, a dispute is resolved).
 A record counts as accepted:
   acknowledged                      -> its device-seconds
   part_acknowledged, window passed  -> the acknowledged part (the provider did not contest)
-  disputed, resolved or withdrawn   -> the resolution's device-seconds
+  disputed, its dispute decided     -> the resolution's device-seconds
+  resolved                          -> the resolution's device-seconds
   reported, window passed           -> its device-seconds (silence is consent)
-and is held otherwise. The charge is accepted device-seconds x price / 3600, rounded down (in the
+and is held otherwise; never more than the record reported. The charge is accepted device-seconds x price / 3600, rounded down (in the
 tenant's favour); the fee is charge x fee_bps / 10000, rounded down, taken out of the charge.
 When nothing is held and no record can still arrive, the remainder returns to the tenant and the
 lease is settled.
@@ -20,21 +21,30 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, select, update
 
-from runyard.market import ledger
+from runyard.market import escrow
 from runyard.market.errors import InvalidTransition
-from runyard.market.machines import Actor, transition
-from runyard.market.machines.dispute import OPEN as DISPUTE_OPEN
-from runyard.market.machines.lease import LEASE, RUNNING, SETTLEABLE, SETTLED, WINDOW_CLOSED
-from runyard.market.machines.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, REPORTED
+from runyard.market.matcher import release_capacity
+from runyard.market.rows import lock_lease
 from runyard.market.schema import disputes, leases, listings, usage_records
 from runyard.market.service import Market, Principal, audit
+from runyard.market.states import Actor, transition
+from runyard.market.states.dispute import OPEN as DISPUTE_OPEN
+from runyard.market.states.lease import LEASE, RUNNING, SETTLEABLE, SETTLED, WINDOW_CLOSED
+from runyard.market.states.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, REPORTED, RESOLVED
 
 
 def accepted_seconds(record: dict, dispute: dict | None, now: int, window: int) -> int | None:
     """Device-seconds of `record` accepted as of `now`, or None while it is held."""
+    value = _accepted(record, dispute, now, window)
+    return None if value is None else min(value, record["device_seconds"])
+
+
+def _accepted(record: dict, dispute: dict | None, now: int, window: int) -> int | None:
     state = record["state"]
     if state == ACKNOWLEDGED:
         return record["device_seconds"]
+    if state == RESOLVED:
+        return record["acked_device_seconds"]
     if state == PART_ACKNOWLEDGED:
         return record["acked_device_seconds"] if now > record["acked_at"] + window else None
     if state == DISPUTED:
@@ -87,13 +97,11 @@ def position(conn: Connection, lease: dict, now: int) -> dict:
 
 def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dict:
     """Bring a lease's payments up to date inside the caller's transaction (see module docstring)."""
-    from runyard.market.leases import lock_lease, refund_remainder, release_capacity
-
     lease = lock_lease(conn, lease_id, None)
     if lease["state"] == RUNNING and lease["window_end"] <= now:
         # The window is over even if no sweep has said so yet: close it first, as the sweep would.
         transition(conn, LEASE, lease_id, WINDOW_CLOSED, Actor("system"), "window ended", now)
-        release_capacity(conn, lease)
+        release_capacity(conn, lease, now)
         lease["state"] = WINDOW_CLOSED
     if lease["state"] == SETTLED:
         return summary(conn, lease_id, now, moved=0)
@@ -106,24 +114,7 @@ def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dic
         raise AssertionError(
             f"lease {lease_id}: settlement would move money backwards ({to_provider}, {to_fees})"
         )
-    escrow = lease["escrow_account_id"]
-    if to_provider:
-        earnings = ledger.account_id(conn, f"provider:{lease['provider_id']}:earnings")
-        ledger.transfer(
-            conn,
-            escrow,
-            earnings,
-            to_provider,
-            reason="settle_provider",
-            actor=str(actor),
-            now=now,
-            lease_id=lease_id,
-        )
-    if to_fees:
-        fees = ledger.account_id(conn, ledger.MARKET_FEES)
-        ledger.transfer(
-            conn, escrow, fees, to_fees, reason="settle_fee", actor=str(actor), now=now, lease_id=lease_id
-        )
+    escrow.pay(conn, lease, to_provider, to_fees, actor, now)
     if to_provider or to_fees:
         conn.execute(
             update(leases)
@@ -135,7 +126,7 @@ def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dic
         )
     moved = to_provider + to_fees
     if pos["final"]:
-        moved += refund_remainder(conn, lease, actor, now)
+        moved += escrow.refund(conn, lease, actor, now)
         transition(conn, LEASE, lease_id, SETTLED, Actor("system"), f"settled by {actor}", now)
         conn.execute(
             update(listings)
@@ -156,7 +147,7 @@ def summary(conn: Connection, lease_id: int, now: int, moved: int) -> dict:
         "paid_provider": lease["paid_provider"],
         "paid_fee": lease["paid_fee"],
         "refunded": lease["refunded"],
-        "escrow_remaining": ledger.balance(conn, lease["escrow_account_id"]).available,
+        "escrow_remaining": escrow.available(conn, lease),
         "moved_now": moved,
         **{
             k: pos[k]
@@ -169,8 +160,6 @@ def settle(market: Market, principal: Principal, lease_id: int, key: str | None)
     """Settle a lease on request of a party or an operator (idempotent on `key`, and by design)."""
 
     def tx(conn: Connection, now: int) -> dict:
-        from runyard.market.leases import lock_lease
-
         lock_lease(conn, lease_id, principal)  # ownership
         return settle_in_tx(conn, lease_id, principal.actor, now)
 

@@ -67,8 +67,52 @@ def public_key_of(private_key: str) -> str:
     return b64encode(private.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw))
 
 
+# Curve25519's field prime and the Edwards curve constant d (RFC 8032, section 5.1).
+_P = 2**255 - 19
+_D = -121665 * pow(121666, _P - 2, _P) % _P
+
+
+def _recover_x(y: int, sign: int) -> int | None:
+    """The x coordinate of the point with this y and sign bit (RFC 8032, 5.1.3), or None."""
+    if y >= _P:
+        return None  # a non-canonical encoding
+    x2 = (y * y - 1) * pow(_D * y * y + 1, _P - 2, _P) % _P
+    if x2 == 0:
+        return None if sign else 0
+    x = pow(x2, (_P + 3) // 8, _P)
+    if (x * x - x2) % _P:
+        x = x * pow(2, (_P - 1) // 4, _P) % _P
+    if (x * x - x2) % _P:
+        return None
+    return _P - x if (x & 1) != sign else x
+
+
+def _double(pt: tuple[int, int, int, int]) -> tuple[int, int, int, int]:
+    """2·pt in extended coordinates (the addition formula of RFC 8032, 5.1.4, with pt twice)."""
+    x, y, z, t = pt
+    a, b = (y - x) * (y - x) % _P, (y + x) * (y + x) % _P
+    c, d = 2 * t * t * _D % _P, 2 * z * z % _P
+    e, f, g, h = b - a, d - c, d + c, b + a
+    return e * f % _P, g * h % _P, f * g % _P, e * h % _P
+
+
+def has_small_order(raw: bytes) -> bool:
+    """True when the 32-byte encoding is not a point, is non-canonical, or is a point of order 1, 2,
+    4 or 8 (8·P is the identity): keys for which one signature can verify for many messages."""
+    y = int.from_bytes(raw, "little")
+    sign, y = y >> 255, y & ((1 << 255) - 1)
+    x = _recover_x(y, sign)
+    if x is None:
+        return True
+    point = (x, y, 1, x * y % _P)
+    for _ in range(3):
+        point = _double(point)
+    return point[0] % _P == 0 and (point[1] - point[2]) % _P == 0
+
+
 def check_public_key(public_key: str) -> str:
-    """Validate a base64url raw Ed25519 public key; return it unchanged."""
+    """Validate a base64url raw Ed25519 public key; return it unchanged. The identity point and the
+    other small-order points are refused, and so are non-canonical encodings."""
     raw = b64decode(public_key, "public_key")
     if len(raw) != 32:
         raise BadRequest(f"public_key must be 32 raw bytes of Ed25519 key, got {len(raw)} bytes")
@@ -76,6 +120,8 @@ def check_public_key(public_key: str) -> str:
         Ed25519PublicKey.from_public_bytes(raw)
     except ValueError as exc:
         raise BadRequest(f"public_key is not a valid Ed25519 key: {exc}") from exc
+    if has_small_order(raw):
+        raise BadRequest("public_key is a small-order or non-canonical Ed25519 point; use a real key pair")
     return public_key
 
 

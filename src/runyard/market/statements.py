@@ -2,6 +2,7 @@
 
 A tenant's statement satisfies, to the minor unit:
     deposited - withdrawn - charged == available (posted) + held in escrow (posted)
+where `deposited` counts rail deposits and operator credits.
 where `charged` is everything its leases paid to providers and in fees. A provider's satisfies:
     earned - withdrawn == earnings balance, with earned + fees == charged to its tenants.
 The market fee rate applies per lease (fixed when the lease is made) and shows on every line.
@@ -72,7 +73,11 @@ def statement(market: Market, principal: Principal) -> dict:
     def tx(conn: Connection, now: int) -> dict:
         config = Market.config(conn)
         owned = (
-            conn.execute(select(ledger_accounts).where(ledger_accounts.c.owner_id == principal.id))
+            conn.execute(
+                select(ledger_accounts).where(
+                    ledger_accounts.c.owner_id == principal.id, ledger_accounts.c.kind.not_like("external%")
+                )
+            )
             .mappings()
             .all()
         )
@@ -96,7 +101,9 @@ def statement(market: Market, principal: Principal) -> dict:
             escrow_posted = sum(b["posted"] for code, b in balances.items() if code.startswith("escrow:"))
             totals = {
                 "deposited": _sum(
-                    conn, transfers.c.credit_account_id == available, transfers.c.reason == "deposit"
+                    conn,
+                    transfers.c.credit_account_id == available,
+                    transfers.c.reason.in_(("deposit", "operator_credit")),
                 ),
                 "withdrawn": _sum(
                     conn, transfers.c.debit_account_id == available, transfers.c.reason == "withdrawal"

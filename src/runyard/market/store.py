@@ -5,9 +5,11 @@ Isolation. On SQLite every write transaction starts with BEGIN IMMEDIATE, so wri
 database lock instead of failing half-way when they upgrade a read lock. On PostgreSQL transactions
 run at READ COMMITTED and take row locks (SELECT ... FOR UPDATE) on what they change, always in the
 same order (lease or demand row, then ledger accounts by id), so they serialise where they touch the
-same money and run in parallel otherwise. Deadlocks, serialisation failures, a locked SQLite and a
-unique-key race (two retries of one idempotency key) are retried from the start: every transaction
-is a pure function of the database, so running it again is safe.
+same money and run in parallel otherwise. Deadlocks, serialisation failures, lock timeouts and a
+locked SQLite are retried from the start: every transaction is a pure function of the database, so
+running it again is safe. Nothing else is retried: a unique-key violation is a conflict (409) that
+retrying could not cure (the one expected race, two requests with one idempotency key, is handled
+where it happens, in `Market.idempotent`).
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from alembic import command
+from alembic.config import Config
 from sqlalchemy import Connection, create_engine, event
 from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 
-from runyard.market.errors import BadRequest, StoreBusy
+from runyard.market.errors import BadRequest, Conflict, StoreBusy
 
 T = TypeVar("T")
 
@@ -83,8 +87,9 @@ def _configure_sqlite(engine: Engine) -> None:
 
 
 def _retryable(exc: DBAPIError) -> bool:
+    """Contention only: a serialisation failure, a deadlock, a lock timeout or a busy SQLite."""
     if isinstance(exc, IntegrityError):
-        return True
+        return False
     if isinstance(exc, OperationalError):
         text = str(exc.orig).lower()
         if "database is locked" in text or "database is busy" in text:
@@ -116,6 +121,10 @@ class Store:
             try:
                 with self.engine.begin() as conn:
                     return fn(conn)
+            except IntegrityError as exc:
+                raise Conflict(
+                    "the request conflicts with a concurrent change (a name, key or id already taken)"
+                ) from exc
             except DBAPIError as exc:
                 if not _retryable(exc) or attempt == MAX_ATTEMPTS - 1:
                     if _retryable(exc):
@@ -144,9 +153,6 @@ class Store:
 
     def migrate(self) -> None:
         """Bring the schema to the newest Alembic revision (creating it on an empty database)."""
-        from alembic import command
-        from alembic.config import Config
-
         config = Config()
         config.set_main_option("script_location", str(MIGRATIONS_DIR))
         with self.engine.begin() as conn:

@@ -11,23 +11,24 @@ from __future__ import annotations
 from sqlalchemy import Connection, select, update
 
 from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound, UsageRejected
-from runyard.market.machines import SYSTEM, Actor, record_initial, transition
-from runyard.market.machines.dispute import DISPUTE, OPEN, PARTIAL, REJECTED, UPHELD, WITHDRAWN
-from runyard.market.machines.lease import RUNNING, SETTLEABLE, TERMINATED, WINDOW_CLOSED
-from runyard.market.machines.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, RECORD, REPORTED
+from runyard.market.leases import get_lease
 from runyard.market.models import AckIn, ContestIn, DisputeIn, MeasurementIn, ResolveIn, UsageIn
 from runyard.market.payloads import measurement as measurement_payload
 from runyard.market.payloads import usage_record
+from runyard.market.rows import lock_lease
 from runyard.market.schema import disputes, leases, measurements, usage_records
 from runyard.market.service import Market, Principal, audit
+from runyard.market.settlement import settle_in_tx
 from runyard.market.signing import verify
+from runyard.market.states import SYSTEM, Actor, record_initial, transition
+from runyard.market.states.dispute import DISPUTE, OPEN, PARTIAL, REJECTED, UPHELD, WITHDRAWN
+from runyard.market.states.lease import RUNNING, SETTLEABLE, TERMINATED, WINDOW_CLOSED
+from runyard.market.states.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, RECORD, REPORTED, RESOLVED
 
 USAGE_STATES = (RUNNING, WINDOW_CLOSED, TERMINATED)
 
 
 def _lease_for(conn: Connection, lease_id: int, principal: Principal, side: str) -> dict:
-    from runyard.market.leases import lock_lease
-
     lease = lock_lease(conn, lease_id, principal)
     if principal.role != "operator" and lease[f"{side}_id"] != principal.id:
         raise Forbidden(f"only the lease's {side} may do this")
@@ -57,13 +58,25 @@ def _window(conn: Connection) -> int:
 
 
 def _mismatch(conn: Connection, provider_value: int, tenant_value: int) -> bool:
+    """The tenant saw less than the provider reported, by more than the tolerance. (A tenant that
+    saw more has nothing to dispute: it is billed for what the provider reported.)"""
     tolerance = Market.config(conn)["tolerance_bps"]
-    return abs(provider_value - tenant_value) * 10_000 > tolerance * max(provider_value, tenant_value)
+    return (
+        tenant_value < provider_value
+        and (provider_value - tenant_value) * 10_000 > tolerance * provider_value
+    )
 
 
 def _open_dispute(
     conn: Connection, record: dict, actor: Actor, side: str, claimed: int, counter: int, reason: str, now: int
 ) -> int:
+    """Open a dispute on `record`. Both positions are bounded by what the record reported, so no
+    dispute can ever claim more than the escrow was asked to pay for it."""
+    reported = record["device_seconds"]
+    if not (0 <= claimed <= reported and 0 <= counter <= reported):
+        raise BadRequest(
+            f"a dispute's positions ({claimed}, {counter}) must lie within the record's {reported}"
+        )
     dispute_id = conn.execute(
         disputes.insert().values(
             lease_id=record["lease_id"],
@@ -147,7 +160,7 @@ def report(market: Market, principal: Principal, lease_id: int, body: UsageIn, k
             )
         ).scalar()
         if theirs is not None and _mismatch(conn, body.device_seconds, theirs):
-            record = {"id": record_id, "lease_id": lease_id}
+            record = {"id": record_id, "lease_id": lease_id, "device_seconds": body.device_seconds}
             _open_dispute(
                 conn, record, SYSTEM, "tenant", theirs, body.device_seconds, "measurement mismatch", now
             )
@@ -170,6 +183,11 @@ def submit_measurement(
             raise Conflict(f"lease {lease_id} is {lease['state']}; nothing to measure")
         if body.interval_start < lease["started_at"] or body.interval_end > lease["window_end"]:
             raise BadRequest("the measured interval lies outside the lease window")
+        window = _window(conn)
+        if now > lease["window_end"] + window:
+            raise Conflict(
+                f"lease {lease_id}'s reporting period ended at {lease['window_end'] + window}; measurements are closed"
+            )
         exists = conn.execute(
             select(measurements.c.id).where(
                 measurements.c.lease_id == lease_id,
@@ -179,6 +197,23 @@ def submit_measurement(
         ).scalar()
         if exists is not None:
             raise Conflict("a measurement for this interval was already submitted")
+        record = (
+            conn.execute(
+                select(usage_records).where(
+                    usage_records.c.lease_id == lease_id,
+                    usage_records.c.interval_start == body.interval_start,
+                    usage_records.c.interval_end == body.interval_end,
+                )
+            )
+            .mappings()
+            .one_or_none()
+        )
+        if record is not None and now > record["received_at"] + window:
+            # Past the record's window it counts as accepted and may already be paid; settlement
+            # never takes money back, so a measurement now could change nothing.
+            raise Conflict(
+                f"record {record['id']}'s dispute window has closed; a measurement of it comes too late"
+            )
         conn.execute(
             measurements.insert().values(
                 lease_id=lease_id,
@@ -197,24 +232,10 @@ def submit_measurement(
             now,
             interval=[body.interval_start, body.interval_end],
         )
-        record = (
-            conn.execute(
-                select(usage_records).where(
-                    usage_records.c.lease_id == lease_id,
-                    usage_records.c.interval_start == body.interval_start,
-                    usage_records.c.interval_end == body.interval_end,
-                )
-            )
-            .mappings()
-            .one_or_none()
-        )
         dispute_id = None
-        # Only while the record can still be disputed: past its window it counts as accepted and may
-        # already have been paid, and settlement never takes money back.
         if (
             record is not None
             and record["state"] == REPORTED
-            and now <= record["received_at"] + _window(conn)
             and _mismatch(conn, record["device_seconds"], body.device_seconds)
         ):
             dispute_id = _open_dispute(
@@ -327,6 +348,9 @@ def withdraw_dispute(market: Market, principal: Principal, dispute_id: int, key:
             conn, DISPUTE, dispute_id, WITHDRAWN, principal.actor, "withdrawn", now,
             resolved_device_seconds=row["counter_device_seconds"],
         )  # fmt: skip
+        _resolve_record(
+            conn, row["record_id"], row["counter_device_seconds"], principal.actor, "dispute withdrawn", now
+        )
         audit(conn, principal.actor, "dispute.withdraw", f"dispute:{dispute_id}", now)
         return dispute_json(conn, dispute_id)
 
@@ -336,7 +360,6 @@ def withdraw_dispute(market: Market, principal: Principal, dispute_id: int, key:
 def resolve(market: Market, principal: Principal, dispute_id: int, body: ResolveIn, key: str | None) -> dict:
     """The operator resolves a dispute in full (upheld), in part, or rejects it, with a reason."""
     principal.require_role("operator")
-    from runyard.market.settlement import settle_in_tx
 
     def tx(conn: Connection, now: int) -> dict:
         lease, row = _dispute_for(conn, dispute_id, principal)
@@ -361,6 +384,7 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
             now,
             resolved_device_seconds=value,
         )
+        _resolve_record(conn, row["record_id"], value, principal.actor, f"dispute {body.outcome}", now)
         audit(
             conn,
             principal.actor,
@@ -379,10 +403,26 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
     )
 
 
+def _resolve_record(
+    conn: Connection, record_id: int, value: int, actor: Actor, reason: str, now: int
+) -> None:
+    """A decided or withdrawn dispute takes its record out of `disputed`, holding the outcome."""
+    transition(
+        conn,
+        RECORD,
+        record_id,
+        RESOLVED,
+        actor,
+        reason,
+        now,
+        expect=DISPUTED,
+        acked_device_seconds=value,
+        acked_at=now,
+    )
+
+
 def _dispute_for(conn: Connection, dispute_id: int, principal: Principal) -> tuple[dict, dict]:
     """A dispute and its lease, locked (NotFound unless the caller is a party or an operator)."""
-    from runyard.market.leases import lock_lease
-
     lease_id = conn.execute(select(disputes.c.lease_id).where(disputes.c.id == dispute_id)).scalar()
     if lease_id is None:
         raise NotFound(f"no dispute {dispute_id}")
@@ -400,8 +440,6 @@ def dispute_json(conn: Connection, dispute_id: int) -> dict:
 
 def lease_usage(market: Market, principal: Principal, lease_id: int) -> dict:
     """Records, measurements and disputes of one lease, for its parties and operators."""
-    from runyard.market.leases import get_lease
-
     get_lease(market, principal, lease_id)  # ownership check
 
     def tx(conn: Connection, now: int) -> dict:

@@ -5,14 +5,14 @@
   offered|accepted --tenant--> cancelled      running --either side or operator--> terminated
   window_closed|terminated --settlement, nothing held--> settled
 
-rejected, expired and cancelled return the whole escrow at once; settled returns what usage did not
+rejected, expired and cancelled return the whole escrow at once (reason codes: models.EndReason); settled returns what usage did not
 use. An expiry counts against the listing's reliability.
 """
 
 from __future__ import annotations
 
-from runyard.market.machines import Machine, sides
 from runyard.market.schema import leases
+from runyard.market.states import Machine, sides
 
 OFFERED = "offered"
 ACCEPTED = "accepted"
@@ -30,21 +30,6 @@ ACTIVE = (OFFERED, ACCEPTED, RUNNING)
 CLOSED = (SETTLED, REJECTED, EXPIRED, CANCELLED)
 # States from which settlement may pay out.
 SETTLEABLE = (WINDOW_CLOSED, TERMINATED)
-
-# Reason codes for early ends (terminated, cancelled, rejected, expired).
-END_REASONS = (
-    "tenant_request",
-    "provider_request",
-    "hardware_failure",
-    "job_failed",
-    "policy_violation",
-    "nonpayment",
-    "operator_action",
-    "accept_timeout",
-    "start_timeout",
-    "capacity_unavailable",
-    "other",
-)
 
 LEASE = Machine(
     entity="lease",

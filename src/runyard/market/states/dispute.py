@@ -7,8 +7,8 @@ Until resolved, the disputed amount stays in escrow.
 
 from __future__ import annotations
 
-from runyard.market.machines import Machine, sides
 from runyard.market.schema import disputes
+from runyard.market.states import Machine, sides
 
 OPEN = "open"
 UPHELD = "upheld"

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from runyard.market.machines import Machine, sides
 from runyard.market.schema import listings
+from runyard.market.states import Machine, sides
 
 OPEN = "open"
 WITHDRAWN = "withdrawn"

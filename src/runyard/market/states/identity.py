@@ -6,8 +6,8 @@ pending); an operator may revoke a verification (verified -> rejected), which st
 
 from __future__ import annotations
 
-from runyard.market.machines import Machine, sides
 from runyard.market.schema import accounts
+from runyard.market.states import Machine, sides
 
 UNVERIFIED = "unverified"
 PENDING = "pending"

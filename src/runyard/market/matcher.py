@@ -1,0 +1,189 @@
+"""Matching in the store: the rules of `matching` applied to open demands and open listings.
+
+Matching runs when a demand is placed, a listing is created, an account is verified, and whenever
+a lease releases capacity (`release_capacity`). It posts the demand's escrow at the listing's
+price (the rest of the hold goes back to the tenant in the same step) and creates the lease.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC
+
+from sqlalchemy import Connection, and_, select, update
+
+from runyard.market import escrow
+from runyard.market.matching import DemandView, ListingView, best_listing
+from runyard.market.requirement import Interconnect, Requirement
+from runyard.market.rows import lock_demand
+from runyard.market.schema import accounts, demands, leases, listings
+from runyard.market.service import Market, audit
+from runyard.market.states import SYSTEM, record_initial, transition
+from runyard.market.states.demand import DEMAND, MATCHED, OPEN
+from runyard.market.states.identity import VERIFIED
+from runyard.market.states.lease import LEASE
+
+
+def cost(price_per_device_hour: int, devices: int, seconds: int) -> int:
+    """Price of `devices` for `seconds`, rounded up to a whole minor unit."""
+    return -(-price_per_device_hour * devices * seconds // 3600)
+
+
+def timestamp(req: Requirement) -> int:
+    """A requirement's latest start as Unix seconds (UTC when it names no zone)."""
+    latest = req.latest_start
+    assert latest is not None
+    return int((latest if latest.tzinfo else latest.replace(tzinfo=UTC)).timestamp())
+
+
+def _view(row) -> ListingView:  # type: ignore[no-untyped-def]
+    return ListingView(
+        id=row["id"],
+        kind=row["accelerator_kind"],
+        price=row["price_per_device_hour"],
+        interconnect_rank=Interconnect(row["interconnect"]).rank,
+        interconnect_gbps=row["interconnect_gbps"],
+        region=row["region"],
+        jurisdiction=row["jurisdiction"],
+        start_class=row["start_class"],
+        max_queue_s=row["max_queue_s"],
+        available_from=row["available_from"],
+        available_until=row["available_until"],
+    )
+
+
+def match_demand(conn: Connection, demand_id: int, now: int) -> int | None:
+    """Match one open demand to the best listing, if any; returns the new lease id."""
+    row = lock_demand(conn, demand_id)
+    if row is None or row["state"] != OPEN:
+        return None
+    tenant_state = conn.execute(
+        select(accounts.c.state).where(accounts.c.id == row["tenant_id"])
+    ).scalar_one()
+    if tenant_state != VERIFIED:
+        return None
+    req = Requirement.model_validate_json(row["requirement"])
+    demand = DemandView.of(demand_id, req, row["max_price_per_device_hour"])
+    # A listing whose lease for this demand already failed (rejected, expired) is not offered again.
+    tried = select(leases.c.listing_id).where(leases.c.demand_id == demand_id)
+    candidates = (
+        conn.execute(
+            select(listings)
+            .join(accounts, and_(accounts.c.id == listings.c.provider_id, accounts.c.state == VERIFIED))
+            .where(
+                listings.c.state == "open",
+                listings.c.accelerator_kind.in_(sorted(demand.kinds)),
+                listings.c.price_per_device_hour <= demand.max_price,
+                listings.c.capacity - listings.c.reserved >= demand.device_count,
+                listings.c.start_class.in_(sorted(demand.start_classes)),
+                listings.c.available_until >= now + demand.duration_s,
+                listings.c.id.not_in(tried),
+            )
+        )
+        .mappings()
+        .all()
+    )
+    views = [_view(c) for c in candidates]
+    free = {c["id"]: c["capacity"] - c["reserved"] for c in candidates}
+    by_id = {c["id"]: c for c in candidates}
+    while views:
+        found = best_listing(demand, views, free, now)
+        if found is None:
+            return None
+        listing, start = found
+        # Reserve only if the devices are still free (a concurrent match may have taken them).
+        taken = conn.execute(
+            update(listings)
+            .where(
+                listings.c.id == listing.id,
+                listings.c.state == "open",
+                listings.c.capacity - listings.c.reserved >= demand.device_count,
+            )
+            .values(reserved=listings.c.reserved + demand.device_count)
+        ).rowcount
+        if taken == 1:
+            return _create_lease(conn, row, by_id[listing.id], start, now)
+        views = [v for v in views if v.id != listing.id]
+    return None
+
+
+def _create_lease(conn: Connection, demand: dict, listing: dict, start: int, now: int) -> int:
+    config = Market.config(conn)
+    price = listing["price_per_device_hour"]
+    amount = cost(price, demand["device_count"], demand["duration_s"])
+    lease_id = conn.execute(
+        leases.insert().values(
+            demand_id=demand["id"],
+            listing_id=listing["id"],
+            tenant_id=demand["tenant_id"],
+            provider_id=listing["provider_id"],
+            devices=demand["device_count"],
+            price_per_device_hour=price,
+            duration_s=demand["duration_s"],
+            fee_bps=config["fee_bps"],
+            escrow_account_id=demand["escrow_account_id"],
+            escrow_amount=amount,
+            state=LEASE.initial,
+            created_at=now,
+            accept_by=now + config["accept_timeout_s"],
+            start_by=start + config["start_timeout_s"],
+            last_seq=0,
+            paid_provider=0,
+            paid_fee=0,
+            refunded=0,
+        )
+    ).inserted_primary_key[0]
+    escrow.fund(conn, demand["escrow_pending_id"], amount, lease_id, now)
+    transition(
+        conn,
+        DEMAND,
+        demand["id"],
+        MATCHED,
+        SYSTEM,
+        f"matched to listing {listing['id']}",
+        now,
+        lease_id=lease_id,
+    )
+    record_initial(
+        conn, LEASE, lease_id, SYSTEM, f"demand {demand['id']} matched listing {listing['id']}", now
+    )
+    audit(
+        conn,
+        SYSTEM,
+        "lease.offer",
+        f"lease:{lease_id}",
+        now,
+        demand=demand["id"],
+        listing=listing["id"],
+        escrow=amount,
+    )
+    return lease_id
+
+
+def match_open_demands(conn: Connection, now: int, listing_id: int | None = None) -> list[int]:
+    """Try every open demand, oldest first (time priority); returns the leases made. With
+    `listing_id`, only the demands that listing could serve are tried."""
+    query = select(demands.c.id).where(demands.c.state == OPEN).order_by(demands.c.created_at, demands.c.id)
+    if listing_id is not None:
+        listing = conn.execute(select(listings).where(listings.c.id == listing_id)).mappings().one()
+        query = query.where(
+            demands.c.kinds.contains(f",{listing['accelerator_kind']},"),
+            demands.c.max_price_per_device_hour >= listing["price_per_device_hour"],
+            demands.c.device_count <= listing["capacity"] - listing["reserved"],
+        )
+    made = []
+    for demand_id in conn.execute(query).scalars().all():
+        lease_id = match_demand(conn, demand_id, now)
+        if lease_id is not None:
+            made.append(lease_id)
+    return made
+
+
+def release_capacity(conn: Connection, lease: dict, now: int) -> list[int]:
+    """Give a lease's devices back to its listing and offer them to the demands waiting for them
+    (every end of a lease that held capacity comes through here). Returns the leases made."""
+    conn.execute(
+        update(listings)
+        .where(listings.c.id == lease["listing_id"])
+        .values(reserved=listings.c.reserved - lease["devices"])
+    )
+    return match_open_demands(conn, now, listing_id=lease["listing_id"])

@@ -1,0 +1,349 @@
+"""Response bodies of the HTTP API, so that the OpenAPI document says what every answer holds.
+
+Each model lists every field the market sends; unknown extra fields are allowed through (a newer
+market may add some), which a client must ignore.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runyard.market.models import EndReason, LeaseStateName
+from runyard.market.requirement import Requirement
+
+AccountState = Literal["unverified", "pending", "verified", "rejected"]
+AccountRole = Literal["tenant", "provider", "operator"]
+DemandState = Literal["open", "matched", "cancelled", "expired"]
+ListingState = Literal["open", "withdrawn"]
+RecordState = Literal["reported", "acknowledged", "part_acknowledged", "disputed", "resolved"]
+DisputeState = Literal["open", "upheld", "partial", "rejected", "withdrawn"]
+ErrorCode = Literal[
+    "bad_request", "invalid_request", "unauthenticated", "forbidden", "not_verified", "not_found",
+    "conflict", "invalid_transition", "idempotency_key_reused", "insufficient_funds", "signature_invalid",
+    "usage_rejected", "payload_too_large", "store_busy", "escrow_short", "limit_exceeded", "internal",
+]  # fmt: skip
+
+
+class Out(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+
+class ErrorOut(Out):
+    """The error envelope of every 4xx and 5xx answer; a refused request changed nothing."""
+
+    error: ErrorCode
+    message: str
+    detail: dict[str, Any] | None = None
+
+
+class Health(Out):
+    ok: bool
+
+
+class MarketInfo(Out):
+    currency: str
+    fee_bps: int
+    dispute_window_s: int
+    accept_timeout_s: int
+    start_timeout_s: int
+    tolerance_bps: int
+    test_clock: bool
+    clock_offset_s: int
+    deposit_limit_per_day: int
+    withdrawal_limit_per_day: int
+    balance_limit: int
+    now: int = Field(description="the market's clock, Unix seconds")
+
+
+class Registered(Out):
+    id: int
+    name: str
+    role: AccountRole
+    state: AccountState
+    token: str = Field(description="the API token; shown once, stored by the market only as a hash")
+
+
+class AccountOut(Out):
+    id: int
+    name: str
+    role: AccountRole
+    state: AccountState
+    public_key: str | None = None
+
+
+class VerificationOut(Out):
+    id: int
+    state: AccountState
+
+
+class BalanceOut(Out):
+    code: str
+    posted: int
+    available: int
+    pending_out: int
+    pending_in: int
+
+
+class MoneyMoved(Out):
+    transfer_id: int
+    amount: int
+    balance: BalanceOut
+
+
+class Balances(Out):
+    currency: str
+    accounts: list[BalanceOut]
+
+
+class Entry(Out):
+    transfer_id: int
+    at: int
+    kind: Literal["single", "pending", "post", "void"]
+    reason: str
+    from_: str = Field(alias="from")
+    to: str
+    amount: int
+    lease_id: int | None
+    demand_id: int | None
+
+
+class LeaseLine(Out):
+    lease_id: int
+    state: LeaseStateName
+    devices: int
+    price_per_device_hour: int
+    escrow_amount: int
+    fee_bps: int
+    charged: int
+    paid_provider: int
+    fee: int
+    refunded: int
+
+
+class StatementAccount(Out):
+    id: int
+    name: str
+    role: AccountRole
+
+
+class Statement(Out):
+    account: StatementAccount
+    currency: str
+    market_fee_bps: int
+    balances: dict[str, BalanceOut]
+    entries: list[Entry]
+    leases: list[LeaseLine]
+    totals: dict[str, int | bool] = Field(description="role-specific totals; `reconciles` says they add up")
+
+
+class PayoutMethodOut(Out):
+    id: int
+    rail: str
+    destination: str
+    created_at: int
+
+
+class RailEventOut(Out):
+    event_id: str
+    rail: str
+    account_id: int
+    amount: int
+    transfer_id: int
+    duplicate: bool = Field(description="true when this event id was applied before (nothing moved now)")
+
+
+class ListingOut(Out):
+    id: int
+    provider_id: int
+    accelerator_kind: str
+    devices_per_node: int
+    node_count: int
+    capacity: int
+    reserved: int
+    interconnect: str
+    interconnect_gbps: int
+    region: str
+    jurisdiction: str
+    price_per_device_hour: int
+    available_from: int
+    available_until: int
+    start_class: Literal["immediate", "queued"]
+    max_queue_s: int
+    scheduler_kind: str
+    state: ListingState
+    leases_expired: int
+    leases_completed: int
+    created_at: int
+
+
+class DemandOut(Out):
+    id: int
+    tenant_id: int
+    requirement: Requirement
+    device_count: int
+    duration_s: int
+    max_price_per_device_hour: int
+    latest_start: int | None
+    escrow_account_id: int | None
+    escrow_pending_id: int | None
+    escrow_amount: int
+    state: DemandState
+    lease_id: int | None
+    created_at: int
+    job: dict[str, Any] | None = Field(default=None, description="the demand's job; only its tenant sees it")
+
+
+class LeaseOut(Out):
+    id: int
+    demand_id: int
+    listing_id: int
+    tenant_id: int
+    provider_id: int
+    devices: int
+    price_per_device_hour: int
+    duration_s: int
+    fee_bps: int
+    escrow_account_id: int
+    escrow_amount: int
+    state: LeaseStateName
+    created_at: int
+    accept_by: int
+    start_by: int
+    started_at: int | None
+    window_end: int | None
+    terms_signature: str | None
+    end_reason: EndReason | None
+    last_seq: int
+    last_interval_end: int | None
+    paid_provider: int
+    paid_fee: int
+    refunded: int
+    job_sha256: str | None = Field(default=None, description="digest of the job the acceptance signs")
+    job: dict[str, Any] | None = Field(default=None, description="the job; only the lease's parties see it")
+
+
+class LeaseTerms(Out):
+    """What a provider signs to accept a lease (docs/market-protocol.md)."""
+
+    type: Literal["runyard.market.lease_acceptance.v1"]
+    lease_id: int
+    demand_id: int
+    listing_id: int
+    tenant_id: int
+    provider_id: int
+    devices: int
+    price_per_device_hour: int
+    duration_s: int
+    escrow_amount: int
+    fee_bps: int
+    currency: str
+    job_sha256: str | None
+
+
+class LeaseWithTerms(LeaseOut):
+    terms: LeaseTerms
+
+
+class SettlementOut(Out):
+    lease_id: int
+    state: LeaseStateName
+    escrow_amount: int
+    paid_provider: int
+    paid_fee: int
+    refunded: int
+    escrow_remaining: int
+    moved_now: int
+    accepted_device_seconds: int
+    held_device_seconds: int
+    held_records: int
+    charge: int
+    fee: int
+
+
+class RecordOut(Out):
+    id: int
+    lease_id: int
+    seq: int
+    interval_start: int
+    interval_end: int
+    device_seconds: int
+    evidence: str | None
+    signature: str
+    received_at: int
+    state: RecordState
+    acked_device_seconds: int | None
+    acked_at: int | None
+
+
+class MeasurementRow(Out):
+    id: int
+    lease_id: int
+    interval_start: int
+    interval_end: int
+    device_seconds: int
+    signature: str
+    received_at: int
+
+
+class MeasurementOut(Out):
+    lease_id: int
+    record_id: int | None
+    dispute_id: int | None
+
+
+class DisputeOut(Out):
+    id: int
+    lease_id: int
+    record_id: int
+    opened_by: str
+    opener_side: Literal["tenant", "provider"]
+    claimed_device_seconds: int
+    counter_device_seconds: int
+    reason: str
+    state: DisputeState
+    resolved_device_seconds: int | None
+    created_at: int
+
+
+class LeaseUsage(Out):
+    lease_id: int
+    records: list[RecordOut]
+    measurements: list[MeasurementRow]
+    disputes: list[DisputeOut]
+
+
+class PendingAccount(Out):
+    id: int
+    name: str
+    role: AccountRole
+    evidence: str
+
+
+class FeeOut(Out):
+    fee_bps: int
+
+
+class ClockOut(Out):
+    now: int
+
+
+class SweepFailure(Out):
+    lease_id: int
+    error: str
+    message: str
+
+
+class SweepOut(Out):
+    expired: int
+    closed: int
+    demands_expired: int
+    settled: int
+    failed: list[SweepFailure] = Field(description="leases that could not settle; the rest settled")
+
+
+class AuditOut(Out):
+    ok: bool
+    violations: list[str]
+    counts: dict[str, int]

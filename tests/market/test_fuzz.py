@@ -1,0 +1,75 @@
+"""A fuzzer against the live market: schemathesis generates requests for every operation of the
+market's own OpenAPI document (valid and invalid, every parameter), sends them to a real server on
+loopback as the role each operation is for, and checks that none answers a 5xx and that every answer
+matches the document. Afterwards every invariant of the store still holds. Bounded: a fixed number
+of examples per operation (a minute or two on a slow machine)."""
+
+from __future__ import annotations
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import response_schema_conformance
+
+from runyard.market.api import create_app
+from runyard.market.operations import BY_NAME, OPERATIONS
+from runyard.market.server import ServerThread
+
+from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, operator_client, requirement
+
+EXAMPLES = 25
+PROVIDER_OPERATIONS = {
+    "create_listing", "withdraw_listing", "accept_lease", "reject_lease", "start_lease", "close_lease",
+    "report_usage", "contest",
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def live(tmp_path_factory):
+    """A market with some history (a running lease with a usage record) and a token per role."""
+    market = open_market(str(tmp_path_factory.mktemp("fuzz") / "market.db"))
+    with ServerThread(market) as server:
+        ops = operator_client(market, server.url)
+        provider = new_party(server.url, "prov", "provider", ops).client
+        tenant = new_party(server.url, "lab", "tenant", ops).client
+        ops.credit("lab", 100_000, "seed")
+        provider.create_listing(**listing())
+        lease_id = tenant.place_demand(requirement(), 300)["lease_id"]
+        provider.accept_lease(lease_id)
+        started = provider.start_lease(lease_id)["started_at"]
+        ops.advance_clock(HOUR)
+        provider.report_usage(lease_id, 1, started, started + 600, 2400)
+        tokens = {"operator": ops.token, "provider": provider.token, "tenant": tenant.token}
+        yield {"market": market, "url": server.url, "tokens": tokens}
+    market.store.dispose()
+
+
+@pytest.fixture(scope="module")
+def market_schema(live):
+    return schemathesis.openapi.from_dict(create_app(live["market"]).openapi())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [op.name for op in OPERATIONS])
+def test_no_operation_answers_5xx(name, live, market_schema):
+    op = BY_NAME[name]
+    role = "operator" if op.auth == "operator" else "provider" if op.name in PROVIDER_OPERATIONS else "tenant"
+    operation = market_schema.find_operation_by_id(name)
+
+    @given(case=operation.as_strategy())
+    @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+    def fuzz(case):
+        headers = dict(case.headers or {})
+        if op.auth != "none":
+            headers["Authorization"] = f"Bearer {live['tokens'][role]}"
+        case.call_and_validate(
+            base_url=live["url"], headers=headers, checks=[not_a_server_error, response_schema_conformance]
+        )
+
+    fuzz()
+
+
+@pytest.mark.slow
+def test_the_audit_holds_after_fuzzing(live):
+    assert_audit_ok(live["market"])
