@@ -182,6 +182,22 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="where the provider delivers the results: a local directory or a URL (required with --job-spec)",
     )
+    demand.add_argument(
+        "--job-file",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="a data file uploaded with the job (repeatable; at most 256 KiB in all); the spec names it "
+        "by NAME (default: the file's name), a relative path",
+    )
+    demand.add_argument(
+        "--data-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an http(s) URL the provider fetches for the job before it starts (repeatable); the spec "
+        "names it as a data source by this exact URL",
+    )
     demand.set_defaults(handler=_demand)
 
     for name, method, help_text in (
@@ -404,10 +420,13 @@ def _demand(args: argparse.Namespace) -> int:
 
 
 def _job(args: argparse.Namespace) -> dict | None:
-    """The demand's job from --job-spec and --results-to (a local path is made absolute)."""
-    from runyard.market.jobs import MAX_SPEC_BYTES
+    """The demand's job from --job-spec, --results-to, --job-file and --data-url (a local path is
+    made absolute)."""
+    from runyard.market.jobs import MAX_SPEC_BYTES, check_data_urls, encode_files
 
     if args.job_spec is None and args.results_to is None:
+        if args.job_file or args.data_url:
+            raise RunyardError("--job-file and --data-url belong to a job: give --job-spec and --results-to")
         return None
     if args.job_spec is None or args.results_to is None:
         raise RunyardError("--job-spec and --results-to go together: a job needs both")
@@ -423,7 +442,20 @@ def _job(args: argparse.Namespace) -> dict | None:
     results_to = args.results_to
     if "://" not in results_to:
         results_to = str(Path(results_to).expanduser().resolve())
-    return {"spec": spec, "results_to": results_to}
+    job: dict = {"spec": spec, "results_to": results_to}
+    try:
+        named = {}
+        for item in args.job_file:
+            name, sep, path = item.partition("=")
+            path = Path(path if sep else name)
+            named[name if sep else path.name] = path.read_bytes()
+        if named:
+            job["files"] = encode_files(named)
+        if args.data_url:
+            job["data_urls"] = check_data_urls(args.data_url)
+    except (OSError, ValueError) as exc:
+        raise RunyardError(f"--job-file/--data-url: {exc}") from exc
+    return job
 
 
 def _lease(args: argparse.Namespace) -> int:

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse
 
 from runyard.market import funds, identity, invariants, leases, orders, settlement, statements, usage
 from runyard.market.errors import MarketError, PayloadTooLarge
+from runyard.market.jobs import MAX_DEMAND_BODY_BYTES
 from runyard.market.models import (
     AcceptIn,
     AckIn,
@@ -47,31 +48,33 @@ DEFAULT_MAX_BODY = 64 * 1024
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming)."""
+    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming);
+    `route_limits` gives some paths their own limit."""
 
-    def __init__(self, app, limit: int):  # type: ignore[no-untyped-def]
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
+        self.app, self.default_limit, self.route_limits = app, limit, route_limits or {}
 
     async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.route_limits.get(scope.get("path", ""), self.default_limit)
         declared = dict(scope.get("headers") or []).get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _too_large(self.limit, send)
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _too_large(limit, send)
         seen = 0
 
         async def limited_receive():  # type: ignore[no-untyped-def]
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
-                raise PayloadTooLarge(f"request body exceeds {self.limit} bytes")
+            if seen > limit:
+                raise PayloadTooLarge(f"request body exceeds {limit} bytes")
             return message
 
         try:
             await self.app(scope, limited_receive, send)
         except PayloadTooLarge:
-            await _too_large(self.limit, send)
+            await _too_large(limit, send)
 
 
 async def _too_large(limit: int, send) -> None:  # type: ignore[no-untyped-def]
@@ -94,7 +97,9 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
         version="1",
         description="Verified identities, listings, escrow-backed demands, leases, signed usage, settlement.",
     )
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    # A demand may carry its job's files (runyard.market.jobs): that one route takes larger bodies.
+    app.add_middleware(BodyLimit, limit=max_body_bytes,
+                       route_limits={"/v1/demands": max(max_body_bytes, MAX_DEMAND_BODY_BYTES)})
 
     @app.exception_handler(MarketError)
     async def _market_error(_: Request, exc: MarketError) -> JSONResponse:

@@ -11,7 +11,7 @@ from sqlalchemy import Connection, or_, select, update
 
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
-from runyard.market.jobs import job_of, job_sha256
+from runyard.market.jobs import JOB_COLUMNS, job_of, job_sha256
 from runyard.market.machines import SYSTEM, Actor, transition
 from runyard.market.machines.demand import DEMAND
 from runyard.market.machines.demand import EXPIRED as DEMAND_EXPIRED
@@ -37,7 +37,7 @@ from runyard.market.signing import verify
 
 
 def lease_json(row) -> dict:  # type: ignore[no-untyped-def]
-    return {k: v for k, v in dict(row).items() if k not in ("job_spec", "job_results_to")}
+    return {k: v for k, v in dict(row).items() if k not in JOB_COLUMNS}
 
 
 def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def]
@@ -52,14 +52,14 @@ def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def
 
 
 def _job_query():  # type: ignore[no-untyped-def]
-    return select(leases, demands.c.job_spec, demands.c.job_results_to).join(
+    return select(leases, *(demands.c[c] for c in JOB_COLUMNS)).join(
         demands, demands.c.id == leases.c.demand_id
     )
 
 
 def _job_digest(conn: Connection, demand_id: int) -> str | None:
     row = (
-        conn.execute(select(demands.c.job_spec, demands.c.job_results_to).where(demands.c.id == demand_id))
+        conn.execute(select(*(demands.c[c] for c in JOB_COLUMNS)).where(demands.c.id == demand_id))
         .mappings()
         .one()
     )

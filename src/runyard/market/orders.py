@@ -16,7 +16,7 @@ from sqlalchemy import Connection, and_, select, update
 
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, NotFound
-from runyard.market.jobs import job_of
+from runyard.market.jobs import JOB_COLUMNS, job_columns, job_of
 from runyard.market.machines import SYSTEM, record_initial, transition
 from runyard.market.machines.demand import CANCELLED, DEMAND, MATCHED, OPEN
 from runyard.market.machines.identity import VERIFIED
@@ -40,7 +40,7 @@ def listing_json(row) -> dict:  # type: ignore[no-untyped-def]
 
 def demand_json(row, with_job: bool = True) -> dict:  # type: ignore[no-untyped-def]
     """A demand as the API shows it; `job` only to its tenant (with_job), never to an operator."""
-    hidden = ("requirement", "kinds", "job_spec", "job_results_to")
+    hidden = ("requirement", "kinds", *JOB_COLUMNS)
     out = {k: v for k, v in dict(row).items() if k not in hidden}
     out["requirement"] = json.loads(row["requirement"])
     if with_job:
@@ -154,8 +154,7 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
                 escrow_amount=escrow,
                 state=OPEN,
                 created_at=now,
-                job_spec=body.job.spec if body.job else None,
-                job_results_to=body.job.results_to if body.job else None,
+                **job_columns(body.job),
             )
         ).inserted_primary_key[0]
         escrow_id = ledger.open_account(conn, f"escrow:demand:{demand_id}", "escrow", principal.id)
