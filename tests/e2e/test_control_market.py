@@ -183,6 +183,7 @@ def test_lease_matched_accepted_run_reported_settled_and_delivered(tmp_path, mar
                 assert tenant.lease(refused["lease_id"])["refunded"] == tenant.lease(refused["lease_id"])["escrow_amount"]
                 assert not control.jobs(lease=str(refused["lease_id"]))
                 assert folder is None or not folder.exists(), "something was delivered for a refused lease"
+                assert not (state / "agent" / f"lease-{refused['lease_id']}").exists()  # its spec and data are gone
 
             gone = unfetchable["lease_id"]
             assert _until(lambda: tenant.lease(gone)["state"] in ("terminated", "settled"))

@@ -8,6 +8,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -108,3 +110,24 @@ def test_bad_inputs_are_refused_and_change_nothing(world, case):
     assert words in err.value.message, err.value.message
     assert fingerprint(world["market"]) == before
     assert tenant.balances() == balances and tenant.demands() == []
+
+
+def test_the_demand_verb_uploads_files_and_names_urls(world, tmp_path):
+    tenant = world["tenant"]
+    tenant.save_identity(tmp_path / "tenant.json")
+    (tmp_path / "spec.yaml").write_text(SPEC)
+    (tmp_path / "train.txt").write_bytes(b"hello world\n" * 100)
+    (tmp_path / "tokenizer.json").write_bytes(b'{"model": {}}')
+    base = [sys.executable, "-m", "runyard", "market", "demand", "--identity", str(tmp_path / "tenant.json"),
+            "--kinds", "h100-80gb", "--devices", "1", "--duration-s", "3600", "--max-price", "300",
+            "--job-spec", str(tmp_path / "spec.yaml"), "--results-to", "/srv/results/lab-1"]
+    out = subprocess.run([*base, "--job-file", f"data/train.txt={tmp_path / 'train.txt'}",
+                          "--job-file", str(tmp_path / "tokenizer.json"),
+                          "--data-url", "https://data.example.org/more.txt"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    job = tenant.demand(json.loads(out.stdout)["id"])["job"]
+    assert job == {**JOB, "files": encode_files({"data/train.txt": b"hello world\n" * 100,
+                                                 "tokenizer.json": b'{"model": {}}'})}
+    bad = subprocess.run([*base, "--job-file", f"../x={tmp_path / 'train.txt'}"], capture_output=True, text=True,
+                         timeout=60)
+    assert bad.returncode != 0 and "--job-file/--data-url" in bad.stderr and "relative path" in bad.stderr

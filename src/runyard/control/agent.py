@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 import time
 from dataclasses import dataclass, field
@@ -158,6 +159,8 @@ class MarketAgent:
             write_runnable_spec(folder, run_spec)
             delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
         except (RunyardError, OSError, ValueError) as exc:
+            # Nothing of a refused lease stays here: neither the tenant's spec nor its data.
+            shutil.rmtree(self.dir / f"lease-{int(lease['id'])}", ignore_errors=True)
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
         SandboxPolicy(lease_id=int(lease["id"]), root=str(folder.root), data_urls=url_files(data_urls),
