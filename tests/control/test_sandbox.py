@@ -62,10 +62,12 @@ def test_a_job_reads_its_files_and_writes_its_work_folder(sandboxed, provider):
     out = run_job(folder, "import os, sys\n"
                   "data = open(os.path.join(sys.argv[1], 'train.txt')).read()\n"
                   "open('run/out.txt', 'w').write(data.upper())\n"
-                  "print(os.getcwd(), os.environ['HOME'], os.environ['RUNYARD_DEVICES'])", str(folder.files))
+                  "caps = [l.split()[1] for l in open('/proc/self/status') if l.startswith('CapEff')][0]\n"
+                  "print(os.getcwd(), os.environ['HOME'], os.environ['RUNYARD_DEVICES'], caps)", str(folder.files))
     assert out.returncode == 0, out.stderr
     assert (folder.run_dir / "out.txt").read_text() == "THE TENANT'S OWN DATA\n"
-    assert out.stdout.split() == [str(folder.work), str(folder.work / "home"), "cpu:0"]
+    # No capabilities at all, even when the provider runs as root.
+    assert out.stdout.split() == [str(folder.work), str(folder.work / "home"), "cpu:0", "0" * 16]
     assert "runyard sandbox: lease 7, bubblewrap" in out.stderr
 
 
