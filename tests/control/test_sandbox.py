@@ -204,6 +204,17 @@ def test_the_lease_memory_limit_holds(sandboxed, provider):
     assert "memory 268435456" in big.stderr or "RLIMIT_DATA 268435456" in big.stderr
 
 
+def test_the_largest_file_a_job_may_write_is_bounded(sandboxed, provider):
+    folder, policy = provider["folder"], provider["policy"]
+    policy.max_file_bytes = 1 << 20
+    policy.save(folder.policy)
+    write = "import sys; open('run/big', 'wb').write(b'x' * int(sys.argv[1])); print('wrote')"
+    assert run_job(folder, write, str(1 << 19)).returncode == 0
+    big = run_job(folder, write, str(4 << 20))
+    assert big.returncode != 0 and "wrote" not in big.stdout and "RLIMIT_FSIZE 1048576" in big.stderr
+    assert (folder.run_dir / "big").stat().st_size <= 1 << 20
+
+
 def test_cpu_slots_become_the_jobs_cores(sandboxed, provider):
     out = run_job(provider["folder"], "import os; print(sorted(os.sched_getaffinity(0)))", devices="cpu:1")
     cores = sorted(os.sched_getaffinity(0))

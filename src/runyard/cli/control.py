@@ -62,6 +62,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--lease-memory-per-device", type=_byte_size, metavar="BYTES",
                        help="memory a lease job may use per device it leases, e.g. 16G (default: this "
                        "machine's memory over its devices)")
+    start.add_argument("--lease-max-file-size", type=_byte_size, metavar="BYTES",
+                       help="the largest file a lease job may write, e.g. 50G (default: no bound; its "
+                       "checkpoints must fit)")
     start.add_argument("--lease-max-fetch", type=_byte_size, default=1 << 30, metavar="BYTES",
                        help="the most a lease's data URLs may hold in all, e.g. 500M (default 1G)")
     start.add_argument("--lease-env", action="append", default=[], metavar="NAME",
@@ -165,7 +168,8 @@ def _options(args: argparse.Namespace):
     lease_settings = LeaseJobSettings(unconfined=args.unconfined_lease_jobs,
                                       data_networks=args.allow_data_network,
                                       max_fetch_bytes=args.lease_max_fetch,
-                                      memory_per_device=args.lease_memory_per_device, pass_env=args.lease_env)
+                                      memory_per_device=args.lease_memory_per_device,
+                                      max_file_bytes=args.lease_max_file_size, pass_env=args.lease_env)
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
                          usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,

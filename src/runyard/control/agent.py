@@ -80,6 +80,7 @@ class LeaseJobSettings:
     data_networks: list[str] = field(default_factory=list)  # CIDRs data URLs may reach besides public addresses
     max_fetch_bytes: int = 1 << 30  # the most a lease's data URLs may hold in all
     memory_per_device: int | None = None  # default: this machine's memory over its devices
+    max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE)
     pass_env: list[str] = field(default_factory=list)  # daemon variables a lease job may see
 
 
@@ -167,6 +168,7 @@ class MarketAgent:
                       max_fetch_bytes=self.settings.max_fetch_bytes,
                       data_networks=list(self.settings.data_networks),
                       memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
+                      max_file_bytes=self.settings.max_file_bytes,
                       pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined).save(folder.policy)
         requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
                                      tenant=f"tenant-{lease['tenant_id']}", run_dir=str(folder.run_dir),
