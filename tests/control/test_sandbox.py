@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from runyard.control import limits as job_limits
 from runyard.control import procs
 from runyard.control.lease_job import LeaseFolder, write_files
 from runyard.control.sandbox import SandboxPolicy, allocated_devices, bwrap_argv, wrap_argv
@@ -262,6 +263,10 @@ def test_nothing_outlives_a_killed_launcher(sandboxed, provider):
     while procs.processes_of_job(MARKER_INSTANCE, 3):
         assert time.monotonic() < deadline, f"left behind: {procs.processes_of_job(MARKER_INSTANCE, 3)}"
         time.sleep(0.05)
+    # The killed launcher could not leave its cgroups; the agent removes them when the lease ends.
+    job_limits.remove_stale(job_limits.cgroup_name(7, 3))
+    assert job_limits.remove_stale(job_limits.cgroup_name(7, 3)) == 0
+    assert not list(Path("/sys/fs/cgroup").glob("*/runyard-lease-7-3"))
 
 
 def test_unconfined_mode_keeps_the_environment_clean_but_not_the_files(provider):

@@ -48,6 +48,7 @@ from typing import Any
 
 import yaml
 
+from runyard.control import limits as job_limits
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.jobs import add_jobs, requests_for_spec
 from runyard.control.lease_job import (
@@ -139,8 +140,7 @@ class MarketAgent:
                 record = self._record(lease["id"])
                 if record is not None and not record.get("finished"):
                     self._stop_jobs(record, f"the lease was {state}")
-                    record["finished"] = True
-                    self._save(record)
+                    self._finish(record)
 
     def _consider(self, lease: dict) -> None:
         if self._record(lease["id"]) is not None:
@@ -211,8 +211,7 @@ class MarketAgent:
                 self.client.start_lease(lease["id"])
                 self.client.terminate_lease(lease["id"], "job_failed",
                                             f"the job could not start: {self._why(record, job)}"[:2000])
-                record["finished"] = True
-                self._save(record)
+                self._finish(record)
             return
         # Running lease.
         window_over = now >= lease["window_end"]
@@ -227,13 +226,11 @@ class MarketAgent:
             if job.state != JobState.SUCCEEDED and not window_over:
                 self.client.terminate_lease(lease["id"], "job_failed",
                                             f"job {job.id} {job.state}: {self._why(record, job)}"[:2000])
-                record["finished"] = True
-                self._save(record)
+                self._finish(record)
                 return
         if window_over and ended and record["delivered"]:
             self.client.close_lease(lease["id"])
-            record["finished"] = True
-            self._save(record)
+            self._finish(record)
 
     # -- usage and results ------------------------------------------------------------------------
 
@@ -280,6 +277,13 @@ class MarketAgent:
             return f"{reason} ({job.detail})"
         except (KeyError, OSError, ValueError, TypeError):
             return str(job.detail)
+
+    def _finish(self, record: dict) -> None:
+        """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
+        record["finished"] = True
+        self._save(record)
+        for job_id in record["job_ids"]:
+            job_limits.remove_stale(job_limits.cgroup_name(record["lease_id"], job_id))
 
     def _stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:

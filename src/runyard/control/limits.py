@@ -132,6 +132,23 @@ def leave_cgroups(cgroups: list[Path]) -> None:
             pass  # a process of the job still lingers in it; the next attempt of the job reuses it
 
 
+def remove_stale(name: str) -> int:
+    """Remove the (empty) cgroups called `name` beside this process's own: what a launcher killed
+    before it could leave them behind. Returns how many were removed."""
+    removed = 0
+    for own in (_own_cgroup(None), _own_cgroup("memory"), _own_cgroup("pids")):
+        if own is not None and (own / name).is_dir():
+            with contextlib.suppress(OSError):  # still holds a process: left for a later sweep
+                (own / name).rmdir()
+                removed += 1
+    return removed
+
+
+def cgroup_name(lease_id: int, job_id: int | str) -> str:
+    """The cgroup a lease's job runs in (one name for all its attempts)."""
+    return f"runyard-lease-{lease_id}-{job_id}"
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
