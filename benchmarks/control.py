@@ -158,11 +158,9 @@ def recovery_ours(spec: Path, root: Path) -> float:
         while not (state / "daemon.json").exists():
             time.sleep(0.05)
         from runyard.control.client import ControlClient
-        from runyard.control.jobs import requests_for_spec
-        from runyard.spec import load_spec
 
         client = ControlClient.for_state_dir(state)
-        job = client.submit(requests_for_spec(spec, load_spec(spec), run_dir=str(run_dir)))[0]
+        job = client.submit_spec(spec.read_text(), run_dir=str(run_dir.resolve()))[0]
         _wait_checkpoint(run_dir)
         shim = client.job(job["id"])["job"]["pid"]
         worker = _children(shim)[0]

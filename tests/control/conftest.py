@@ -2,19 +2,25 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from runyard.control import procs
+from runyard.control.store import JobStore
 
-from .helpers import Daemon
+from .helpers import Daemon, require_sandbox
 
 
 @pytest.fixture
 def daemon_factory(tmp_path):
-    """daemon_factory(flags...) -> a started Daemon; every daemon and job process is stopped after."""
+    """daemon_factory(flags...) -> a started Daemon; every daemon and job process is stopped after.
+    These daemons run the test job script as a raw command, so they accept commands (--allow-argv)
+    unless `argv=False`."""
     made: list[Daemon] = []
 
-    def make(*flags: str) -> Daemon:
+    def make(*flags: str, argv: bool = True) -> Daemon:
+        flags = (*flags, "--allow-argv") if argv else flags
         d = Daemon(tmp_path / f"state{len(made)}", tmp_path / f"events{len(made)}.jsonl", list(flags))
         made.append(d)
         return d.start()
@@ -23,11 +29,13 @@ def daemon_factory(tmp_path):
     for d in made:
         d.stop()
         ids = []
-        try:
-            from runyard.control.store import JobStore
-
+        with contextlib.suppress(Exception):
             ids = [j.id for j in JobStore(d.state_dir / "control.db").jobs()]
-        except Exception:
-            pass
         for job_id in ids:
             procs.kill_job_processes(procs.instance_id(d.state_dir), job_id)
+
+
+@pytest.fixture
+def sandboxed():
+    """Skip (fail under CI=true) unless bubblewrap runs here."""
+    require_sandbox()

@@ -10,6 +10,9 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
+from runyard.control import sandbox
 from runyard.control.client import ControlClient
 
 JOBSCRIPT = str(Path(__file__).with_name("jobscript.py"))
@@ -76,3 +79,15 @@ class Daemon:
             return []
         records = [json.loads(line) for line in self.events.read_text().splitlines() if line.strip()]
         return [r for r in records if kind is None or r["kind"] == kind]
+
+
+def require_sandbox() -> None:
+    """Skip (fail under CI=true) unless bubblewrap runs lease jobs here (.ci/setup_sandbox.sh)."""
+    if not os.environ.get("RUNYARD_TEST_BWRAP"):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("RUNYARD_TEST_BWRAP is not set, and CI=true: run .ci/setup_sandbox.sh and source .ci/env")
+        pytest.skip("RUNYARD_TEST_BWRAP is not set (run .ci/setup_sandbox.sh, then `source .ci/env`)")
+    try:
+        sandbox.probe()
+    except sandbox.SandboxUnavailable as exc:
+        pytest.fail(f"RUNYARD_TEST_BWRAP is set but the sandbox does not run: {exc}")

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from runyard.control.agent import DELIVERY_MARKER, deliver_results, delivery_target
+from runyard.control.delivery import DELIVERY_MARKER, deliver_results, delivery_target
 
 
 def _run_dir(tmp_path):

@@ -2,12 +2,16 @@
 in tests/control/fixtures/slurm/): submit with GRES, run, cancel, and a Slurm requeue that
 resumes from the job's checkpoint."""
 
+import json
 import os
 import subprocess
+import sys
 
 import pytest
 
 from runyard.control.backends.slurm import parse_sacct, parse_scontrol
+from runyard.control.lease_job import LeaseFolder
+from runyard.control.sandbox import SandboxPolicy, wrap_argv
 
 from .helpers import job
 
@@ -88,3 +92,25 @@ def test_parsers_read_real_output_shapes():
     assert parsed["JobState"] == "RUNNING" and parsed["Restarts"] == "1" and parsed["TRES"].endswith("gres/gpu=2")
     assert parse_sacct("12|COMPLETED|0:0\n12.batch|COMPLETED|0:0\n") == {"State": "COMPLETED", "ExitCode": "0:0"}
     assert parse_sacct("12|CANCELLED by 0|0:15\n") == {"State": "CANCELLED", "ExitCode": "0:15"}
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_a_lease_job_runs_in_the_sandbox_under_slurm(slurm_daemon, sandboxed, tmp_path):
+    """The command a lease's job is queued with (the sandbox launcher) runs as a Slurm batch job:
+    the job writes its work folder, but sees neither the provider's files nor the batch job's environment."""
+    d = slurm_daemon
+    (tmp_path / "secret.txt").write_text("provider secret")
+    folder = LeaseFolder(tmp_path / "agent" / "lease-9").create()
+    SandboxPolicy(lease_id=9, root=str(folder.root)).save(folder.policy)
+    script = ("import json, os, sys\n"
+              "try:\n    leaked = open(sys.argv[1]).read()\nexcept OSError as exc:\n    leaked = None\n"
+              "json.dump({'leaked': leaked, 'env': sorted(os.environ)}, open('run/out.json', 'w'))")
+    argv = wrap_argv([sys.executable, "-c", script, str(tmp_path / "secret.txt")], folder.policy)
+    j = d.client.submit([{"name": "lease-9", "argv": argv, "devices": 1, "run_dir": str(folder.run_dir)}])[0]
+    final = d.client.wait(j["id"], timeout_s=120)
+    assert final["state"] == "succeeded", d.client.logs(j["id"])["text"][-2000:]
+    out = json.loads((folder.run_dir / "out.json").read_text())
+    assert out["leaked"] is None and "RUNYARD_CONTROL_JOB" in out["env"]
+    assert not any(name.startswith("SLURM_") for name in out["env"])  # the batch job's variables stay outside
+    assert "runyard sandbox: lease 9, bubblewrap" in d.client.logs(j["id"])["text"]

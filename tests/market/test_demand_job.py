@@ -12,7 +12,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import inspect, text
 
 from runyard.market.client import MarketClientError
-from runyard.market.jobs import MAX_SPEC_BYTES, job_sha256
+from runyard.market.jobs import MAX_DEMAND_BODY_BYTES, MAX_SPEC_BYTES, job_sha256
 from runyard.market.payloads import lease_terms
 from runyard.market.schema import metadata
 from runyard.market.server import ServerThread
@@ -95,7 +95,7 @@ def test_demand_without_job_has_none(world):
 
 BAD_JOBS = {
     "oversized spec": ({"spec": "name: x\n" + "#" * MAX_SPEC_BYTES, "results_to": "/r"}, 422, "job.spec"),
-    "body over the limit": ({"spec": "name: x\n#" + "x" * 70_000, "results_to": "/r"}, 413, None),
+    "body over the limit": ({"spec": "name: x\n#" + "x" * MAX_DEMAND_BODY_BYTES, "results_to": "/r"}, 413, None),
     "multibyte over the limit": (
         {"spec": "name: " + "é" * (MAX_SPEC_BYTES // 2 + 1), "results_to": "/r"},
         422,
@@ -141,5 +141,5 @@ def test_upgrade_from_0001_keeps_demands_and_adds_the_job_columns(store_url):
     market = open_market(store_url)  # migrates to head
     with market.store.engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), metadata) == []
-        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0003"
+        assert conn.execute(text("SELECT version_num FROM alembic_version")).scalar_one() == "0004"
     market.store.dispose()

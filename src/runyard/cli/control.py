@@ -50,6 +50,26 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        "does not carry them (default: STATE_DIR/lease-jobs); results go to demand-<id>/results")
     start.add_argument("--deliveries-root", help="the folder a lease's results_to must lie in (default: "
                        "STATE_DIR/deliveries); a demand naming any other place is rejected and its escrow returned")
+    start.add_argument("--allow-argv", action="store_true",
+                       help="let the API queue arbitrary commands (JSON 'jobs' with argv), run as this daemon's "
+                       "user, besides job specs; off by default")
+    start.add_argument("--unconfined-lease-jobs", action="store_true",
+                       help="run lease jobs without the bubblewrap sandbox where it cannot run (they then see "
+                       "this machine's files and network); without it the daemon refuses to start so")
+    start.add_argument("--allow-data-network", action="append", default=[], metavar="CIDR",
+                       help="a network (e.g. 10.20.0.0/16) a lease's data URLs may reach besides public addresses "
+                       "(repeatable; default: public addresses only, never loopback, private or link-local)")
+    start.add_argument("--lease-memory-per-device", type=_byte_size, metavar="BYTES",
+                       help="memory a lease job may use per device it leases, e.g. 16G (default: this "
+                       "machine's memory over its devices)")
+    start.add_argument("--lease-max-file-size", type=_byte_size, metavar="BYTES",
+                       help="the largest file a lease job may write, e.g. 50G (default: no bound; its "
+                       "checkpoints must fit)")
+    start.add_argument("--lease-max-fetch", type=_byte_size, default=1 << 30, metavar="BYTES",
+                       help="the most a lease's data URLs may hold in all, e.g. 500M (default 1G)")
+    start.add_argument("--lease-env", action="append", default=[], metavar="NAME",
+                       help="pass this daemon's environment variable NAME through to lease jobs (repeatable); "
+                       "they see no other of its variables")
     start.add_argument("--foreground", action="store_true", help="run in this process instead of detaching")
     start.set_defaults(handler=_control_start)
 
@@ -96,6 +116,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         p.set_defaults(handler=fn)
 
 
+def _byte_size(text: str) -> int:
+    """`16G`, `500M`, `1024` -> bytes."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    number, unit = text.strip().upper().rstrip("B").rstrip("I"), ""
+    if number and number[-1] in units:
+        number, unit = number[:-1], number[-1]
+    if not number.isdigit() or int(number) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a size such as 1024, 500M or 16G")
+    return int(number) * units[unit]
+
+
 def _client(args: argparse.Namespace):
     from runyard.control.client import ControlClient
 
@@ -103,7 +134,10 @@ def _client(args: argparse.Namespace):
 
 
 def _options(args: argparse.Namespace):
-    from runyard.control.daemon import ControlError, DaemonOptions, detect_inventory
+    from runyard.control.agent import LeaseJobSettings
+    from runyard.control.daemon import DaemonOptions, detect_inventory
+    from runyard.control.fetch import allowed_networks
+    from runyard.control.info import ControlError
     from runyard.control.loop import ControlConfig
     from runyard.control.retry import ClassBudget, RetryPolicy
 
@@ -127,14 +161,25 @@ def _options(args: argparse.Namespace):
     if args.market and not args.provider_key:
         raise ControlError("--market needs --provider-key (the key that signs acceptances and usage)")
     slurm = {"partition": args.slurm_partition, "gres": args.slurm_gres}
+    try:
+        allowed_networks(args.allow_data_network)
+    except ValueError as exc:
+        raise ControlError(f"--allow-data-network: {exc}") from None
+    lease_settings = LeaseJobSettings(unconfined=args.unconfined_lease_jobs,
+                                      data_networks=args.allow_data_network,
+                                      max_fetch_bytes=args.lease_max_fetch,
+                                      memory_per_device=args.lease_memory_per_device,
+                                      max_file_bytes=args.lease_max_file_size, pass_env=args.lease_env)
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
                          usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,
-                         deliveries_root=args.deliveries_root)
+                         deliveries_root=args.deliveries_root, lease_settings=lease_settings,
+                         allow_argv=args.allow_argv)
 
 
 def _control_start(args: argparse.Namespace) -> int:
-    from runyard.control.daemon import ControlError, read_daemon_info, run_daemon
+    from runyard.control.daemon import run_daemon
+    from runyard.control.info import ControlError, read_daemon_info
 
     options = _options(args)  # validate before detaching, so errors reach this terminal
     if args.foreground:
@@ -163,7 +208,7 @@ def _control_start(args: argparse.Namespace) -> int:
 
 
 def _control_stop(args: argparse.Namespace) -> int:
-    from runyard.control.daemon import read_daemon_info
+    from runyard.control.info import read_daemon_info
 
     info = read_daemon_info(args.state_dir)
     _client(args).shutdown()
@@ -186,13 +231,14 @@ def _control_status(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from runyard.control.jobs import requests_for_spec
     from runyard.spec import load_spec
 
-    spec = load_spec(args.spec)  # a bad spec is rejected here, before it is queued (exit 2)
-    requests = requests_for_spec(args.spec, spec, devices=args.devices, priority=args.priority,
-                                 tenant=args.tenant, run_dir=args.run_dir, staged=args.staged)
-    for job in _client(args).submit(requests):
+    load_spec(args.spec)  # a bad spec is rejected here, before it is sent (exit 2); the daemon checks again
+    text = Path(args.spec).read_text(encoding="utf-8")
+    run_dir = str(Path(args.run_dir).resolve()) if args.run_dir else None
+    jobs = _client(args).submit_spec(text, priority=args.priority, devices=args.devices, tenant=args.tenant,
+                                     run_dir=run_dir, staged=args.staged)
+    for job in jobs:
         after = f" after job {job['depends_on']}" if job["depends_on"] else ""
         print(f"job {job['id']} {job['name']}: pending on {job['devices']} device(s){after}; run dir {job['run_dir']}")
     return 0

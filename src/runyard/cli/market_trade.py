@@ -25,7 +25,7 @@ import yaml
 from runyard.cli.market_common import print_json, timestamp
 from runyard.errors import RunyardError
 from runyard.market.client import MarketClient
-from runyard.market.jobs import MAX_SPEC_BYTES
+from runyard.market.jobs import MAX_SPEC_BYTES, check_data_urls, encode_files
 from runyard.market.operations import OPERATIONS, Operation
 from runyard.market.requirement import Requirement
 
@@ -177,6 +177,22 @@ def _demand_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[ar
         metavar="PATH",
         help="where the provider delivers the results (required with --job-spec)",
     )
+    parser.add_argument(
+        "--job-file",
+        action="append",
+        default=[],
+        metavar="[NAME=]FILE",
+        help="a data file uploaded with the job (repeatable; at most 256 KiB in all); the spec names it "
+        "by NAME (default: the file's name), a relative path",
+    )
+    parser.add_argument(
+        "--data-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an http(s) URL the provider fetches for the job before it starts (repeatable); the spec "
+        "names it as a data source by this exact URL",
+    )
 
     def handler(args: argparse.Namespace) -> int:
         client = client_for(args)
@@ -217,8 +233,11 @@ def _requirement(args: argparse.Namespace) -> dict:
 
 
 def _job(args: argparse.Namespace) -> dict | None:
-    """The demand's job from --job-spec and --results-to (a local path is made absolute)."""
+    """The demand's job from --job-spec, --results-to, --job-file and --data-url (a local path is
+    made absolute)."""
     if args.job_spec is None and args.results_to is None:
+        if args.job_file or args.data_url:
+            raise RunyardError("--job-file and --data-url belong to a job: give --job-spec and --results-to")
         return None
     if args.job_spec is None or args.results_to is None:
         raise RunyardError("--job-spec and --results-to go together: a job needs both")
@@ -234,7 +253,20 @@ def _job(args: argparse.Namespace) -> dict | None:
     results_to = args.results_to
     if "://" not in results_to:
         results_to = str(Path(results_to).expanduser().resolve())
-    return {"spec": spec, "results_to": results_to}
+    job: dict = {"spec": spec, "results_to": results_to}
+    try:
+        named = {}
+        for item in args.job_file:
+            name, sep, path = item.partition("=")
+            path = Path(path if sep else name)
+            named[name if sep else path.name] = path.read_bytes()
+        if named:
+            job["files"] = encode_files(named)
+        if args.data_url:
+            job["data_urls"] = check_data_urls(args.data_url)
+    except (OSError, ValueError) as exc:
+        raise RunyardError(f"--job-file/--data-url: {exc}") from exc
+    return job
 
 
 CUSTOM = {"register": _register_args, "place_demand": _demand_args}

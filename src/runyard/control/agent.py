@@ -13,13 +13,22 @@ Each round it
   the escrow).
 
 Where the job comes from: the demand's job, which the market shows on the lease to its parties
-(`lease["job"]` = {"spec": YAML text, "results_to": absolute path or file:// URL}); the spec is
-written to `<state dir>/agent/lease-<id>/spec.yaml` and run from there. A lease without a job
-falls back to the local drop directory `<lease_jobs>/demand-<demand id>/spec.yaml`, with results
-delivered to `<lease_jobs>/demand-<demand id>/results/`. Results are the run's eval/, export/,
-spec.yaml, manifest.json, data/report.*, stages/*/gates.json and metrics, never its checkpoints,
-copied atomically (see `deliver_results`); a `results_to` this agent cannot deliver to (another
-URL scheme, a directory holding other files) gets the lease rejected before any work.
+(`lease["job"]` = {"spec", "results_to", "files", "data_urls"}, see `runyard.market.jobs`). It is
+laid out in the lease's folder `<state dir>/agent/lease-<id>/` (see `runyard.control.lease_job`):
+the spec, the uploaded files, and the spec the job runs, whose data paths are the lease's own
+files or local copies of its data URLs. A spec that names anything else (a provider path, a URL
+the demand does not name, a cache or store outside the lease) gets the lease rejected with the
+reason before any work. A lease without a job falls back to the local drop directory
+`<lease_jobs>/demand-<demand id>/spec.yaml` (its other files are the job's data), with results
+delivered to `<lease_jobs>/demand-<demand id>/results/`.
+
+Every attempt runs inside the sandbox (`runyard.control.sandbox`): only the lease's work folder
+writable, no provider files, environment or network. When the sandbox launcher cannot run the job
+(a data URL that cannot be fetched, ...) the lease ends with its reason. Results are the run's
+eval/, export/, spec.yaml, manifest.json, data/report.*, stages/*/gates.json and metrics, never
+its checkpoints, copied atomically and never through a link (see `runyard.control.delivery`); a
+`results_to` this agent cannot deliver to (another URL scheme, a directory holding other files)
+gets the lease rejected before any work.
 
 What it has done for each lease is kept in `<state dir>/agent/lease-<id>.json` (written
 atomically), so a restarted daemon neither accepts twice nor reports the same usage twice.
@@ -27,36 +36,59 @@ atomically), so a restarted daemon neither accepts twice nor reports the same us
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from runyard.control import limits as job_limits
+from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.jobs import add_jobs, requests_for_spec
+from runyard.control.lease_job import (
+    LeaseFolder,
+    copy_drop_folder,
+    runnable_spec,
+    url_files,
+    write_files,
+    write_runnable_spec,
+)
+from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.server import capacity
 from runyard.control.states import JobState
 from runyard.control.store import Job
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text, fsync_dir, fsync_file
+from runyard.fsutil import atomic_write_text
+from runyard.market.client import MarketClient
+from runyard.market.jobs import MAX_JOB_FILES_BYTES, check_data_urls, decode_files
 from runyard.spec import load_spec
 
 log = logging.getLogger("runyard.control.agent")
 LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-effort jobs
 
 
+@dataclass
+class LeaseJobSettings:
+    """The operator's settings for lease jobs (see `runyard control start --help`)."""
+
+    unconfined: bool = False  # run them without the sandbox (only where bubblewrap cannot run)
+    data_networks: list[str] = field(default_factory=list)  # CIDRs data URLs may reach besides public addresses
+    max_fetch_bytes: int = 1 << 30  # the most a lease's data URLs may hold in all
+    memory_per_device: int | None = None  # default: this machine's memory over its devices
+    max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE)
+    pass_env: list[str] = field(default_factory=list)  # daemon variables a lease job may see
+
+
 class MarketAgent:
     def __init__(self, loop, market_url: str, provider_key: str | None, usage_interval_s: float = 30.0,
                  lease_jobs: str | Path | None = None, poll_s: float = 1.0, client=None,
-                 deliveries_root: str | Path | None = None):
-        from runyard.market.client import MarketClient
-
+                 deliveries_root: str | Path | None = None, settings: LeaseJobSettings | None = None):
         self.loop = loop
         self.client = client or MarketClient.from_identity_file(provider_key, base_url=market_url)
         self.usage_interval_s = usage_interval_s
@@ -67,6 +99,10 @@ class MarketAgent:
         # the provider's agent write anywhere else on the provider's machine.
         self.deliveries_root = Path(deliveries_root) if deliveries_root else state_dir / "deliveries"
         self.delivery_roots = (self.deliveries_root, self.lease_jobs)
+        self.settings = settings or LeaseJobSettings()
+        if self.settings.memory_per_device is None:
+            total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            self.settings.memory_per_device = total // max(1, len(loop.config.inventory))
         self.dir = state_dir / "agent"
         self.dir.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
@@ -104,8 +140,7 @@ class MarketAgent:
                 record = self._record(lease["id"])
                 if record is not None and not record.get("finished"):
                     self._stop_jobs(record, f"the lease was {state}")
-                    record["finished"] = True
-                    self._save(record)
+                    self._finish(record)
 
     def _consider(self, lease: dict) -> None:
         if self._record(lease["id"]) is not None:
@@ -117,35 +152,53 @@ class MarketAgent:
             return
         try:
             found = self._job_of(lease)
-        except OSError as exc:
-            log.warning("lease %s: cannot read its job: %s", lease["id"], exc)
-            found = None
-        if found is None:
-            return  # its job has not arrived yet; the market expires the lease if it never does
-        spec_path, results_to = found
-        try:
-            spec = load_spec(spec_path)
+            if found is None:
+                return  # its job has not arrived yet; the market expires the lease if it never does
+            folder, results_to, data_urls = found
+            spec = load_spec(folder.spec)
+            run_spec = runnable_spec(yaml.safe_load(folder.spec.read_text(encoding="utf-8")), folder, data_urls)
+            write_runnable_spec(folder, run_spec)
             delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
         except (RunyardError, OSError, ValueError) as exc:
+            # Nothing of a refused lease stays here: neither the tenant's spec nor its data.
+            shutil.rmtree(self.dir / f"lease-{int(lease['id'])}", ignore_errors=True)
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
+        SandboxPolicy(lease_id=int(lease["id"]), root=str(folder.root), data_urls=url_files(data_urls),
+                      max_fetch_bytes=self.settings.max_fetch_bytes,
+                      data_networks=list(self.settings.data_networks),
+                      memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
+                      max_file_bytes=self.settings.max_file_bytes,
+                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined).save(folder.policy)
+        requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
+                                     tenant=f"tenant-{lease['tenant_id']}", run_dir=str(folder.run_dir),
+                                     lease_id=str(lease["id"]))
+        for request in requests:  # every attempt of the lease's job runs inside the sandbox
+            request["argv"] = wrap_argv(request["argv"], folder.policy)
         # Write our intent before accepting: after a crash we resume from here, never accept twice.
         record = {"lease_id": lease["id"], "demand_id": lease["demand_id"], "tenant_id": lease["tenant_id"],
-                  "results_to": str(results_to),
-                  "spec": str(spec_path), "job_ids": [], "seq": 0, "reported_device_seconds": 0,
+                  "results_to": str(results_to), "folder": str(folder.root), "requests": requests,
+                  "job_ids": [], "seq": 0, "reported_device_seconds": 0,
                   "last_end": None, "delivered": False, "finished": False}
         self._save(record)
         self.client.accept_lease(lease["id"])
-        requests = requests_for_spec(spec_path, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
-                                     tenant=f"tenant-{lease['tenant_id']}", lease_id=str(lease["id"]))
+        self._submit(record)
+
+    def _submit(self, record: dict) -> None:
+        """Queue the accepted lease's job(s), once (also after a crash between accepting and queueing)."""
         with self.loop.mutex:
-            jobs = add_jobs(self.loop.store, requests, self.loop.config, actor=f"agent:lease-{lease['id']}")
-        record["job_ids"] = [j.id for j in jobs]
-        self._save(record)
+            if record["job_ids"]:
+                return
+            jobs = add_jobs(self.loop.store, record["requests"], self.loop.config,
+                            actor=f"agent:lease-{record['lease_id']}")
+            record["job_ids"] = [j.id for j in jobs]
+            self._save(record)
         self.loop.wake.set()
-        log.info("accepted lease %s: job(s) %s", lease["id"], record["job_ids"])
+        log.info("accepted lease %s: job(s) %s", record["lease_id"], record["job_ids"])
 
     def _follow(self, lease: dict, record: dict, now: int) -> None:
+        if not record["job_ids"]:
+            self._submit(record)
         jobs = [self.loop.store.get(i) for i in record["job_ids"]]
         if not jobs:
             return
@@ -156,9 +209,9 @@ class MarketAgent:
             elif job.state.terminal:
                 # It could not start: start and end the lease at once so the escrow comes back.
                 self.client.start_lease(lease["id"])
-                self.client.terminate_lease(lease["id"], "job_failed", f"the job could not start: {job.detail}")
-                record["finished"] = True
-                self._save(record)
+                self.client.terminate_lease(lease["id"], "job_failed",
+                                            f"the job could not start: {self._why(record, job)}"[:2000])
+                self._finish(record)
             return
         # Running lease.
         window_over = now >= lease["window_end"]
@@ -171,14 +224,13 @@ class MarketAgent:
         if ended and not record["delivered"]:
             self._deliver(record, job)
             if job.state != JobState.SUCCEEDED and not window_over:
-                self.client.terminate_lease(lease["id"], "job_failed", f"job {job.id} {job.state}: {job.detail}")
-                record["finished"] = True
-                self._save(record)
+                self.client.terminate_lease(lease["id"], "job_failed",
+                                            f"job {job.id} {job.state}: {self._why(record, job)}"[:2000])
+                self._finish(record)
                 return
         if window_over and ended and record["delivered"]:
             self.client.close_lease(lease["id"])
-            record["finished"] = True
-            self._save(record)
+            self._finish(record)
 
     # -- usage and results ------------------------------------------------------------------------
 
@@ -217,6 +269,22 @@ class MarketAgent:
         record["delivered"] = True
         self._save(record)
 
+    @staticmethod
+    def _why(record: dict, job: Job) -> str:
+        """Why a lease's job failed: the sandbox launcher's reason when it could not run the job."""
+        try:
+            reason = json.loads((Path(record["folder"]) / "failure.json").read_text())["reason"]
+            return f"{reason} ({job.detail})"
+        except (KeyError, OSError, ValueError, TypeError):
+            return str(job.detail)
+
+    def _finish(self, record: dict) -> None:
+        """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
+        record["finished"] = True
+        self._save(record)
+        for job_id in record["job_ids"]:
+            job_limits.remove_stale(job_limits.cgroup_name(record["lease_id"], job_id))
+
     def _stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:
             job = self.loop.store.get(job_id)
@@ -226,21 +294,27 @@ class MarketAgent:
 
     # -- where jobs come from, and the agent's own records ------------------------------------------
 
-    def _job_of(self, lease: dict) -> tuple[Path, str] | None:
-        """The lease's spec (written into the lease's own area here) and where its results go."""
+    def _job_of(self, lease: dict) -> tuple[LeaseFolder, str, list[str]] | None:
+        """The lease's folder with its spec and data written into it, where its results go, and the
+        data URLs it may read; None while a job-less lease's drop folder has no spec yet."""
+        folder = LeaseFolder(self.dir / f"lease-{int(lease['id'])}")
         attached = lease.get("job")
         if isinstance(attached, dict) and "spec" in attached:
-            folder = self.dir / f"lease-{int(lease['id'])}"
-            folder.mkdir(parents=True, exist_ok=True)
-            spec_path = folder / "spec.yaml"
+            files = decode_files(attached.get("files") or {})  # checked again: never trust the wire
+            data_urls = check_data_urls(list(attached.get("data_urls") or []))
+            folder.create()
+            write_files(folder, files)
             spec_text = attached["spec"] if isinstance(attached["spec"], str) else yaml.safe_dump(attached["spec"])
-            atomic_write_text(spec_path, spec_text)
-            return spec_path, str(attached.get("results_to") or folder / "results")
-        # Fallback for demands that carry no job: the local drop directory.
+            atomic_write_text(folder.spec, spec_text)
+            return folder, str(attached.get("results_to") or folder.root / "results"), data_urls
+        # Fallback for demands that carry no job: the local drop directory, whose files are the job's data.
         drop = self.lease_jobs / f"demand-{int(lease['demand_id'])}"
-        if not (drop / "spec.yaml").exists():
+        if not (drop / "spec.yaml").is_file():
             return None
-        return drop / "spec.yaml", str(drop / "results")
+        folder.create()
+        copy_drop_folder(drop, folder, MAX_JOB_FILES_BYTES)
+        atomic_write_text(folder.spec, (drop / "spec.yaml").read_text(encoding="utf-8"))
+        return folder, str(drop / "results"), []
 
     def _path(self, lease_id: int) -> Path:
         return self.dir / f"lease-{int(lease_id)}.json"
@@ -253,87 +327,3 @@ class MarketAgent:
 
     def _save(self, record: dict[str, Any]) -> None:
         atomic_write_text(self._path(record["lease_id"]), json.dumps(record))
-
-
-# What a tenant gets of a run directory: everything but checkpoints, logs and scratch.
-RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "data/report.*",
-                   "stages/*/gates.json", "stages/*/metrics.jsonl")
-DELIVERY_MARKER = ".runyard-delivery.json"
-
-
-def delivery_target(results_to: str, tenant: int | None = None, roots: tuple[Path, ...] | None = None) -> Path:
-    """The local directory a lease's results go to; ValueError for what this agent cannot deliver to.
-
-    Accepts an absolute path or a file:// URL. Other schemes (e.g. a signed upload URL) are refused
-    up front, so the lease is rejected and the escrow returned rather than the work lost. A target
-    that already holds something other than an earlier delivery is refused too: the agent never
-    replaces a tenant's (or anyone's) files with a run's results; with `tenant` given, an earlier
-    delivery is replaced only if it was made for that same tenant.
-    """
-    if "://" in results_to:
-        scheme, _, rest = results_to.partition("://")
-        if scheme.lower() != "file":
-            raise ValueError(f"results_to {results_to[:200]!r}: this provider delivers only to local paths "
-                             f"or file:// URLs, not {scheme}://")
-        results_to = rest
-    path = Path(results_to)
-    if not path.is_absolute() or ".." in path.parts:
-        raise ValueError(f"results_to {results_to[:200]!r} must be an absolute path without '..'")
-    if roots is not None:
-        real = Path(os.path.realpath(path))
-        if not any(real.is_relative_to(os.path.realpath(root)) for root in roots):
-            raise ValueError(f"results_to {path} is outside this provider's delivery folders "
-                             f"({', '.join(str(r) for r in roots)})")
-    if path.is_symlink() or (path.exists() and not path.is_dir()):
-        raise ValueError(f"results_to {path} exists and is not a directory")
-    if path.is_dir() and any(path.iterdir()) and not (path / DELIVERY_MARKER).is_file():
-        raise ValueError(f"results_to {path} already holds files that are not an earlier runyard delivery")
-    if tenant is not None and (path / DELIVERY_MARKER).is_file():
-        try:
-            earlier = json.loads((path / DELIVERY_MARKER).read_text()).get("tenant")
-        except (ValueError, AttributeError):
-            earlier = None
-        if earlier != tenant:
-            raise ValueError(f"results_to {path} holds another tenant's delivery; it is not replaced")
-    return path
-
-
-def deliver_results(run_dir: Path, dest: Path, stamp: dict, roots: tuple[Path, ...] | None = None) -> int:
-    """Copy the run's result files into `dest` atomically (all or nothing); returns the files copied.
-
-    The files are assembled in a hidden sibling, fsynced, then renamed into place; an earlier
-    delivery at `dest` is swapped out only after the new one is complete.
-    """
-    delivery_target(str(dest), tenant=stamp.get("tenant"), roots=roots)  # re-check: the target may have changed since the lease was accepted
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(f".{dest.name}.partial")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    root = run_dir.resolve()
-    # A symlinked directory in the run (eval -> /somewhere) must not hand out files from outside it.
-    files = sorted({p for pattern in RESULT_PATTERNS for p in run_dir.glob(pattern)
-                    if p.is_file() and not p.is_symlink() and "checkpoints" not in p.relative_to(run_dir).parts
-                    and ".tmp" not in p.name and p.resolve().is_relative_to(root)})
-    for src in files:
-        target = tmp / src.relative_to(run_dir)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, target)
-        fsync_file(target)
-    atomic_write_text(tmp / DELIVERY_MARKER, json.dumps({**stamp, "files": len(files)}))
-    old = dest.with_name(f".{dest.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dest.exists():
-        dest.rename(old)  # only an empty directory or an earlier delivery gets here (delivery_target)
-    tmp.rename(dest)
-    fsync_dir(dest.parent)  # the swap itself survives a crash
-    shutil.rmtree(old, ignore_errors=True)
-    return len(files)
-
-
-def metrics_digest(run_dir: str | Path) -> str:
-    """sha256 over the run's metrics files: evidence that ties a usage record to the work done."""
-    h = hashlib.sha256()
-    for path in sorted(Path(run_dir).glob("stages/*/metrics.jsonl")):
-        h.update(path.relative_to(run_dir).as_posix().encode())
-        h.update(path.read_bytes())
-    return "sha256:" + h.hexdigest()

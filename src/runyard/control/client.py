@@ -10,26 +10,38 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from runyard.control.daemon import ControlError, read_daemon_info
+from runyard.control.auth import TokenError, read_token
+from runyard.control.info import ControlError, read_daemon_info
 from runyard.control.states import JobState
 
 TERMINAL = tuple(str(s) for s in JobState if s.terminal)  # succeeded, failed, cancelled
 
 
 class ControlClient:
-    def __init__(self, base_url: str, timeout_s: float = 30.0):
+    def __init__(self, base_url: str, token: str, timeout_s: float = 30.0):
         self.base_url = base_url.rstrip("/")
+        self.token = token
         self.timeout_s = timeout_s
 
     @classmethod
     def for_state_dir(cls, state_dir: str | Path) -> ControlClient:
+        """A client of the daemon running on `state_dir`, with the token it keeps there."""
         info = read_daemon_info(state_dir)
-        return cls(f"http://{info['host']}:{info['port']}")
+        try:
+            token = read_token(state_dir)
+        except TokenError as exc:
+            raise ControlError(str(exc)) from None
+        host = f"[{info['host']}]" if ":" in info["host"] else info["host"]
+        return cls(f"http://{host}:{info['port']}", token)
 
     def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> dict[str, Any]:
-        data = json.dumps(body).encode() if body is not None else None
-        req = urllib.request.Request(self.base_url + path, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
+        if method == "POST" and body is None:
+            body = {}
+        data = json.dumps(body, allow_nan=False).encode() if body is not None else None
+        headers = {"Authorization": f"Bearer {self.token}"}
+        if data is not None:
+            headers["Content-Type"] = "application/json"
+        req = urllib.request.Request(self.base_url + path, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 return json.loads(resp.read())
@@ -48,8 +60,16 @@ class ControlClient:
     def capacity(self) -> dict[str, Any]:
         return self._call("GET", "/capacity")
 
+    def submit_spec(self, spec_text: str, *, priority: int = 0, devices: int | None = None,
+                    tenant: str = "default", run_dir: str | None = None, staged: bool = False) -> list[dict[str, Any]]:
+        """Queue a job spec (its YAML text): one job, or one per stage (`staged`); returns the new jobs."""
+        body = {"spec": spec_text, "priority": priority, "devices": devices, "tenant": tenant,
+                "run_dir": run_dir, "staged": staged}
+        return self._call("POST", "/jobs", body)["jobs"]
+
     def submit(self, requests: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """Submit one or more job requests (see control/jobs.py JobRequest); returns the new jobs."""
+        """Submit raw job requests (commands, see control/jobs.py JobRequest); returns the new jobs.
+        The daemon accepts them only when started with --allow-argv."""
         return self._call("POST", "/jobs", {"jobs": requests})["jobs"]
 
     def jobs(self, states: list[str] | None = None, lease: str | None = None) -> list[dict[str, Any]]:

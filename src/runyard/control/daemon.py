@@ -1,8 +1,13 @@
 """The control-plane daemon: the state file, the control loop, the HTTP API, and (optionally) the agent.
 
 One daemon per state directory, guaranteed by an exclusive lock, so two daemons can never start
-the same job. Once its API listens it writes `daemon.json` (pid, host, port) atomically into the
-state directory; the CLI reads it to find the daemon.
+the same job. At start it makes (once) the API's bearer token, `api-token` (0600, see
+control/auth.py); once its API listens it writes `daemon.json` (pid, host, port) atomically into
+the state directory. The CLI reads both to reach the daemon.
+
+With a market, lease jobs run in the sandbox (control/sandbox.py): the daemon checks at start that
+bubblewrap runs here and refuses to start otherwise, unless the operator explicitly allows lease
+jobs to run unconfined.
 """
 
 from __future__ import annotations
@@ -20,18 +25,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runyard.control import procs, sandbox
+from runyard.control.agent import LeaseJobSettings, MarketAgent
+from runyard.control.auth import TokenError, ensure_token
+from runyard.control.backends.local import LocalBackend
+from runyard.control.backends.slurm import SlurmBackend
+from runyard.control.info import INFO_FILE, ControlError
 from runyard.control.loop import ControlConfig, ControlLoop
 from runyard.control.server import ControlServer
 from runyard.control.store import JobStore
-from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_text
 
 log = logging.getLogger("runyard.control")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")
-
-
-class ControlError(RunyardError):
-    """The control plane could not do what was asked (not running, already running, bad setting...)."""
 
 
 @dataclass
@@ -46,6 +52,8 @@ class DaemonOptions:
     usage_interval_s: float = 30.0
     lease_jobs: str | None = None  # where tenants drop lease jobs when the market does not carry them
     deliveries_root: str | None = None  # the only folder (with lease_jobs) results may be delivered into
+    lease_settings: LeaseJobSettings = field(default_factory=LeaseJobSettings)
+    allow_argv: bool = False  # the API accepts arbitrary commands, not only job specs
 
 
 def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -> list[str]:
@@ -70,17 +78,26 @@ def detect_inventory(devices: str | None = None, cpu_slots: int | None = None) -
     return [f"cpu:{i}" for i in range(os.cpu_count() or 1)]
 
 
-def make_backend(options: DaemonOptions):
+def make_backend(options: DaemonOptions) -> LocalBackend | SlurmBackend:
     if options.backend == "local":
-        from runyard.control.backends.local import LocalBackend
-        from runyard.control.procs import instance_id
-
-        return LocalBackend(instance_id(options.config.state_dir))
+        return LocalBackend(procs.instance_id(options.config.state_dir))
     if options.backend == "slurm":
-        from runyard.control.backends.slurm import SlurmBackend
-
         return SlurmBackend(**options.slurm)
     raise ControlError(f"--backend {options.backend!r}: expected 'local' or 'slurm'")
+
+
+def check_lease_sandbox(options: DaemonOptions) -> None:
+    """With a market: bubblewrap must run lease jobs here, unless the operator allowed them unconfined."""
+    if not options.market_url:
+        return
+    try:
+        sandbox.probe()
+    except sandbox.SandboxUnavailable as exc:
+        if not options.lease_settings.unconfined:
+            raise ControlError(f"lease jobs run in a sandbox, and {exc}. To run strangers' jobs without one "
+                               "(they would see this machine's files and network), start with "
+                               "--unconfined-lease-jobs") from None
+        log.warning("lease jobs run UNCONFINED (--unconfined-lease-jobs): %s", exc)
 
 
 def run_daemon(options: DaemonOptions) -> int:
@@ -95,23 +112,29 @@ def run_daemon(options: DaemonOptions) -> int:
     except BlockingIOError:
         raise ControlError(f"a control plane is already running on {state_dir} (see daemon.json)") from None
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        token = ensure_token(state_dir)
+    except TokenError as exc:
+        raise ControlError(str(exc)) from None
+    check_lease_sandbox(options)
     store = JobStore(state_dir / "control.db")
     loop = ControlLoop(options.config, store, make_backend(options))
+    agent = None
+    if options.market_url:  # made before the API answers: a bad key file stops the start here
+        agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s,
+                            lease_jobs=options.lease_jobs, deliveries_root=options.deliveries_root,
+                            settings=options.lease_settings)
     stop = threading.Event()
-    server = ControlServer(loop, options.host, options.port, on_shutdown=stop)
+    server = ControlServer(loop, options.host, options.port, on_shutdown=stop, token=token,
+                           allow_argv=options.allow_argv)
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     loop.reconcile()  # before the API answers: what it reports is already reconciled
     threading.Thread(target=server.serve_forever, name="control-api", daemon=True).start()
     info = {"pid": os.getpid(), "host": options.host, "port": server.server_address[1],
             "backend": options.backend, "started_at": time.time(), "devices": options.config.inventory}
-    atomic_write_text(state_dir / "daemon.json", json.dumps(info))
-    agent = None
-    if options.market_url:
-        from runyard.control.agent import MarketAgent
-
-        agent = MarketAgent(loop, options.market_url, options.provider_key, options.usage_interval_s,
-                            lease_jobs=options.lease_jobs, deliveries_root=options.deliveries_root)
+    atomic_write_text(state_dir / INFO_FILE, json.dumps(info))
+    if agent is not None:
         agent.start(stop)
     log.info("control plane on http://%s:%s, state in %s, backend %s, devices %s", options.host,
              info["port"], state_dir, options.backend, ",".join(options.config.inventory))
@@ -123,25 +146,7 @@ def run_daemon(options: DaemonOptions) -> int:
         server.shutdown()
         if agent is not None:
             agent.join(timeout=5)
-        (state_dir / "daemon.json").unlink(missing_ok=True)
+        (state_dir / INFO_FILE).unlink(missing_ok=True)
         store.close()
         lock_fh.close()
     return 0
-
-
-def read_daemon_info(state_dir: str | Path) -> dict[str, Any]:
-    """The running daemon's pid/host/port, or ControlError if none runs on this state directory."""
-    path = Path(state_dir) / "daemon.json"
-    try:
-        info = json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        raise ControlError(
-            f"no control plane is running on {state_dir}; start one with `runyard control start --state-dir "
-            f"{state_dir}`"
-        ) from None
-    try:
-        os.kill(info["pid"], 0)
-    except ProcessLookupError:
-        raise ControlError(f"the control plane on {state_dir} (pid {info['pid']}) is not running; "
-                           "start it again with `runyard control start`") from None
-    return info

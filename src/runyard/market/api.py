@@ -41,6 +41,7 @@ from runyard.market import (
     usage,
 )
 from runyard.market.errors import BadRequest, MarketError, NotFound, PayloadTooLarge
+from runyard.market.jobs import MAX_DEMAND_BODY_BYTES
 from runyard.market.models import MAX_ID
 from runyard.market.operations import OPERATIONS, Operation
 from runyard.market.rails import SIGNATURE_HEADER
@@ -125,19 +126,21 @@ def _finite_float(text: str) -> float:
 
 
 class BodyLimit:
-    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming),
-    and JSON bodies that hold NaN, Infinity or numbers beyond a double's range."""
+    """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming;
+    `route_limits` gives some paths their own limit), and JSON bodies that hold NaN, Infinity or
+    numbers beyond a double's range."""
 
-    def __init__(self, app, limit: int):  # type: ignore[no-untyped-def]
-        self.app, self.limit = app, limit
+    def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
+        self.app, self.default_limit, self.route_limits = app, limit, route_limits or {}
 
     async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        limit = self.route_limits.get(scope.get("path", ""), self.default_limit)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
-        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            return await _error(send, PayloadTooLarge(f"request body exceeds {self.limit} bytes"))
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            return await _error(send, PayloadTooLarge(f"request body exceeds {limit} bytes"))
         chunks, seen, more = [], 0, True
         while more:
             message = await receive()
@@ -145,8 +148,8 @@ class BodyLimit:
                 break
             chunks.append(message.get("body", b""))
             seen += len(chunks[-1])
-            if seen > self.limit:
-                return await _error(send, PayloadTooLarge(f"request body exceeds {self.limit} bytes"))
+            if seen > limit:
+                return await _error(send, PayloadTooLarge(f"request body exceeds {limit} bytes"))
             more = message.get("more_body", False)
         body = b"".join(chunks)
         if body and b"json" in headers.get(b"content-type", b""):
@@ -193,7 +196,9 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
             "described in docs/market-protocol.md."
         ),
     )
-    app.add_middleware(BodyLimit, limit=max_body_bytes)
+    # A demand may carry its job's files (runyard.market.jobs): that one route takes larger bodies.
+    app.add_middleware(BodyLimit, limit=max_body_bytes,
+                       route_limits={"/v1/demands": max(max_body_bytes, MAX_DEMAND_BODY_BYTES)})
 
     @app.exception_handler(MarketError)
     async def _market_error(_: Request, exc: MarketError) -> JSONResponse:

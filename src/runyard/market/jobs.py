@@ -1,4 +1,4 @@
-"""A demand's job: the spec the tenant wants run and where its results should go.
+"""A demand's job: the spec the tenant wants run, the data it carries, and where its results go.
 
 The market carries the job; it does not interpret it. The spec is checked only as what the market
 can promise about it: text within a size limit that parses as a YAML mapping. Whether it is a valid
@@ -6,24 +6,48 @@ runyard job spec is the provider's question (its agent loads it with `runyard.sp
 rejects the lease, returning the escrow, when it is not) -- so the market needs none of the
 training stack and never refuses a spec written for a newer runyard than its own.
 
+The data a lease's job may read is only what the demand carries (a provider runs the job in a
+sandbox that shows it nothing else, see `runyard.control.sandbox`):
+
+- `files`: relative path -> base64 content, uploaded with the demand, at most MAX_JOB_FILES files
+  and MAX_JOB_FILES_BYTES decoded bytes in all. The spec names them by those relative paths.
+- `data_urls`: http(s) URLs the provider fetches for the job before it starts (the job itself has
+  no network). The spec names them by the exact URL.
+
 `results_to` is a string: an absolute local path (where provider and tenant share a filesystem) or
 a URL (`file://`, or a scheme the provider supports, such as a signed upload URL).
 
 Only the lease's two parties see the job (see `leases.list_leases`); the provider's signature on
-the lease terms covers `job_sha256`, so an accepted lease binds the provider to exactly this job.
+the lease terms covers `job_sha256` (spec, results_to, files and data_urls), so an accepted lease
+binds the provider to exactly this job and this data.
+
+Stored with the demand as three columns (JOB_COLUMNS): the spec, results_to, and `job_inputs`, the
+JSON of files and data_urls (null when the job carries neither).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import json
 import re
+from typing import Any
 
 import yaml
 
 MAX_SPEC_BYTES = 32 * 1024
 MAX_RESULTS_TO = 1000
+MAX_JOB_FILES = 64
+MAX_JOB_FILES_BYTES = 256 * 1024  # decoded; larger data goes by data_urls
+MAX_FILE_PATH = 200
+MAX_DATA_URLS = 16
+MAX_DATA_URL = 2000
+# A demand's body carries the files base64-encoded (4/3 of their size) beside the spec.
+MAX_DEMAND_BODY_BYTES = 512 * 1024
+JOB_COLUMNS = ("job_spec", "job_results_to", "job_inputs")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
+_PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
 
 
 def check_spec_text(text: str) -> str:
@@ -58,16 +82,113 @@ def check_results_to(value: str) -> str:
     return value
 
 
+def check_file_path(path: str) -> str:
+    """A relative POSIX path of plain names (letters, digits, '_', '.', '+', '-'; no '..', no
+    hidden or empty parts) of at most MAX_FILE_PATH characters; else ValueError."""
+    if not isinstance(path, str) or not path or len(path) > MAX_FILE_PATH:
+        raise ValueError(f"job.files: a path is 1-{MAX_FILE_PATH} characters, got {str(path)[:100]!r}")
+    if not all(_PATH_PART.match(part) for part in path.split("/")):
+        raise ValueError(f"job.files: {path[:100]!r} must be a relative path of plain names "
+                         "(letters, digits, '_', '.', '+', '-'; no leading '/' or '.', no '..')")
+    return path
+
+
+def decode_files(files: dict[str, str]) -> dict[str, bytes]:
+    """The uploaded files decoded, after checking every path, the count and the total size; else ValueError."""
+    if not isinstance(files, dict):
+        raise ValueError("job.files must be an object of relative path -> base64 content")
+    if len(files) > MAX_JOB_FILES:
+        raise ValueError(f"job.files has {len(files)} files; at most {MAX_JOB_FILES} are accepted")
+    decoded: dict[str, bytes] = {}
+    total = 0
+    for path, content in sorted(files.items()):
+        check_file_path(path)
+        if not isinstance(content, str):
+            raise ValueError(f"job.files[{path!r}] must be base64 text")
+        try:
+            data = base64.b64decode(content, validate=True)
+        except (binascii.Error, ValueError):
+            raise ValueError(f"job.files[{path!r}] is not valid base64") from None
+        total += len(data)
+        if total > MAX_JOB_FILES_BYTES:
+            raise ValueError(f"job.files hold more than {MAX_JOB_FILES_BYTES} bytes; send larger data "
+                             "as data_urls")
+        decoded[path] = data
+    paths = set(decoded)
+    for path in paths:  # "a" and "a/b" cannot both be files
+        parts = path.split("/")
+        clash = next(("/".join(parts[:i]) for i in range(1, len(parts)) if "/".join(parts[:i]) in paths), None)
+        if clash is not None:
+            raise ValueError(f"job.files: {clash!r} is a file, so {path!r} cannot be inside it")
+    return decoded
+
+
+def encode_files(named: dict[str, bytes]) -> dict[str, str]:
+    """`files` for a job from relative path -> content, checked as the market will check them."""
+    files = {path: base64.b64encode(data).decode("ascii") for path, data in named.items()}
+    decode_files(files)
+    return files
+
+
+def check_data_url(url: str) -> str:
+    """An http(s) URL without credentials or control characters, at most MAX_DATA_URL long; else ValueError."""
+    if not isinstance(url, str) or not url or len(url) > MAX_DATA_URL:
+        raise ValueError(f"job.data_urls: a URL is 1-{MAX_DATA_URL} characters")
+    if any(ord(c) <= 32 or ord(c) == 127 for c in url):
+        raise ValueError(f"job.data_urls: {url[:100]!r} contains spaces or control characters")
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme.lower() not in ("http", "https"):
+        raise ValueError(f"job.data_urls: {url[:100]!r} must be an http:// or https:// URL")
+    host = rest.split("/", 1)[0].split("?", 1)[0].split("#", 1)[0]
+    if not host or "@" in host:
+        raise ValueError(f"job.data_urls: {url[:100]!r} must name a host and carry no credentials")
+    return url
+
+
+def check_data_urls(urls: list[str]) -> list[str]:
+    """At most MAX_DATA_URLS distinct http(s) URLs (see check_data_url); else ValueError."""
+    if not isinstance(urls, list):
+        raise ValueError("job.data_urls must be a list of URLs")
+    if len(urls) > MAX_DATA_URLS:
+        raise ValueError(f"job.data_urls has {len(urls)} URLs; at most {MAX_DATA_URLS} are accepted")
+    for url in urls:
+        check_data_url(url)
+    if len(set(urls)) != len(urls):
+        raise ValueError("job.data_urls names a URL twice")
+    return urls
+
+
+def job_columns(job: Any) -> dict[str, Any]:
+    """The demand row's job columns for a checked job (a JobIn or a dict), or all None without one."""
+    if job is None:
+        return dict.fromkeys(JOB_COLUMNS)
+    get = job.get if isinstance(job, dict) else lambda k, d=None: getattr(job, k, d)
+    files, urls = get("files") or {}, get("data_urls") or []
+    inputs = {k: v for k, v in (("files", files), ("data_urls", urls)) if v}
+    return {"job_spec": get("spec"), "job_results_to": get("results_to"),
+            "job_inputs": json.dumps(inputs, sort_keys=True) if inputs else None}
+
+
 def job_of(row) -> dict | None:  # type: ignore[no-untyped-def]
-    """The job stored with a demand row (columns job_spec, job_results_to), or None."""
+    """The job stored with a demand row (JOB_COLUMNS), or None. `files` and `data_urls` appear only
+    when the job carries them."""
     if row.get("job_spec") is None:
         return None
-    return {"spec": row["job_spec"], "results_to": row["job_results_to"]}
+    job = {"spec": row["job_spec"], "results_to": row["job_results_to"]}
+    if row.get("job_inputs"):
+        job.update(json.loads(row["job_inputs"]))
+    return job
 
 
 def job_sha256(job: dict | None) -> str | None:
-    """Digest of a job (spec text and results_to), signed with the lease terms; None without one."""
+    """Digest of a job (spec text, results_to, and its files and data_urls when it carries any),
+    signed with the lease terms; None without one. Empty files or data_urls digest as absent."""
     if job is None:
         return None
-    canonical = json.dumps({"spec": job["spec"], "results_to": job["results_to"]}, sort_keys=True)
+    body: dict[str, Any] = {"spec": job["spec"], "results_to": job["results_to"]}
+    if job.get("files"):
+        body["files"] = job["files"]
+    if job.get("data_urls"):
+        body["data_urls"] = job["data_urls"]
+    canonical = json.dumps(body, sort_keys=True)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()

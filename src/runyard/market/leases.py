@@ -12,7 +12,7 @@ from sqlalchemy import Connection, or_, select, update
 
 from runyard.market import escrow
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
-from runyard.market.jobs import job_of, job_sha256
+from runyard.market.jobs import JOB_COLUMNS, job_of, job_sha256
 from runyard.market.matcher import release_capacity
 from runyard.market.models import AcceptIn, EndIn
 from runyard.market.payloads import lease_terms
@@ -38,7 +38,7 @@ from runyard.market.states.lease import (
 
 
 def lease_json(row) -> dict:  # type: ignore[no-untyped-def]
-    return {k: v for k, v in dict(row).items() if k not in ("job_spec", "job_results_to")}
+    return {k: v for k, v in dict(row).items() if k not in JOB_COLUMNS}
 
 
 def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def]
@@ -53,14 +53,14 @@ def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def
 
 
 def _job_query():  # type: ignore[no-untyped-def]
-    return select(leases, demands.c.job_spec, demands.c.job_results_to).join(
+    return select(leases, *(demands.c[c] for c in JOB_COLUMNS)).join(
         demands, demands.c.id == leases.c.demand_id
     )
 
 
 def _job_digest(conn: Connection, demand_id: int) -> str | None:
     row = (
-        conn.execute(select(demands.c.job_spec, demands.c.job_results_to).where(demands.c.id == demand_id))
+        conn.execute(select(*(demands.c[c] for c in JOB_COLUMNS)).where(demands.c.id == demand_id))
         .mappings()
         .one()
     )

@@ -7,7 +7,16 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runyard.market.jobs import MAX_RESULTS_TO, MAX_SPEC_BYTES, check_results_to, check_spec_text
+from runyard.market.jobs import (
+    MAX_DATA_URLS,
+    MAX_JOB_FILES,
+    MAX_RESULTS_TO,
+    MAX_SPEC_BYTES,
+    check_data_urls,
+    check_results_to,
+    check_spec_text,
+    decode_files,
+)
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
 
 # Largest amount one transfer may move: far inside a signed 64-bit integer, so that sums of many
@@ -105,10 +114,21 @@ class JobIn(Strict):
         min_length=1, max_length=MAX_RESULTS_TO, description="absolute local path or URL for the results"
     )
 
+    files: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_JOB_FILES,
+        description="relative path -> base64 content: the data the job may read (bounded in size)",
+    )
+    data_urls: list[str] = Field(
+        default_factory=list, max_length=MAX_DATA_URLS,
+        description="http(s) URLs the provider fetches for the job before it starts",
+    )
+
     @model_validator(mode="after")
     def _checked(self) -> JobIn:
         check_spec_text(self.spec)
         check_results_to(self.results_to)
+        decode_files(self.files)
+        check_data_urls(self.data_urls)
         return self
 
 

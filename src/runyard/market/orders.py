@@ -13,7 +13,7 @@ from sqlalchemy import Connection, select, update
 
 from runyard.market import escrow, ledger
 from runyard.market.errors import BadRequest, NotFound
-from runyard.market.jobs import job_of
+from runyard.market.jobs import JOB_COLUMNS, job_columns, job_of
 from runyard.market.matcher import cost, match_demand, match_open_demands, timestamp
 from runyard.market.matching import never_matches
 from runyard.market.models import DemandIn, ListingIn
@@ -31,7 +31,7 @@ def listing_json(row) -> dict:  # type: ignore[no-untyped-def]
 
 def demand_json(row, with_job: bool = True) -> dict:  # type: ignore[no-untyped-def]
     """A demand as the API shows it; `job` only to its tenant (with_job), never to an operator."""
-    hidden = ("requirement", "kinds", "job_spec", "job_results_to")
+    hidden = ("requirement", "kinds", *JOB_COLUMNS)
     out = {k: v for k, v in dict(row).items() if k not in hidden}
     out["requirement"] = json.loads(row["requirement"])
     if with_job:
@@ -148,8 +148,7 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
                 escrow_amount=amount,
                 state=OPEN,
                 created_at=now,
-                job_spec=body.job.spec if body.job else None,
-                job_results_to=body.job.results_to if body.job else None,
+                **job_columns(body.job),
             )
         ).inserted_primary_key[0]
         escrow_id, pending_id = escrow.reserve(conn, demand_id, principal.id, amount, principal.actor, now)

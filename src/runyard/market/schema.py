@@ -154,6 +154,8 @@ demands = Table(
     # The job the tenant wants run (runyard.market.jobs); null for a demand that carries none.
     Column("job_spec", Text, nullable=True),
     Column("job_results_to", String(1000), nullable=True),
+    # JSON {"files": {path: base64}, "data_urls": [...]}; null when the job carries neither.
+    Column("job_inputs", Text, nullable=True),
     Index("ix_demands_open", "state", "created_at"),
 )
 

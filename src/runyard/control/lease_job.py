@@ -1,0 +1,184 @@
+"""A lease's job on this machine: its folder, the data its demand carries, and the spec it may run.
+
+A lease's job is a stranger's code. It reads only what its demand carries -- the files uploaded
+with it and the URLs it names (`runyard.market.jobs`) -- and runs in a sandbox that shows it
+nothing else (`runyard.control.sandbox`). This module lays out the lease's folder and checks the
+spec against that rule before the lease is accepted, so a spec that names anything else is
+rejected with a reason (and its escrow returned) instead of failing later inside the sandbox.
+
+    <state>/agent/lease-<id>/      the agent's; read-only inside the sandbox
+        spec.yaml                  the tenant's spec, as carried
+        spec.run.yaml              the spec the job runs: data paths made absolute, URLs -> local copies
+        files/                     the demand's uploaded files
+        urls/                      the demand's data URLs, fetched before the job starts
+        sandbox.json               the sandbox policy (runyard.control.sandbox)
+        failure.json               why the launcher could not run the job, when it could not
+        passwd, group              the only users the sandbox knows
+        work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runyard.errors import RunyardError
+from runyard.fsutil import atomic_write_bytes, atomic_write_text
+from runyard.market.jobs import check_file_path
+
+_SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
+
+
+class LeaseJobRefused(RunyardError):
+    """A lease's job asks for something this provider does not give a lease job; the message says what."""
+
+
+@dataclass(frozen=True)
+class LeaseFolder:
+    """The paths of one lease's folder (see the module docstring)."""
+
+    root: Path
+
+    @property
+    def spec(self) -> Path:
+        return self.root / "spec.yaml"
+
+    @property
+    def run_spec(self) -> Path:
+        return self.root / "spec.run.yaml"
+
+    @property
+    def files(self) -> Path:
+        return self.root / "files"
+
+    @property
+    def urls(self) -> Path:
+        return self.root / "urls"
+
+    @property
+    def policy(self) -> Path:
+        return self.root / "sandbox.json"
+
+    @property
+    def failure(self) -> Path:
+        return self.root / "failure.json"
+
+    @property
+    def work(self) -> Path:
+        return self.root / "work"
+
+    @property
+    def run_dir(self) -> Path:
+        return self.work / "run"
+
+    def create(self) -> LeaseFolder:
+        """Make the folder and its work area; `work/` is kept if it exists (a restarted attempt)."""
+        for sub in (self.files, self.urls, self.work / "run", self.work / "home", self.work / "tmp",
+                    self.work / "cache"):
+            sub.mkdir(parents=True, exist_ok=True)
+        uid, gid = os.getuid(), os.getgid()
+        atomic_write_text(self.root / "passwd", f"lease:x:{uid}:{gid}:lease job:{self.work / 'home'}:/bin/false\n")
+        atomic_write_text(self.root / "group", f"lease:x:{gid}:\n")
+        return self
+
+
+def write_files(folder: LeaseFolder, files: dict[str, bytes]) -> None:
+    """Write the demand's files into `folder.files`, replacing whatever was there."""
+    shutil.rmtree(folder.files, ignore_errors=True)
+    folder.files.mkdir(parents=True)
+    for rel, data in files.items():
+        check_file_path(rel)  # never trust a path, even one the market checked
+        atomic_write_bytes(folder.files / rel, data)
+
+
+def copy_drop_folder(drop: Path, folder: LeaseFolder, max_bytes: int) -> None:
+    """The files of a local drop folder (a job the market did not carry) become the lease's files:
+    regular files only (no links), at most `max_bytes` in all, without the spec and earlier results."""
+    files: dict[str, bytes] = {}
+    total = 0
+    for path in sorted(drop.rglob("*")):
+        rel = path.relative_to(drop).as_posix()
+        if rel == "spec.yaml" or rel.split("/")[0] == "results" or path.is_symlink() or not path.is_file():
+            continue
+        total += path.stat().st_size
+        if total > max_bytes:
+            raise LeaseJobRefused(f"the drop folder {drop} holds more than {max_bytes} bytes of data")
+        try:
+            check_file_path(rel)
+        except ValueError as exc:
+            raise LeaseJobRefused(f"drop folder {drop}: {exc}") from None
+        files[rel] = path.read_bytes()
+    write_files(folder, files)
+
+
+def url_file_name(index: int, url: str) -> str:
+    """The local name of the index-th data URL: its position and last path part (keeps `.gz`, `.jsonl`)."""
+    last = url.split("?", 1)[0].split("#", 1)[0].rstrip("/").rsplit("/", 1)[-1]
+    return f"{index}-{_SAFE_NAME.sub('_', last)[:100] or 'data'}"
+
+
+def url_files(data_urls: list[str]) -> dict[str, str]:
+    """URL -> its local file name under `urls/`."""
+    return {url: url_file_name(i, url) for i, url in enumerate(data_urls)}
+
+
+def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]) -> dict[str, Any]:
+    """The spec a lease's job runs, or LeaseJobRefused naming the field that reaches outside what
+    the demand carries.
+
+    `data.sources[].path` and `data.tokenizer.path` may name a relative path (or glob) of the
+    demand's files, which must match at least one of them, or exactly one of its data URLs; both
+    become absolute paths in the lease's folder. `data.cache_dir` and `data.store` must be unset:
+    a lease job's cache lives in its own work area and it publishes nowhere.
+    """
+    spec = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy of plain data
+    data = spec.get("data")
+    if not isinstance(data, dict):
+        return spec  # load_spec has already said what is wrong with it
+    local_urls = url_files(data_urls)
+    for i, source in enumerate(data.get("sources") or []):
+        if isinstance(source, dict) and isinstance(source.get("path"), str):
+            source["path"] = _local_path(f"data.sources[{i}].path", source["path"], folder, local_urls)
+    tokenizer = data.get("tokenizer")
+    if isinstance(tokenizer, dict) and isinstance(tokenizer.get("path"), str):
+        tokenizer["path"] = _local_path("data.tokenizer.path", tokenizer["path"], folder, local_urls)
+    for field, why in (("cache_dir", "a lease job's token cache lives in its own work folder"),
+                       ("store", "a lease job publishes its shards nowhere")):
+        if data.get(field) is not None:
+            raise LeaseJobRefused(f"data.{field} must be unset for a lease job: {why}")
+    return spec
+
+
+def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[str, str]) -> str:
+    if "://" in value:
+        if value not in local_urls:
+            raise LeaseJobRefused(
+                f"{where} {value[:200]!r} is a URL the demand does not name; a lease job reads only the "
+                f"files its demand carries and the URLs in its data_urls ({sorted(local_urls) or 'none'})")
+        return str(folder.urls / local_urls[value])
+    if value.startswith(("/", "~")) or "{" in value or "\\" in value or ".." in value.split("/"):
+        raise LeaseJobRefused(
+            f"{where} {value[:200]!r} reaches outside the demand's files; a lease job reads only the files "
+            "its demand carries (named by their relative paths) and the URLs in its data_urls")
+    matches = [p for p in glob.glob(str(folder.files / value), recursive=True)
+               if Path(p).resolve().is_relative_to(folder.files.resolve())]
+    if not matches:
+        raise LeaseJobRefused(f"{where} {value[:200]!r} matches none of the files the demand carries "
+                              f"({', '.join(sorted(_listing(folder.files))[:20]) or 'it carries none'})")
+    return str(folder.files / value)
+
+
+def _listing(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+
+
+def write_runnable_spec(folder: LeaseFolder, spec: dict[str, Any]) -> Path:
+    atomic_write_text(folder.run_spec, yaml.safe_dump(spec, sort_keys=False))
+    return folder.run_spec

@@ -1,0 +1,156 @@
+"""Resource limits of a lease's job: CPU cores, memory, processes, file size, core dumps.
+
+Applied by the sandbox launcher to itself just before it starts the job (children inherit them):
+
+- CPU: the job's CPU slots (`cpu:N` devices) become its CPU affinity (core N modulo the cores
+  there are); a GPU job keeps the launcher's cores.
+- memory and processes: a cgroup of their own (cgroup v2 where this process may create a child
+  cgroup with the memory controller, else the v1 memory and pids hierarchies) with `memory.max`
+  / `memory.limit_in_bytes` and `pids.max`. Where no cgroup can be made (an unprivileged provider
+  without a delegated cgroup; under Slurm, whose own cgroup already confines the job),
+  RLIMIT_DATA bounds each process's data instead: a weaker, per-process bound.
+- RLIMIT_FSIZE (largest file), RLIMIT_CORE = 0 (no core dumps of a stranger's memory),
+  RLIMIT_NOFILE.
+
+`Limits.applied` says which of these took effect, for the job's log and the operator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+@dataclass
+class Limits:
+    memory_bytes: int | None = None
+    max_pids: int = 4096
+    max_file_bytes: int | None = None
+    max_open_files: int = 65536
+    applied: list[str] = field(default_factory=list)
+    cgroups: list[Path] = field(default_factory=list)
+
+
+def cpu_affinity(devices: list[str]) -> set[int] | None:
+    """The cores a job with these devices may use: its `cpu:N` slots, or None (no CPU slots)."""
+    slots = [int(d.split(":", 1)[1]) for d in devices if d.startswith("cpu:") and d.split(":", 1)[1].isdigit()]
+    if not slots:
+        return None
+    available = sorted(os.sched_getaffinity(0))
+    return {available[s % len(available)] for s in slots}
+
+
+def apply(limits: Limits, devices: list[str], name: str) -> Limits:
+    """Apply the limits to this process (its children inherit them); records what took effect."""
+    cores = cpu_affinity(devices)
+    if cores:
+        os.sched_setaffinity(0, cores)
+        limits.applied.append(f"cpu cores {','.join(map(str, sorted(cores)))}")
+    if limits.memory_bytes or limits.max_pids:
+        limits.cgroups = _join_cgroup(name, limits)
+    if limits.cgroups:
+        limits.applied.append(f"cgroup {', '.join(str(c) for c in limits.cgroups)}: memory "
+                              f"{limits.memory_bytes or 'unbounded'}, pids {limits.max_pids}")
+    elif limits.memory_bytes:
+        _lower(resource.RLIMIT_DATA, limits.memory_bytes)
+        limits.applied.append(f"RLIMIT_DATA {limits.memory_bytes} (no cgroup available: per process)")
+    if limits.max_file_bytes:
+        _lower(resource.RLIMIT_FSIZE, limits.max_file_bytes)
+        limits.applied.append(f"RLIMIT_FSIZE {limits.max_file_bytes}")
+    _lower(resource.RLIMIT_CORE, 0)
+    _lower(resource.RLIMIT_NOFILE, limits.max_open_files)
+    return limits
+
+
+def _lower(which: int, value: int) -> None:
+    soft, hard = resource.getrlimit(which)
+    new_hard = value if hard == resource.RLIM_INFINITY else min(hard, value)
+    resource.setrlimit(which, (min(value, new_hard), new_hard))
+
+
+def _own_cgroup(controller: str | None) -> Path | None:
+    """This process's cgroup directory for a v1 controller, or the v2 one (controller None)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controller is None and controllers == "":
+            base = CGROUP_ROOT if (CGROUP_ROOT / "cgroup.controllers").exists() else CGROUP_ROOT / "unified"
+            return base / path.lstrip("/")
+        if controller is not None and controller in controllers.split(","):
+            return CGROUP_ROOT / controller / path.lstrip("/")
+    return None
+
+
+def _join_cgroup(name: str, limits: Limits) -> list[Path]:
+    """Create cgroups for the job, set its limits, move this process in; [] where that is not possible."""
+    v2 = _own_cgroup(None)
+    if v2 is not None and "memory" in _read(v2 / "cgroup.subtree_control").split():
+        made = _make(v2 / name, {"memory.max": limits.memory_bytes, "pids.max": limits.max_pids})
+        if made:
+            return made
+    made = []
+    for controller, settings in (("memory", {"memory.limit_in_bytes": limits.memory_bytes}),
+                                 ("pids", {"pids.max": limits.max_pids})):
+        own = _own_cgroup(controller)
+        if own is not None:
+            made += _make(own / name, settings)
+    if limits.memory_bytes and not any("memory" in str(p) for p in made):
+        leave_cgroups(made)
+        return []
+    return made
+
+
+def _make(path: Path, settings: dict[str, int | None]) -> list[Path]:
+    try:
+        path.mkdir(exist_ok=True)
+        for key, value in settings.items():
+            if value is not None and (path / key).exists():
+                (path / key).write_text(str(value))
+        (path / "cgroup.procs").write_text(str(os.getpid()))
+        return [path]
+    except OSError:
+        with contextlib.suppress(OSError):
+            path.rmdir()
+        return []
+
+
+def leave_cgroups(cgroups: list[Path]) -> None:
+    """Move this process back to each cgroup's parent and remove the (now empty) cgroup."""
+    for path in cgroups:
+        try:
+            (path.parent / "cgroup.procs").write_text(str(os.getpid()))
+            path.rmdir()
+        except OSError:
+            pass  # a process of the job still lingers in it; the next attempt of the job reuses it
+
+
+def remove_stale(name: str) -> int:
+    """Remove the (empty) cgroups called `name` beside this process's own: what a launcher killed
+    before it could leave them behind. Returns how many were removed."""
+    removed = 0
+    for own in (_own_cgroup(None), _own_cgroup("memory"), _own_cgroup("pids")):
+        if own is not None and (own / name).is_dir():
+            with contextlib.suppress(OSError):  # still holds a process: left for a later sweep
+                (own / name).rmdir()
+                removed += 1
+    return removed
+
+
+def cgroup_name(lease_id: int, job_id: int | str) -> str:
+    """The cgroup a lease's job runs in (one name for all its attempts)."""
+    return f"runyard-lease-{lease_id}-{job_id}"
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

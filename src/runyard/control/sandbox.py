@@ -1,0 +1,299 @@
+"""A lease's job runs inside bubblewrap (`bwrap`): the sandbox launcher and what the sandbox shows.
+
+Why bubblewrap: it is one small program with no daemon (Flatpak's sandbox), in Debian and every
+distribution (`apt-get install bubblewrap`), and it runs the host's own runtime read-only -- the
+Python, the virtual environment and runyard the provider already has -- so a lease job needs no
+image. It works unprivileged where user namespaces are enabled and set-uid where they are not, and
+it runs inside a Slurm job step like any other command, so the same wrapped command works under
+the local backend and on a cluster. podman needs images, subordinate ids and (rootless) a
+per-user service; Apptainer needs images too and is not in Debian's archive.
+
+Inside the sandbox a job sees:
+- read-only: /usr (and the /bin, /lib, ... links into it), a few files of /etc (the dynamic
+  linker's cache, the time zone, a passwd/group naming only the job's user), the runtime (the
+  interpreter's prefix, the virtual environment, the folder runyard is imported from), and its
+  lease folder (its spec, the demand's files and fetched URLs, see `runyard.control.lease_job`);
+- writable: only the lease's `work/` folder (its run directory, HOME, TMPDIR, caches), and an
+  empty /tmp in memory (charged to the job's memory limit); everything else, the sandbox's own
+  root included, is read-only;
+- a private /proc (its own processes only), a minimal /dev, and the device nodes of the GPUs
+  allocated to it (with /sys read-only for the driver), nothing else;
+- no network at all (a network namespace of its own; the demand's data URLs are fetched by the
+  launcher before the job starts, see `runyard.control.fetch`);
+- an environment built from an allow-list: the control plane's variables for the attempt
+  (RUNYARD_CONTROL_JOB, RUNYARD_JOB_ID, RUNYARD_RUN_DIR, RUNYARD_DEVICES, CUDA_VISIBLE_DEVICES,
+  ...), fixed paths into its work folder, and the names the operator passes through
+  (`--lease-env`); none of the daemon's own environment. bwrap itself (pid 1 inside) is started
+  with that same clean environment, so /proc/1/environ shows nothing more.
+- no capabilities, a new session (no terminal to inject into), separate IPC/UTS/cgroup namespaces;
+  every process in it dies when the launcher dies (`--die-with-parent`), and the pid namespace
+  ends with its first process, so nothing outlives the job.
+
+The launcher (`python -m runyard.control.sandbox POLICY -- COMMAND...`, the command a lease's job
+is queued with, see `wrap_argv`) runs outside the sandbox: it fetches the data URLs, applies the
+lease's limits to itself (`runyard.control.limits`), starts bwrap in a process group of its own,
+passes SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 on to the sandbox's processes (so a preempted run can
+checkpoint and exit 4), and exits with the job's exit code. When it cannot run the job it writes
+why to the lease folder's `failure.json` and exits 2, and the agent ends the lease with that reason.
+
+With the operator setting `unconfined` (`runyard control start --unconfined-lease-jobs`) the
+launcher runs the command without bwrap: the allow-listed environment and the limits still apply,
+but files and network are NOT isolated. Only for a provider that cannot run bubblewrap and accepts
+that risk; the agent refuses to start with lease jobs unconfined otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import runyard
+from runyard.control import limits as job_limits
+from runyard.control.fetch import FetchError, allowed_networks, fetch_all
+from runyard.errors import EXIT_BAD_SPEC, RunyardError
+from runyard.fsutil import atomic_write_text
+
+BWRAP = "bwrap"
+# The control plane's own variables for an attempt (see ControlLoop.job_env): not the daemon's secrets.
+CONTROL_ENV = ("RUNYARD_CONTROL_JOB", "RUNYARD_JOB_ID", "RUNYARD_RESTART_COUNT", "RUNYARD_RUN_DIR",
+               "RUNYARD_DEVICES", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
+ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
+TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps")
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+class SandboxUnavailable(RunyardError):
+    """bubblewrap cannot run lease jobs on this machine; the message says why."""
+
+
+@dataclass
+class SandboxPolicy:
+    """What the launcher needs to run one lease's job (written by the agent as `sandbox.json`)."""
+
+    lease_id: int
+    root: str  # the lease folder (read-only inside)
+    data_urls: dict[str, str] = field(default_factory=dict)  # URL -> file name under root/urls
+    max_fetch_bytes: int = 1 << 30
+    data_networks: list[str] = field(default_factory=list)  # CIDRs a data URL may reach besides public ones
+    memory_bytes: int | None = None
+    max_file_bytes: int | None = None
+    pass_env: list[str] = field(default_factory=list)  # daemon variables the operator passes through
+    unconfined: bool = False
+
+    @property
+    def work(self) -> Path:
+        return Path(self.root) / "work"
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(asdict(self), indent=1))
+
+    @classmethod
+    def load(cls, path: str | Path) -> SandboxPolicy:
+        return cls(**json.loads(Path(path).read_text()))
+
+
+def wrap_argv(argv: list[str], policy_path: str | Path) -> list[str]:
+    """The command a lease's job is queued with: the launcher, which runs `argv` in the sandbox."""
+    return [sys.executable, "-m", "runyard.control.sandbox", str(policy_path), "--", *argv]
+
+
+def runtime_paths() -> list[str]:
+    """What the job needs to run runyard, shown read-only: interpreter prefixes, the virtual
+    environment, the folder runyard is imported from. Paths under /usr are covered by /usr itself."""
+    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
+                  str(Path(runyard.__file__).resolve().parents[1]),
+                  str(Path(sys.executable).parent), str(Path(os.path.realpath(sys.executable)).parent.parent)]
+    out: list[str] = []
+    for path in sorted({os.path.realpath(p) for p in candidates} | set(candidates), key=len):
+        if path in ("/", "/usr") or path.startswith("/usr/") or not os.path.isdir(path):
+            continue
+        if not any(path == p or path.startswith(p + "/") for p in out):
+            out.append(path)
+    return out
+
+
+def sandbox_env(policy: SandboxPolicy, parent: dict[str, str]) -> dict[str, str]:
+    """The job's whole environment: control-plane variables, fixed paths, operator pass-throughs."""
+    work = policy.work
+    env = {name: parent[name] for name in (*CONTROL_ENV, *policy.pass_env) if name in parent}
+    env.update(
+        PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        HOME=str(work / "home"), TMPDIR=str(work / "tmp"), XDG_CACHE_HOME=str(work / "cache"),
+        RUNYARD_CACHE_DIR=str(work / "cache" / "runyard"), LANG="C.UTF-8",
+        PYTHONPATH=str(Path(runyard.__file__).resolve().parents[1]),
+        PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1",
+    )
+    return env
+
+
+def allocated_devices(env: dict[str, str] | os._Environ) -> list[str]:
+    """The attempt's devices: the control plane's allocation (RUNYARD_DEVICES), or, where a cluster
+    allocated the GPUs (Slurm sets CUDA_VISIBLE_DEVICES for the job), those."""
+    devices = [d for d in env.get("RUNYARD_DEVICES", "").split(",") if d]
+    if not any(d.startswith("cuda:") for d in devices):
+        devices += [f"cuda:{i}" for i in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip().isdigit()]
+    return devices
+
+
+def _gpu_nodes(devices: list[str]) -> list[str]:
+    indices = [d.split(":", 1)[1] for d in devices if d.startswith("cuda:")]
+    return [f"/dev/nvidia{i}" for i in indices if i.isdigit()]
+
+
+def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], info_fd: int | None = None) -> list[str]:
+    """The bwrap command line that runs `command` with only what the module docstring lists."""
+    root, work = Path(policy.root), policy.work
+    args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+            "--hostname", f"lease-{policy.lease_id}", "--ro-bind", "/usr", "/usr"]
+    for top in TOP_LINKS:
+        if os.path.islink(top):
+            args += ["--symlink", os.readlink(top), top]
+        elif os.path.isdir(top):
+            args += ["--ro-bind", top, top]
+    for path in ETC_FILES:
+        args += ["--ro-bind-try", path, path]
+    args += ["--ro-bind", str(root / "passwd"), "/etc/passwd", "--ro-bind", str(root / "group"), "/etc/group"]
+    for path in runtime_paths():
+        args += ["--ro-bind", path, path]
+    # /tmp first: a lease folder under /tmp (as in tests) is then mounted on top of it, not hidden.
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+             "--ro-bind", str(root), str(root), "--bind", str(work), str(work)]
+    gpus = _gpu_nodes(devices)
+    if gpus:
+        for node in (*NVIDIA_CONTROL, *gpus):
+            args += ["--dev-bind-try", node, node]
+        args += ["--ro-bind", "/sys", "/sys"]
+    args += ["--remount-ro", "/"]  # the sandbox's own root too: nothing writable but work/ and /tmp
+    if info_fd is not None:
+        args += ["--info-fd", str(info_fd)]
+    return [*args, "--chdir", str(work), "--", *command]
+
+
+def probe(timeout_s: float = 60.0) -> None:
+    """Run a trivial Python inside the sandbox as lease jobs get it; SandboxUnavailable if it fails."""
+    if shutil.which(BWRAP) is None:
+        raise SandboxUnavailable("bubblewrap (bwrap) is not installed; install it (Debian/Ubuntu: "
+                                 "apt-get install bubblewrap)")
+    scratch = Path(os.environ.get("TMPDIR", "/tmp")) / f"runyard-sandbox-probe-{os.getpid()}"
+    try:
+        for sub in ("work/tmp", "work/home"):
+            (scratch / sub).mkdir(parents=True, exist_ok=True)
+        for name in ("passwd", "group"):
+            (scratch / name).write_text("")
+        policy = SandboxPolicy(lease_id=0, root=str(scratch))
+        argv = bwrap_argv(policy, [], [sys.executable, "-c", "import runyard.spec"])
+        try:
+            out = subprocess.run(argv, env=sandbox_env(policy, {}), capture_output=True, text=True,
+                                 timeout=timeout_s, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise SandboxUnavailable(f"bubblewrap did not run: {exc}") from None
+        if out.returncode != 0:
+            raise SandboxUnavailable(f"bubblewrap cannot run a job here (exit {out.returncode}): "
+                                     f"{(out.stderr or out.stdout).strip()[-500:]}")
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+# -- the launcher -----------------------------------------------------------------------------------
+
+
+def _fail(policy: SandboxPolicy, reason: str) -> int:
+    print(f"runyard sandbox: {reason}", file=sys.stderr, flush=True)
+    atomic_write_text(Path(policy.root) / "failure.json", json.dumps({"reason": reason, "at": time.time()}))
+    return EXIT_BAD_SPEC
+
+
+def _read_info(fd: int) -> dict:
+    data = b""
+    while chunk := os.read(fd, 4096):
+        data += chunk
+    os.close(fd)
+    return json.loads(data) if data else {}
+
+
+def launch(policy: SandboxPolicy, command: list[str]) -> int:
+    """Fetch the job's data, apply its limits, run `command` in the sandbox; returns its exit code."""
+    (Path(policy.root) / "failure.json").unlink(missing_ok=True)
+    forwarder = _Forwarder()
+    try:
+        fetch_all({url: Path(policy.root) / "urls" / name for url, name in policy.data_urls.items()},
+                  policy.max_fetch_bytes, allowed_networks(policy.data_networks))
+    except FetchError as exc:
+        return _fail(policy, f"a data URL could not be fetched: {exc}")
+    if forwarder.pending:  # asked to stop while fetching: the job never starts
+        return 128 + forwarder.pending[0]
+    env = sandbox_env(policy, dict(os.environ))
+    devices = allocated_devices(os.environ)
+    limits = job_limits.Limits(memory_bytes=policy.memory_bytes, max_file_bytes=policy.max_file_bytes)
+    job_limits.apply(limits, devices, job_limits.cgroup_name(policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x")))
+    print(f"runyard sandbox: lease {policy.lease_id}, "
+          f"{'UNCONFINED' if policy.unconfined else 'bubblewrap'}; limits: {'; '.join(limits.applied)}",
+          file=sys.stderr, flush=True)
+    read_fd = write_fd = None
+    if policy.unconfined:
+        argv, cwd = command, str(policy.work)
+    else:
+        read_fd, write_fd = os.pipe()
+        argv, cwd = bwrap_argv(policy, devices, command, info_fd=write_fd), None
+    try:
+        # Its own process group: a signal to the launcher's group (the backend stopping the job)
+        # reaches the launcher, which passes it on to the job's processes only (see _Forwarder).
+        proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, process_group=0,
+                                pass_fds=(write_fd,) if write_fd is not None else ())
+    except OSError as exc:
+        job_limits.leave_cgroups(limits.cgroups)
+        return _fail(policy, f"the sandbox could not start: {exc}")
+    target = proc.pid
+    if write_fd is not None and read_fd is not None:
+        os.close(write_fd)
+        # bwrap names its sandbox's first process, which leads the session the job's processes are in.
+        target = int(_read_info(read_fd).get("child-pid", proc.pid))
+    forwarder.found(target)
+    code = proc.wait()
+    job_limits.leave_cgroups(limits.cgroups)
+    return 128 - code if code < 0 else code
+
+
+class _Forwarder:
+    """Passes stop signals on to the job's process group, holding any that come before it is known."""
+
+    def __init__(self) -> None:
+        self.target: int | None = None
+        self.pending: list[int] = []
+        for sig in FORWARDED:
+            signal.signal(sig, self._on_signal)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.target is None:
+            self.pending.append(signum)
+        else:
+            self._send(signum)
+
+    def found(self, target: int) -> None:
+        self.target = target
+        for signum in self.pending:
+            self._send(signum)
+
+    def _send(self, signum: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.target, signum)  # type: ignore[arg-type]
+
+
+def main(argv: list[str]) -> int:
+    if "--" not in argv or argv.index("--") != 1 or len(argv) < 3:
+        print("usage: python -m runyard.control.sandbox POLICY.json -- COMMAND [ARGS...]", file=sys.stderr)
+        return EXIT_BAD_SPEC
+    return launch(SandboxPolicy.load(argv[0]), argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
