@@ -31,6 +31,10 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+from sqlalchemy import create_engine, text
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "src"))
@@ -41,7 +45,9 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from runyard.http_thread import free_port  # noqa: E402
 from runyard.market.matching import DemandView, ListingView, OrderBook, best_listing  # noqa: E402
+from runyard.market.signing import generate_keypair  # noqa: E402
 
 console = Console()
 KINDS = ["h100-80gb", "a100-80gb", "l40s", "h200-141gb", "mi300x"]
@@ -144,8 +150,6 @@ uvicorn.run(app, host="127.0.0.1", port={port}, log_level="warning", access_log=
 
 
 def start_server(url: str, port: int) -> subprocess.Popen:
-    import httpx
-
     code = SERVER.format(src=str(REPO / "src"), url=url, port=port)
     proc = subprocess.Popen([sys.executable, "-c", code], stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
@@ -161,8 +165,6 @@ def start_server(url: str, port: int) -> subprocess.Popen:
 
 
 async def load(base: str, make_request, clients: int, seconds: float) -> dict:
-    import httpx
-
     latencies: list[float] = []
     errors = 0
     # One pool of `clients` keep-alive connections, made before the clock starts (creating an httpx
@@ -197,11 +199,6 @@ async def load(base: str, make_request, clients: int, seconds: float) -> dict:
 
 
 def bench_http(url: str, clients: int, seconds: float, repeats: int) -> dict:
-    import httpx
-
-    from runyard.http_thread import free_port
-    from runyard.market.signing import generate_keypair
-
     port = free_port()
     proc = start_server(url, port)
     base = f"http://127.0.0.1:{port}"
@@ -242,10 +239,6 @@ def bench_http(url: str, clients: int, seconds: float, repeats: int) -> dict:
 
 
 def pg_schema_url(base_url: str) -> tuple[str, object]:
-    from urllib.parse import quote
-
-    from sqlalchemy import create_engine, text
-
     engine = create_engine(base_url, isolation_level="AUTOCOMMIT")
     schema = f"bench_{uuid.uuid4().hex[:8]}"
     with engine.connect() as conn:

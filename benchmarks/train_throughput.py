@@ -82,7 +82,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_hf(cfg: ModelConfig) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # the bench extra's peer
 
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size,
