@@ -1,36 +1,46 @@
-"""Checkpoint I/O: runyard's sharded checkpoint against the raw cost of the same bytes, same run.
+"""Checkpoint I/O: runyard's saves and loads against the raw cost of the same bytes, same run.
 
-For a ~110M-parameter model (GPT-2-small-like: 12 layers, 768 wide, 32k vocabulary) with its AdamW state:
+A GPT-2-small-like model (768 wide, 12 layers, 32k vocabulary, untied head: 162M parameters) after one
+AdamW step, so the optimizer holds both moments: 1.82 GiB of state.
 
-1. save throughput: runyard's save (torch.distributed.checkpoint write + fsync, checksum manifest, atomic
-   rename) against a raw sequential write of the same number of bytes with one fsync. Target >= 0.8x.
-2. training stall: how long an async save blocks the training loop (copy of the state to CPU memory)
-   against a synchronous save of the same state. Target <= 0.1x.
-3. load: reading the checkpoint back into model and optimizer, against a raw sequential read of the
-   same bytes.
+One process (the path a one-process training run takes: `parallel.save_checkpoint` with the loop's
+`save_state`, i.e. the single-file format, written synchronously, checksummed, committed atomically):
+  - save against the peer, a raw write of the same tensors' memory to one file, no copy
+    (`write(memoryview)` on an unbuffered file), one fsync. Target >= 0.8x.
+  - load into model and optimizer against a raw sequential read of the same bytes.
+World size 2 under torchrun (the path a multi-process run takes: DDP, every rank writing its part through
+torch.distributed.checkpoint, rank 0 committing):
+  - the synchronous sharded save against both ranks writing half the bytes each, raw, concurrently,
+    between the same barriers. Target >= 0.8x.
+  - how long an async sharded save stalls the training loop, against the synchronous save. Target <= 0.1x.
 
-Run: `python benchmarks/checkpoint_io.py [--d-model 768 --layers 12 --vocab 32000 --dir /tmp]`.
-The page cache is dropped neither before writes nor before reads (that needs root); the raw peers see
-the same conditions, so the ratios compare like with like.
+All contenders alternate in interleaved rounds; each figure is the median over `--repeats` with its
+spread. The page cache is not dropped (that needs root); the raw peers see the same conditions.
+
+    python benchmarks/checkpoint_io.py [--repeats 3] [--record] [--d-model 768 --layers 12 --vocab 32000]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
 
-from runyard.model.transformer import ModelConfig, Transformer
-from runyard.train import checkpoint as ckpt
-from runyard.train import dist_checkpoint, parallel
-from runyard.train.loop import TrainSetup
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
+
+from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
+from runyard.train import checkpoint as ckpt  # noqa: E402
+from runyard.train import dist_checkpoint, parallel  # noqa: E402
+from runyard.train.loop import TrainSetup, load_state, save_state  # noqa: E402
 
 
 class _Position:
@@ -43,109 +53,208 @@ class _Position:
         pass
 
 
-def build(args) -> TrainSetup:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=768)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where checkpoints are written")
+    ap.add_argument("--skip-sharded", action="store_true", help="only the one-process figures")
+    ap.add_argument("--sharded-worker", type=Path, help=argparse.SUPPRESS)  # a torchrun rank; JSON out here
+    add_common_args(ap, repeats=3)
+    return ap.parse_args(argv)
+
+
+def build(args, ctx: parallel.DistContext) -> TrainSetup:
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=12, n_kv_heads=12,
-                      ffn_hidden=4 * args.d_model, context_length=1024, tie_embeddings=False)
+    heads = max(1, args.d_model // 64)
+    cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=heads,
+                      n_kv_heads=heads, ffn_hidden=4 * args.d_model, context_length=1024, tie_embeddings=False)
     model = Transformer(cfg)
+    module = parallel.wrap_model(model, ctx, argparse.Namespace(parallel="ddp", precision="fp32"))
     opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-4)
     for p in model.parameters():  # one real step so the optimizer holds its two moments per parameter
         p.grad = torch.randn_like(p) * 1e-3
     opt.step()
     opt.zero_grad(set_to_none=True)
-    return TrainSetup(model, model, cfg, opt, _Position())
+    return TrainSetup(model, module, cfg, opt, _Position())
 
 
-def state_bytes(setup: TrainSetup) -> list[torch.Tensor]:
+def state_tensors(setup: TrainSetup) -> list[torch.Tensor]:
     tensors = list(setup.model.state_dict().values())
     for s in setup.optimizer.state.values():
         tensors += [v for v in s.values() if isinstance(v, torch.Tensor)]
     return tensors
 
 
-def raw_write(path: Path, tensors: list[torch.Tensor]) -> float:
-    t0 = time.perf_counter()
-    with open(path, "wb") as f:
+def nbytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def raw_write(path: Path, tensors: list[torch.Tensor]) -> None:
+    """The peer: each tensor's own memory handed to write(2), no intermediate copy, one fsync."""
+    with open(path, "wb", buffering=0) as f:
         for t in tensors:
-            f.write(t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.numpy().tobytes())
-        f.flush()
+            f.write(memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()))
         os.fsync(f.fileno())
-    return time.perf_counter() - t0
 
 
-def raw_read(path: Path) -> float:
-    t0 = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
+def raw_read(path: Path) -> None:
+    buf = bytearray(64 << 20)
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
             pass
-    return time.perf_counter() - t0
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d-model", type=int, default=768)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--vocab", type=int, default=32000)
-    ap.add_argument("--repeats", type=int, default=2, help="best of N for each measurement")
-    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()))
-    args = ap.parse_args()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
+def halves(tensors: list[torch.Tensor], parts: int) -> list[list[torch.Tensor]]:
+    """Tensors dealt to `parts` writers, largest first to the least loaded: an even split of the bytes."""
+    out: list[list[torch.Tensor]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for t in sorted(tensors, key=lambda t: -t.numel() * t.element_size()):
+        i = load.index(min(load))
+        out[i].append(t)
+        load[i] += t.numel() * t.element_size()
+    return out
+
+
+def one_process(args, report: Report) -> None:
     ctx = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    setup = build(args)
-    params = setup.model.num_parameters()
-    tensors = state_bytes(setup)
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    print(f"model: {params / 1e6:.1f}M parameters; model + AdamW state: {nbytes / 2**30:.2f} GiB")
-
+    setup = build(args, ctx)
+    tensors = state_tensors(setup)
+    gib = nbytes(tensors) / 2**30
+    print(f"model: {setup.model.num_parameters() / 1e6:.1f}M parameters; model + AdamW state: {gib:.2f} GiB")
     root = Path(tempfile.mkdtemp(prefix="runyard-ckpt-bench-", dir=args.dir))
+    raw_file, ckpt_dir = root / "raw.bin", root / "ckpt"
     try:
-        raw, sync, stall, async_total, load, raw_load, dcp_only = [], [], [], [], [], [], []
-        for i in range(args.repeats):
-            raw_file = root / f"raw-{i}.bin"
-            raw.append(raw_write(raw_file, tensors))
-            raw_load.append(raw_read(raw_file))
-            raw_file.unlink()
+        def clear(_name: str) -> None:
+            raw_file.unlink(missing_ok=True)
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-            d = root / f"sync-{i}"
-            t0 = time.perf_counter()
-            dist_checkpoint.save_sharded(setup, d, 1, {}, ctx, wait=True, use_async=False)
-            sync.append(time.perf_counter() - t0)
-            ref = ckpt.latest_good(d)
-            t0 = time.perf_counter()
-            dist_checkpoint.load_any(setup, ref, ctx)
-            load.append(time.perf_counter() - t0)
-            shutil.rmtree(d)
+        print("== one process: save (parallel.save_checkpoint -> single-file format) ==")
+        saves = interleaved({
+            "raw write": lambda: raw_write(raw_file, tensors),
+            "runyard save": lambda: parallel.save_checkpoint(save_state, setup, ckpt_dir, 1, {}, ctx, wait=True),
+        }, args.repeats, before=clear)
+        show(saves, gib)
+        report.ratio("checkpoint_save_1proc", paired_ratio(saves["raw write"], saves["runyard save"]),
+                     "raw write of the tensors' memory + fsync", ">=", 0.8,
+                     {"gib": gib, "raw_s": saves["raw write"].values, "runyard_s": saves["runyard save"].values})
 
-            d = root / f"dcp-only-{i}"  # the shard write alone, without runyard's checksums and commit
-            model_sd, optim_sd = get_state_dict(setup.model, setup.optimizer)
-            t0 = time.perf_counter()
-            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(d), no_dist=True)
-            dcp_only.append(time.perf_counter() - t0)
-            shutil.rmtree(d)
-
-            d = root / f"async-{i}"
-            t0 = time.perf_counter()
-            dist_checkpoint.save_sharded(setup, d, 1, {}, ctx, wait=False, use_async=True)
-            stall.append(time.perf_counter() - t0)  # the loop would go on training from here
-            dist_checkpoint.wait_pending()
-            async_total.append(time.perf_counter() - t0)
-            shutil.rmtree(d)
-        on_disk = nbytes
-        raw_s, sync_s, stall_s, load_s, raw_load_s = min(raw), min(sync), min(stall), min(load), min(raw_load)
-        gib = on_disk / 2**30
-        print(f"raw sequential write + fsync (peer): {raw_s:.2f} s  ({gib / raw_s:.2f} GiB/s)")
-        print(f"runyard sharded save, sync:          {sync_s:.2f} s  ({gib / sync_s:.2f} GiB/s)"
-              f"   ratio {raw_s / sync_s:.2f}x of raw (target >= 0.8x)")
-        print(f"  of which the DCP shard write alone: {min(dcp_only):.2f} s   ratio {raw_s / min(dcp_only):.2f}x of raw; "
-              "the rest is the checksum manifest and the atomic commit")
-        print(f"runyard async save: training stall   {stall_s:.3f} s, written and committed in {min(async_total):.2f} s"
-              f"   stall ratio {stall_s / sync_s:.3f}x of a sync save (target <= 0.1x)")
-        print(f"raw sequential read (peer):          {raw_load_s:.2f} s  ({gib / raw_load_s:.2f} GiB/s)")
-        print(f"runyard load into model + optimizer: {load_s:.2f} s  ({gib / load_s:.2f} GiB/s)"
-              f"   ratio {raw_load_s / load_s:.2f}x of raw read")
+        print("== one process: load into model + optimizer ==")
+        clear("")
+        raw_write(raw_file, tensors)
+        parallel.save_checkpoint(save_state, setup, ckpt_dir, 1, {}, ctx, wait=True)
+        ref = ckpt.latest_good(ckpt_dir)
+        loads = interleaved({
+            "raw read": lambda: raw_read(raw_file),
+            "runyard load": lambda: parallel.load_checkpoint(load_state, setup, ref, ctx),
+        }, args.repeats)
+        show(loads, gib)
+        report.ratio("checkpoint_load_1proc", paired_ratio(loads["raw read"], loads["runyard load"]),
+                     "raw sequential read of the same bytes", ">=", 0.5,
+                     {"gib": gib, "raw_s": loads["raw read"].values, "runyard_s": loads["runyard load"].values})
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
 
+def show(samples: dict[str, Samples], gib: float) -> None:
+    for name, s in samples.items():
+        print(f"  {name:<28} {s.spread()} s   ({gib / s.median:.2f} GiB/s)")
+
+
+# -- world size 2 ------------------------------------------------------------------------------------------
+
+
+def sharded(args, report: Report) -> None:
+    print("== world size 2 under torchrun: sharded save (torch.distributed.checkpoint, DDP) ==", flush=True)
+    with tempfile.TemporaryDirectory(prefix="runyard-ckpt-bench-", dir=args.dir) as tmp:
+        out = Path(tmp) / "result.json"
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                __file__, "--sharded-worker", str(out), "--repeats", str(args.repeats), "--d-model",
+                str(args.d_model), "--layers", str(args.layers), "--vocab", str(args.vocab), "--dir", tmp]
+        subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+        result = json.loads(out.read_text())
+    gib = result["gib"]
+    samples = {name: Samples(v) for name, v in result["seconds"].items()}
+    show({k: v for k, v in samples.items() if k != "async stall"}, gib)
+    print(f"  {'async save: training stall':<28} {samples['async stall'].spread()} s")
+    report.ratio("checkpoint_save_sharded_ws2", paired_ratio(samples["raw write"], samples["runyard save"]),
+                 "2 ranks each raw-writing half the bytes + fsync", ">=", 0.8,
+                 {"gib": gib, **result["seconds"]})
+    report.ratio("checkpoint_async_stall_ws2", paired_ratio(samples["async stall"], samples["runyard save"]),
+                 "runyard's own synchronous sharded save", "<=", 0.1, {"gib": gib})
+
+
+def sharded_worker(args) -> None:
+    torch.set_num_threads(1)
+    ctx = parallel.setup("cpu")
+    setup = build(args, ctx)
+    tensors = state_tensors(setup)
+    mine = halves(tensors, ctx.world_size)[ctx.rank]
+    root = args.dir / "ws2"
+    raw_file = root / f"raw-{ctx.rank}.bin"
+    ckpt_dir = root / "ckpt"
+    if ctx.is_main:
+        root.mkdir(parents=True, exist_ok=True)
+    parallel.barrier(ctx)
+
+    def clear() -> None:
+        raw_file.unlink(missing_ok=True)
+        if ctx.is_main:
+            shutil.rmtree(ckpt_dir, ignore_errors=True)
+        parallel.barrier(ctx)
+
+    def timed(fn) -> float:
+        clear()
+        t0 = time.perf_counter()
+        fn()
+        parallel.barrier(ctx)
+        return time.perf_counter() - t0
+
+    def sync_save() -> None:
+        dist_checkpoint.save_sharded(setup, ckpt_dir, 1, {}, ctx, wait=True, use_async=False)
+
+    def async_save() -> float:
+        clear()
+        t0 = time.perf_counter()
+        dist_checkpoint.save_sharded(setup, ckpt_dir, 1, {}, ctx, wait=False, use_async=True)
+        stall = time.perf_counter() - t0  # the loop would go on training from here
+        dist_checkpoint.wait_pending()
+        parallel.barrier(ctx)
+        return stall
+
+    contenders = {"raw write": lambda: timed(lambda: raw_write(raw_file, mine)),
+                  "runyard save": lambda: timed(sync_save), "async stall": async_save}
+    for fn in contenders.values():  # warm-up: the stager's buffers, the process groups
+        fn()
+    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(args.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            elapsed = parallel.all_reduce_max(contenders[name](), ctx)  # the slowest rank is the figure
+            seconds[name].append(elapsed)
+        if ctx.is_main:
+            print(f"  round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {seconds[n][-1]:.3g}s" for n in names),
+                  file=sys.stderr, flush=True)
+    clear()
+    if ctx.is_main:
+        args.sharded_worker.write_text(json.dumps({"gib": nbytes(tensors) / 2**30, "seconds": seconds}))
+    parallel.teardown()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.sharded_worker:
+        sharded_worker(args)
+        return 0
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    report = Report("checkpoint_io", args)
+    report.note(f"load average at start {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
+    one_process(args, report)
+    if not args.skip_sharded:
+        sharded(args, report)
+    return report.finish()
+
+
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,23 +1,35 @@
-"""Control-plane figures, each printed beside a named peer measured in the same run.
+"""Control-plane figures, each beside a named peer measured in the same run.
 
-1. Scheduling decisions per second with 1,000 queued jobs on the embedded scheduler: one control
-   loop tick reads the queue from SQLite and decides for every queued job (priority, gang, backfill,
-   quotas, preemption) while all devices are busy. Peer: a bare `heapq` priority queue that only
-   pops by priority and checks one device count (none of our rules, no state file).
-2. Time from a worker's death (SIGKILL) to its job's first resumed training step, for a tiny real
-   `runyard run`: restarted by our control plane (it sees the death, classifies it as infra,
+1. Scheduling pass against Slurm's own scheduler (where Slurm is installed: `sinfo`). The same queue on
+   the same inventory (Slurm's node here: 2 GPUs): one high-priority job holds one device for an hour;
+   N jobs wait, the first (top priority) needing both devices, the rest one device with time limits
+   from 1 to 120 minutes and mixed priorities, so backfill fires (short jobs start on the free device
+   without delaying the top job). runyard: read the N pending jobs from its SQLite queue and decide for
+   all of them (`scheduler.plan`, preemption off as in Slurm's config here). Slurm: the same jobs
+   submitted with the same priorities, gres and time limits; its backfill cycle time and depth read
+   from `sdiag` once per cycle while runyard's passes are timed in between. Figure: microseconds per
+   job considered, runyard against Slurm's backfill scheduler.
+2. A trace where backfill and preemption fire: 8 devices, jobs arriving over time (1 to 8 devices,
+   priorities 0 to 9, time limits above their real durations), replayed through runyard's scheduler on
+   a simulated clock (a preempted job goes back to the queue and resumes from where it stopped). Peer:
+   the same trace under strict priority order (the same scheduler with backfill and preemption off).
+   Figures: device utilisation and the top-priority jobs' mean wait.
+3. Time from a worker's death (SIGKILL) to its job's first resumed training step, for a tiny real
+   `runyard run`: restarted by runyard's control plane (it sees the death, classifies it as infra,
    relaunches after its backoff, the run resumes from its last good checkpoint), beside the same job
-   restarted by `torchrun --max-restarts` alone. The ratio shows what our recovery adds.
+   restarted by `torchrun --max-restarts` alone. Repeats interleaved, the order alternated.
 
-    .venv/bin/python benchmarks/control.py [--jobs 1000] [--skip-recovery]
+    .venv/bin/python benchmarks/control.py [--jobs 500] [--repeats 3] [--skip-slurm] [--skip-recovery] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import os
+import random
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,14 +37,20 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "src"))
+import yaml
 
-from runyard.control import procs  # noqa: E402
-from runyard.control.backends.local import LocalBackend  # noqa: E402
-from runyard.control.jobs import add_jobs  # noqa: E402
-from runyard.control.loop import ControlConfig, ControlLoop  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
+from schedule_sim import make_job, make_trace, simulate  # noqa: E402
+
+from runyard.control import scheduler  # noqa: E402
+from runyard.control.client import ControlClient  # noqa: E402
+from runyard.control.jobs import add_jobs, requests_for_spec  # noqa: E402
+from runyard.control.loop import ControlConfig  # noqa: E402
+from runyard.control.states import JobState  # noqa: E402
 from runyard.control.store import JobStore  # noqa: E402
+from runyard.spec import load_spec  # noqa: E402
+from runyard.train import checkpoint as ckpt  # noqa: E402
 
 # Like tests/e2e/conftest.py's TINY_SPEC but long enough to be killed mid-run (400 steps, a checkpoint
 # every 5, no gate): kept here because a benchmark must not import the test suite's conftest.
@@ -48,56 +66,152 @@ TINY = {
     "checkpoint": {"interval": 5, "keep_last": 2},
     "resources": {"device": "cpu", "threads": 1},
 }
+SLURM_NAME = "runyard-bench-sched"  # every Slurm job this benchmark submits; cancelled by this name
 
 
-# -- 1. scheduling decisions ---------------------------------------------------------------------
+# -- 1. one scheduling pass, against Slurm -------------------------------------------------------------
 
 
-def bench_scheduling(n_jobs: int, rounds: int) -> None:
+def snapshot_queue(n_jobs: int, seed: int = 0) -> list[dict]:
+    """The waiting jobs: the first needs both devices at top priority, the rest one device each."""
+    rng = random.Random(seed)
+    jobs = [{"devices": 2, "priority": 900, "minutes": 30}]
+    jobs += [{"devices": 1, "priority": rng.randint(1, 800), "minutes": rng.choice([1, 5, 10, 30, 90, 120])}
+             for _ in range(n_jobs - 1)]
+    return jobs
+
+
+def runyard_pass(n_jobs: int, repeats: int) -> tuple[Samples, list]:
+    """Seconds per pass (read the pending jobs from SQLite + plan), and one pass's actions."""
+    inventory = ["cuda:0", "cuda:1"]
+    now = time.time()
+    busy = make_job(0, priority=1000, state=JobState.RUNNING, allocation=["cuda:0"], started_at=now,
+                    time_limit_s=3600.0)
+    config = scheduler.SchedulerConfig(inventory=inventory, preemption=False, backfill=True)
     with tempfile.TemporaryDirectory() as tmp:
-        config = ControlConfig(state_dir=Path(tmp), inventory=[f"cuda:{i}" for i in range(8)],
-                               tenant_quotas={"t3": 4})
         store = JobStore(Path(tmp) / "control.db")
-        loop = ControlLoop(config, store, LocalBackend(procs.instance_id(tmp)))
-        sleeper = [sys.executable, "-c", "import time; time.sleep(600)"]
-        # Fill every device with top-priority work (it cannot be preempted), then queue n_jobs.
-        add_jobs(store, [{"name": "busy", "argv": sleeper, "devices": 2, "priority": 1000}] * 4, config, "bench")
-        loop.tick()
-        queued = [{"name": f"q{i}", "argv": ["true"], "devices": 1 + i % 4, "priority": i % 7,
-                   "tenant": f"t{i % 5}", "time_limit_s": 60.0 * (1 + i % 9)} for i in range(n_jobs)]
-        add_jobs(store, queued, config, "bench")
-        try:
-            loop.tick()  # warm
-            t0 = time.perf_counter()
-            for _ in range(rounds):
-                loop.tick()
-            ours = (time.perf_counter() - t0) / rounds
-        finally:
-            for job in store.jobs():
-                procs.kill_job_processes(loop.instance, job.id)
-        assert len(store.jobs(["pending"])) == n_jobs, "nothing should have started: all devices are busy"
+        control = ControlConfig(state_dir=Path(tmp), inventory=inventory)
+        add_jobs(store, [{"name": f"q{i}", "argv": ["true"], "devices": j["devices"], "priority": j["priority"],
+                          "time_limit_s": 60.0 * j["minutes"]} for i, j in enumerate(snapshot_queue(n_jobs))],
+                 control, "bench")
+        actions: list = []
 
-    # Peer: a priority queue of (priority, seq) with one free-device check per pop.
-    jobs = [(-(i % 7), i, 1 + i % 4) for i in range(n_jobs)]
-    t0 = time.perf_counter()
-    for _ in range(rounds):
-        heap = list(jobs)
-        heapq.heapify(heap)
-        free = 0
-        while heap:
-            _, _, devices = heapq.heappop(heap)
-            if devices <= free:
-                free -= devices
-    peer = (time.perf_counter() - t0) / rounds
-    print(f"scheduling, {n_jobs} queued jobs, 8 busy devices:")
-    print(f"  runyard control-loop tick (SQLite + all rules): {ours * 1e3:8.2f} ms/round = "
-          f"{n_jobs / ours:>10,.0f} job decisions/s")
-    print(f"  peer: bare heapq priority queue (no rules, no state): {peer * 1e3:8.2f} ms/round = "
-          f"{n_jobs / peer:>10,.0f} job decisions/s")
-    print(f"  ratio runyard/peer time per round: {ours / peer:.1f}x")
+        def one_pass() -> None:
+            actions[:] = scheduler.plan(config, store.jobs([JobState.PENDING]), [busy], time.time())
+
+        samples = interleaved({"runyard": one_pass}, repeats, progress=False)
+    return samples["runyard"], actions
 
 
-# -- 2. recovery ---------------------------------------------------------------------------------
+def slurm_available() -> bool:
+    return shutil.which("sbatch") is not None and subprocess.run(
+        ["sinfo", "-h"], capture_output=True, timeout=30).returncode == 0
+
+
+def sdiag_backfill() -> dict[str, int]:
+    text = subprocess.run(["sdiag"], capture_output=True, text=True, check=True, timeout=30).stdout
+    section = text[text.index("Backfilling stats"):]
+    out = {}
+    for key, label in [("cycles", "Total cycles"), ("last_us", "Last cycle"), ("depth", "Last depth cycle"),
+                       ("backfilled", "Total backfilled jobs (since last stats cycle start)")]:
+        m = re.search(rf"^\s*{re.escape(label)}:\s*(\d+)", section, re.M)
+        out[key] = int(m.group(1)) if m else 0
+    return out
+
+
+def slurm_pass(n_jobs: int, samples_wanted: int, between) -> tuple[Samples, list[int], int]:
+    """Submit the same queue to Slurm; sample its backfill cycle (us per job considered) each cycle,
+    calling `between()` (runyard's pass) after each sample so both are measured interleaved."""
+    def sbatch(devices: int, priority: int, minutes: int, hold: bool) -> None:
+        # Held by a start time rather than --hold: a released hold would reset the priority we set.
+        cmd = ["sbatch", "--parsable", "-J", SLURM_NAME, f"--gres=gpu:{devices}", "-c", "1", f"--time={minutes}",
+               f"--priority={priority}", "-o", "/dev/null", "--wrap", "sleep 3600"]
+        subprocess.run(cmd + (["--begin=now+600"] if hold else []), check=True, capture_output=True, timeout=60)
+
+    per_job, depths = Samples(), []
+    try:
+        sbatch(1, 1000, 60, hold=False)  # the busy job: one device, an hour
+        for j in snapshot_queue(n_jobs):
+            sbatch(j["devices"], j["priority"], j["minutes"], hold=True)
+        ids = subprocess.run(["squeue", "-h", "-n", SLURM_NAME, "-t", "PD", "-o", "%i"], capture_output=True,
+                             text=True, check=True).stdout.split()
+        subprocess.run(["sdiag", "--reset"], check=True, capture_output=True)
+        subprocess.run(["scontrol", "update", f"jobid={','.join(ids)}", "StartTime=now"], check=True,
+                       capture_output=True)
+        last = sdiag_backfill()["cycles"]
+        deadline = time.monotonic() + 30 + 5 * samples_wanted
+        while len(per_job.values) < samples_wanted and time.monotonic() < deadline:
+            time.sleep(0.2)
+            stats = sdiag_backfill()
+            if stats["cycles"] > last and stats["depth"] > 0:
+                last = stats["cycles"]
+                per_job.values.append(stats["last_us"] / stats["depth"])
+                depths.append(stats["depth"])
+                between()
+        backfilled = sdiag_backfill()["backfilled"]
+    finally:
+        subprocess.run(["scancel", "-n", SLURM_NAME], capture_output=True, timeout=60)
+    if not per_job.values:
+        raise RuntimeError("Slurm ran no backfill cycle within the time allowed (see `sdiag`)")
+    return per_job, depths, backfilled
+
+
+def bench_scheduling_vs_slurm(args, report: Report) -> None:
+    print(f"== one scheduling pass: {args.jobs} waiting jobs, 2 devices (one busy), backfill on ==")
+    ours_us: list[float] = []
+    actions: list = []
+
+    def runyard_once() -> None:
+        samples, acts = runyard_pass(args.jobs, 1)
+        ours_us.append(samples.values[0] * 1e6 / args.jobs)
+        actions[:] = acts
+
+    slurm_us, depths, backfilled = slurm_pass(args.jobs, args.repeats, runyard_once)
+    ours = Samples(ours_us)
+    started = [a for a in actions if isinstance(a, scheduler.Start)]  # all past the waiting top job
+    print(f"  runyard (SQLite read + plan): {ours.spread()} us per job; started by backfill: "
+          f"{[a.job_id for a in started]} past the waiting 2-device job")
+    print(f"  Slurm {slurm_version()} sched/backfill: {slurm_us.spread()} us per job considered "
+          f"(depth per cycle {min(depths)}..{max(depths)}); backfilled jobs: {backfilled}")
+    report.ratio("scheduling_us_per_job_vs_slurm", paired_ratio(slurm_us, ours),
+                 f"Slurm {slurm_version()} backfill cycle, same queue", ">=", 1.0,
+                 {"runyard_us_per_job": ours.values, "slurm_us_per_job": slurm_us.values, "slurm_depth": depths,
+                  "runyard_backfilled": len(started), "slurm_backfilled": backfilled})
+    report.ratio("scheduling_backfilled_vs_slurm", Samples([len(started) / max(backfilled, 1)]),
+                 f"Slurm {slurm_version()} backfill, same queue (jobs started past the waiting top job)", ">=", 1.0,
+                 {"runyard": len(started), "slurm": backfilled})
+    report.note("Slurm here has PreemptType=preempt/none, so the pass against Slurm runs with preemption off "
+                "on both sides; the trace figures below exercise runyard's preemption.")
+
+
+def slurm_version() -> str:
+    out = subprocess.run(["sinfo", "--version"], capture_output=True, text=True).stdout.split()
+    return out[-1] if out else "?"
+
+
+# -- 2. a trace where backfill and preemption fire ------------------------------------------------------
+
+
+def bench_trace(args, report: Report) -> None:
+    trace = make_trace(args.trace_jobs)
+    inventory = [f"cuda:{i}" for i in range(8)]
+    ours_cfg = scheduler.SchedulerConfig(inventory=inventory, preemption=True, backfill=True)
+    peer_cfg = scheduler.SchedulerConfig(inventory=inventory, preemption=False, backfill=False)
+    print(f"== trace: {len(trace)} jobs over {trace[-1]['arrival'] / 3600:.1f} simulated hours, 8 devices ==")
+    ours, peer = simulate(trace, ours_cfg), simulate(trace, peer_cfg)
+    for name, r in [("runyard (backfill + preemption)", ours), ("strict priority order (peer)", peer)]:
+        print(f"  {name:<32} utilisation {r['utilisation']:.3f}, top-priority mean wait {r['top_wait_s']:.0f} s, "
+              f"makespan {r['makespan_s'] / 3600:.2f} h, backfilled {r['backfilled']}, preempted {r['preempted']}, "
+              f"{r['decisions'] / r['plan_s']:,.0f} job decisions/s")
+    if ours["backfilled"] == 0 or ours["preempted"] == 0:
+        raise RuntimeError("the trace did not exercise backfill and preemption; choose another --trace-jobs")
+    report.ratio("trace_utilisation_vs_strict_priority", Samples([ours["utilisation"] / peer["utilisation"]]),
+                 "strict priority order, same trace", ">=", 1.0, {"runyard": ours, "peer": peer})
+    report.ratio("trace_top_priority_wait_vs_strict_priority", Samples([ours["top_wait_s"] / peer["top_wait_s"]]),
+                 "strict priority order, same trace", "<=", 1.0, {"runyard": ours, "peer": peer})
+
+
+# -- 3. recovery ---------------------------------------------------------------------------------
 
 
 def _children(pid: int) -> list[int]:
@@ -123,8 +237,6 @@ def _descendants(pid: int) -> list[int]:
 
 
 def _wait_checkpoint(run_dir: Path, timeout_s: float = 300) -> None:
-    from runyard.train import checkpoint as ckpt
-
     path = run_dir / "stages" / "main" / "checkpoints"
     deadline = time.monotonic() + timeout_s
     while not (path.exists() and len(ckpt.list_checkpoints(path)) >= 1):
@@ -149,16 +261,16 @@ def _first_resumed_step_after(run_dir: Path, t_kill: float, timeout_s: float = 3
 
 
 def recovery_ours(spec: Path, root: Path) -> float:
-    state, run_dir = root / "control", root / "ours"
+    state, run_dir = root / "control", root / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     daemon = subprocess.Popen([sys.executable, "-m", "runyard", "control", "start", "--foreground", "--state-dir",
                                str(state), "--cpu-slots", "1", "--backoff", "0.1"], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         while not (state / "daemon.json").exists():
+            if daemon.poll() is not None:
+                raise RuntimeError(f"the control daemon exited with {daemon.returncode}")
             time.sleep(0.05)
-        from runyard.control.client import ControlClient
-
         client = ControlClient.for_state_dir(state)
         job = client.submit_spec(spec.read_text(), run_dir=str(run_dir.resolve()))[0]
         _wait_checkpoint(run_dir)
@@ -176,7 +288,7 @@ def recovery_ours(spec: Path, root: Path) -> float:
 
 
 def recovery_torchrun(spec: Path, root: Path) -> float:
-    run_dir = root / "torchrun"
+    run_dir = root / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1")
     launcher = subprocess.Popen([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir),
                                  "--max-restarts", "3", "--no-progress"], env=env,
@@ -193,31 +305,57 @@ def recovery_torchrun(spec: Path, root: Path) -> float:
         launcher.wait()
 
 
-def bench_recovery() -> None:
-    import yaml
-
+def bench_recovery(args, report: Report) -> None:
+    print(f"== worker SIGKILL -> first resumed training step: {args.repeats} interleaved repeats ==")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         spec = root / "spec.yaml"
         spec.write_text(yaml.safe_dump(TINY))
-        peer = recovery_torchrun(spec, root)
-        ours = recovery_ours(spec, root)
-    print("worker SIGKILL -> first resumed training step (tiny CPU run, resumes from its last checkpoint):")
-    print(f"  runyard control plane (detect, classify infra, backoff 0.1 s, relaunch): {ours:6.2f} s")
-    print(f"  peer: torchrun --max-restarts alone:                                    {peer:6.2f} s")
-    print(f"  ratio runyard/torchrun: {ours / peer:.2f}x")
+        counter = iter(range(10**6))
+
+        def fresh(name: str) -> Path:
+            path = root / f"{name}-{next(counter)}"
+            path.mkdir()
+            return path
+
+        took: dict[str, Samples] = {"runyard control plane": Samples(), "torchrun --max-restarts": Samples()}
+        runs = {"runyard control plane": lambda: recovery_ours(spec, fresh("ours")),
+                "torchrun --max-restarts": lambda: recovery_torchrun(spec, fresh("torchrun"))}
+        names = list(runs)
+        for r in range(args.repeats):
+            for name in names if r % 2 == 0 else names[::-1]:
+                took[name].values.append(runs[name]())
+            print(f"  round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {took[n].values[-1]:.2f}s" for n in names),
+                  file=sys.stderr, flush=True)
+    for name, s in took.items():
+        print(f"  {name:<26} {s.spread()} s")
+    report.ratio("recovery_time_vs_torchrun", paired_ratio(took["runyard control plane"],
+                                                           took["torchrun --max-restarts"]),
+                 "torchrun --max-restarts alone", "<=", 1.5,
+                 {name: s.values for name, s in took.items()})
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--jobs", type=int, default=1000, help="queued jobs (default 1000)")
-    parser.add_argument("--rounds", type=int, default=20, help="scheduling rounds to time (default 20)")
-    parser.add_argument("--skip-recovery", action="store_true", help="only the scheduling figure")
-    args = parser.parse_args()
-    bench_scheduling(args.jobs, args.rounds)
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--jobs", type=int, default=500, help="waiting jobs in the pass against Slurm (default 500)")
+    parser.add_argument("--trace-jobs", type=int, default=400, help="jobs in the simulated trace (default 400)")
+    parser.add_argument("--skip-slurm", action="store_true", help="leave out the pass against Slurm")
+    parser.add_argument("--skip-recovery", action="store_true", help="leave out the recovery figure")
+    add_common_args(parser, repeats=3)
+    args = parser.parse_args(argv)
+    report = Report("control", args)
+    if args.skip_slurm or not slurm_available():
+        if not args.skip_slurm:
+            report.note("Slurm is not installed or not answering here: the pass against Slurm is left out")
+        samples, _ = runyard_pass(args.jobs, args.repeats)
+        print(f"runyard pass, {args.jobs} waiting jobs: {Samples([v * 1e6 / args.jobs for v in samples.values]).spread()} "
+              "us per job")
+    else:
+        bench_scheduling_vs_slurm(args, report)
+    bench_trace(args, report)
     if not args.skip_recovery:
-        bench_recovery()
-    return 0
+        bench_recovery(args, report)
+    return report.finish()
 
 
 if __name__ == "__main__":

@@ -1,22 +1,27 @@
-"""Training throughput: runyard's Transformer against HF transformers' LlamaForCausalLM.
+"""Training throughput: runyard's Transformer against HF transformers' LlamaForCausalLM and against a
+nanoGPT-style model of the same shape that fuses its projections as runyard does.
 
-Both models have the same shape (hidden size, layers, heads, kv heads, intermediate size, vocab,
-context, tied embeddings), HF's with attn_implementation="sdpa". HF's weights are copied from
-runyard's, so both start from the same point; the script checks that their logits agree before
-timing anything (the same math, not just the same shape). Both then train with the same plain loop
-(forward, cross-entropy, backward, AdamW step) on the same batches, in this process, on CPU, fp32.
-Timing alternates between the two models in rounds so load from other processes hits both alike;
-tokens/s is from the median step time over all timed steps.
+All three have the same shape (hidden size, layers, heads, kv heads, intermediate size, vocab, context,
+tied embeddings); HF's uses attn_implementation="sdpa". The peers' weights are copied from runyard's, so all
+start from the same point, and the script checks that their logits agree before timing anything (the same
+math, not just the same shape). Each then trains with the same plain loop (forward, cross-entropy, backward,
+AdamW step) on the same batches, in this process, on CPU: once in fp32 and once under CPU bf16 autocast
+(`torch.autocast("cpu", torch.bfloat16)`, fp32 master weights, the loss in fp32).
 
-Peak memory: each model trains three steps in its own fresh subprocess, and we report
-its peak resident set size minus the resident set just before the model is built. On Linux the
-kernel's high-water mark is reset at that point (`/proc/self/clear_refs` = 5) and read back as
-`VmHWM` from /proc/self/status; elsewhere `ru_maxrss` is used (it cannot be reset, so imports may
-mask small models). That covers weights, gradients, AdamW state, activations and allocator
-overhead; the interpreter and imported libraries are excluded. (`ru_maxrss` alone is not used on
-Linux: a child started from this process inherits its parent's high-water mark.)
+- HF Llama is the framework a user would otherwise train with; its projections are separate matmuls.
+- The nanoGPT-style peer (benchmarks/nanogpt_peer.py) fuses Q/K/V and gate/up like runyard and uses torch's
+  own F.rms_norm and autograd for rotary and SwiGLU, so runyard / nanoGPT isolates what runyard's own
+  fused ops and framework cost or save, with fusion equal on both sides.
 
-Run: python benchmarks/train_throughput.py   (needs `pip install -e .[bench]` for transformers)
+Timing: the models alternate in interleaved rounds (order reversed every other round), each round a few
+steps per model; a figure is the median round with its spread, a ratio the median of per-round ratios.
+
+Peak memory: each model trains three steps in its own fresh subprocess, and we report its peak resident set
+size minus the resident set just before the model is built (Linux: `/proc/self/clear_refs` = 5 resets the
+high-water mark, `VmHWM` reads it; elsewhere `ru_maxrss`, which cannot be reset). Weights, gradients, AdamW
+state, activations and allocator overhead; not the interpreter or libraries.
+
+Run: python benchmarks/train_throughput.py [--record]   (needs the `bench` extra for transformers)
 """
 
 from __future__ import annotations
@@ -24,16 +29,22 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from runyard.model.config import default_ffn_hidden
-from runyard.model.transformer import ModelConfig, Transformer
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import nanogpt_peer  # noqa: E402
+from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
+
+from runyard.model.config import default_ffn_hidden  # noqa: E402
+from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
+
+MODELS = ("runyard", "hf", "nanogpt")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -47,12 +58,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
     p.add_argument("--untied", action="store_true", help="separate output head (default: tied embeddings)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--steps", type=int, default=24, help="timed steps per model")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per model first")
-    p.add_argument("--rounds", type=int, default=4, help="alternations between the two models")
+    p.add_argument("--steps-per-round", type=int, default=4, help="timed steps per model in each round")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (CPU autocast)")
     p.add_argument("--seed", type=int, default=0, help="seed for init and batches")
-    p.add_argument("--memory-only", choices=["runyard", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--memory-only", choices=MODELS, help=argparse.SUPPRESS)
+    add_common_args(p, repeats=6)
     return p.parse_args(argv)
 
 
@@ -70,7 +82,7 @@ def model_config(args: argparse.Namespace) -> ModelConfig:
 
 
 def build_hf(cfg: ModelConfig) -> torch.nn.Module:
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM  # the bench extra's peer
 
     hf_cfg = LlamaConfig(
         vocab_size=cfg.vocab_size,
@@ -119,18 +131,36 @@ def copy_weights_to_hf(ours: Transformer, hf: torch.nn.Module) -> None:
         hf.lm_head.weight.copy_(ours.lm_head.weight)
 
 
-def make_models(cfg: ModelConfig, seed: int) -> tuple[Transformer, torch.nn.Module]:
+def build(name: str, cfg: ModelConfig) -> torch.nn.Module:
+    if name == "runyard":
+        return Transformer(cfg)
+    return build_hf(cfg) if name == "hf" else nanogpt_peer.from_config(cfg)
+
+
+def make_models(cfg: ModelConfig, seed: int) -> dict[str, torch.nn.Module]:
     torch.manual_seed(seed)
     ours = Transformer(cfg)
     hf = build_hf(cfg)
     copy_weights_to_hf(ours, hf)
-    return ours, hf
+    nano = nanogpt_peer.from_config(cfg)
+    nanogpt_peer.load_from_runyard(nano, ours)
+    return {"runyard": ours, "hf": hf, "nanogpt": nano}
 
 
-def forward_fn(name: str, model: torch.nn.Module):
-    if name == "runyard":
-        return model
-    return lambda x: model(input_ids=x, use_cache=False).logits
+def forward_fn(name: str, model: torch.nn.Module, precision: str = "fp32"):
+    if name == "hf":
+        def call(x):
+            return model(input_ids=x, use_cache=False).logits
+    else:
+        call = model
+    if precision == "fp32":
+        return call
+
+    def autocast_call(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return call(x)
+
+    return autocast_call
 
 
 def make_batches(cfg: ModelConfig, n: int, batch: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -145,7 +175,7 @@ def train_steps(forward, opt, batches, vocab: int) -> list[float]:
     for x, y in batches:
         t0 = time.perf_counter()
         logits = forward(x)
-        loss = F.cross_entropy(logits.view(-1, vocab), y.view(-1))
+        loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -192,7 +222,7 @@ def measure_memory(args: argparse.Namespace, name: str) -> int:
             lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         )
     torch.manual_seed(args.seed)
-    model = Transformer(cfg) if name == "runyard" else build_hf(cfg)
+    model = build(name, cfg)
     model.train()
     train_steps(forward_fn(name, model), make_optimizer(model), batches, cfg.vocab_size)
     return (peak() - before) * 1024  # both are KiB on Linux
@@ -205,6 +235,41 @@ def memory_in_subprocess(args: argparse.Namespace, argv: list[str], name: str) -
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_growth_bytes"]
 
 
+def check_same_function(models: dict[str, torch.nn.Module], cfg: ModelConfig, seed: int) -> float:
+    """Largest |logit difference| of each peer from runyard on one probe batch (fp32, eval mode)."""
+    probe = make_batches(cfg, 1, 2, seed + 99)[0][0]
+    with torch.no_grad():
+        logits = {name: forward_fn(name, m.eval())(probe) for name, m in models.items()}
+    for m in models.values():
+        m.train()
+    return max((logits[name] - logits["runyard"]).abs().max().item() for name in models if name != "runyard")
+
+
+def time_precision(models, cfg, args, precision: str, report: Report) -> None:
+    batches = make_batches(cfg, args.steps_per_round, args.batch, args.seed)
+    opts = {name: make_optimizer(m) for name, m in models.items()}
+    for name, model in models.items():
+        model.train()
+        train_steps(forward_fn(name, model, precision), opts[name], batches[: args.warmup], cfg.vocab_size)
+    contenders = {
+        name: (lambda name=name: train_steps(forward_fn(name, models[name], precision), opts[name], batches,
+                                             cfg.vocab_size))
+        for name in models
+    }
+    print(f"== {precision}{' (CPU autocast)' if precision == 'bf16' else ''}: {args.repeats} rounds of "
+          f"{args.steps_per_round} steps per model ==", flush=True)
+    samples = interleaved(contenders, args.repeats, warmup=0)
+    tokens = args.batch * cfg.context_length * args.steps_per_round
+    for name, s in samples.items():
+        print(f"  {name:<10} {s.rate(tokens).spread()} tokens/s")
+    report.ratio(f"train_{precision}_vs_hf_llama", paired_ratio(samples["hf"], samples["runyard"]),
+                 f"HF LlamaForCausalLM sdpa, CPU {precision}", ">=", 1.0,
+                 {"tokens_per_s": {n: tokens / s.median for n, s in samples.items()}})
+    report.ratio(f"train_{precision}_vs_nanogpt_fused", paired_ratio(samples["nanogpt"], samples["runyard"]),
+                 f"nanoGPT-style fused model, CPU {precision}", ">=", 1.0,
+                 {"tokens_per_s": {n: tokens / s.median for n, s in samples.items()}})
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
@@ -214,64 +279,35 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"peak_rss_growth_bytes": measure_memory(args, args.memory_only)}))
         return 0
 
-    import transformers
+    import transformers  # the bench extra's peer
 
+    report = Report("train_throughput", args, packages=["transformers"])
     cfg = model_config(args)
-    ours, hf = make_models(cfg, args.seed)
-    models = {"runyard": ours, "hf": hf}
+    models = make_models(cfg, args.seed)
     print(
         f"shape: d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads} kv_heads={cfg.n_kv_heads} "
         f"ffn={cfg.ffn_hidden} vocab={cfg.vocab_size} context={cfg.context_length} tied={cfg.tie_embeddings} "
-        f"batch={args.batch}; params runyard={ours.num_parameters():,} "
-        f"hf={sum(p.numel() for p in hf.parameters()):,}"
+        f"batch={args.batch}; parameters "
+        + ", ".join(f"{n}={sum(p.numel() for p in m.parameters()):,}" for n, m in models.items())
     )
-    print(
-        f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
-        "CPU fp32"
-    )
-
-    probe = make_batches(cfg, 1, 2, args.seed + 99)[0][0]
-    with torch.no_grad():
-        diff = (ours.eval()(probe) - hf.eval()(input_ids=probe, use_cache=False).logits).abs().max().item()
-    print(f"same weights, max |logit difference| = {diff:.2e}")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    diff = check_same_function(models, cfg, args.seed)
+    print(f"same weights, max |logit difference| from runyard = {diff:.2e}")
     if diff > 1e-3:
-        print("error: the two models do not compute the same function; the comparison would be unfair")
+        print("error: the models do not compute the same function; the comparison would be unfair")
         return 1
 
-    per_round = max(1, args.steps // args.rounds)
-    batches = make_batches(cfg, args.warmup + per_round * args.rounds, args.batch, args.seed)
-    opts = {name: make_optimizer(m) for name, m in models.items()}
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for name, model in models.items():
-        model.train()
-        train_steps(forward_fn(name, model), opts[name], batches[: args.warmup], cfg.vocab_size)
-    for r in range(args.rounds):
-        chunk = batches[args.warmup + r * per_round : args.warmup + (r + 1) * per_round]
-        order = ["runyard", "hf"] if r % 2 == 0 else ["hf", "runyard"]
-        for name in order:
-            times[name] += train_steps(forward_fn(name, models[name]), opts[name], chunk, cfg.vocab_size)
+    for precision in args.precisions.split(","):
+        if precision not in ("fp32", "bf16"):
+            raise SystemExit(f"--precisions: unknown precision {precision!r} (fp32, bf16)")
+        time_precision(models, cfg, args, precision, report)
 
-    tokens_per_step = args.batch * cfg.context_length
-    tps = {name: tokens_per_step / statistics.median(t) for name, t in times.items()}
-    mem = {name: memory_in_subprocess(args, argv, name) for name in models}
-    with torch.no_grad():
-        x, y = batches[-1]
-        losses = {
-            name: F.cross_entropy(forward_fn(name, m.eval())(x).view(-1, cfg.vocab_size), y.view(-1)).item()
-            for name, m in models.items()
-        }
-
-    print(f"{'model':<10}{'tokens/s':>12}{'ms/step':>10}{'peak RSS growth':>18}{'loss after':>12}")
-    for name in models:
-        ms = 1000 * statistics.median(times[name])
-        print(f"{name:<10}{tps[name]:>12,.0f}{ms:>10.1f}{mem[name] / 2**20:>15.1f} MiB{losses[name]:>12.4f}")
-    print(f"ratio runyard / hf tokens/s: {tps['runyard'] / tps['hf']:.2f}x (target >= 1.0x)")
-    print(f"ratio runyard / hf peak memory: {mem['runyard'] / mem['hf']:.2f}x")
-    print(
-        "(tokens/s from the median step over interleaved rounds; peak RSS growth = high-water resident set "
-        "minus the resident set before the model is built, each model alone in a fresh subprocess, 3 steps)"
-    )
-    return 0
+    mem = {name: memory_in_subprocess(args, argv, name) for name in MODELS}
+    print("peak RSS growth, fp32, 3 steps, each model alone in a fresh subprocess: "
+          + ", ".join(f"{n} {b / 2**20:.1f} MiB" for n, b in mem.items()))
+    report.ratio("train_peak_memory_vs_hf_llama", Samples([mem["runyard"] / mem["hf"]]),
+                 "HF LlamaForCausalLM sdpa, CPU fp32", "<=", 1.0, {"bytes": mem})
+    return report.finish()
 
 
 if __name__ == "__main__":

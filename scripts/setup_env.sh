@@ -2,7 +2,7 @@
 # Defines `setup_env [EXTRAS]`: create or refresh the project's virtual environment (.venv), install
 # runyard into it (with the given extras, e.g. `dev`) and put it first on PATH. Sourced by
 # scripts/demo.sh and scripts/test.sh. On a machine without an NVIDIA GPU the CPU wheel of torch is
-# installed first, so the `torch>=2.5` range in pyproject.toml never pulls a CUDA build.
+# installed first, so the `torch>=2.13` range in pyproject.toml never pulls a CUDA build.
 set -euo pipefail
 
 setup_env() {
@@ -19,7 +19,7 @@ pip_install() { "$venv/bin/python" -m pip install --disable-pip-version-check -q
 
 if ! "$venv/bin/python" -c "import torch" >/dev/null 2>&1; then
   if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
-    pip_install "torch>=2.5"
+    pip_install "torch>=2.13"
   else
     # The CPU build, as pip finds it on this machine's wheel mirror. Elsewhere, point pip at a CPU
     # wheel index (PIP_EXTRA_INDEX_URL) to avoid the CUDA build.
