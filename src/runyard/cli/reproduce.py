@@ -91,6 +91,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help=f"largest loss difference (nats/token) that still holds (default {DEFAULT_TOLERANCE})")
     p.add_argument("--allow-changed-inputs", action="store_true",
                    help="rerun even if the spec or data files changed since the run (they are named in the report)")
+    p.add_argument("--cwd", type=Path, default=None,
+                   help="folder the spec's relative data paths resolve from (default: the run's recorded working "
+                   "directory, when it exists here, else the current one)")
     p.add_argument("--sbatch-arg", action="append", default=[], metavar="ARG",
                    help="extra sbatch argument for --backend slurm (repeatable), e.g. --sbatch-arg=--partition=debug")
     _add_source_options(p)
@@ -158,7 +161,7 @@ def cmd_reproduce(args) -> int:
     result = reproduce_run(
         args.run_dir, into=args.into, backend=args.backend, tolerance=args.tolerance,
         allow_changed_inputs=args.allow_changed_inputs, find_links=args.find_links, offline=args.offline,
-        sbatch_args=args.sbatch_arg, say=_say,
+        sbatch_args=args.sbatch_arg, cwd=args.cwd, say=_say,
     )
     if result.rerun_exit_code != 0:
         print(f"the rerun exited {result.rerun_exit_code}: see {result.report_dir / 'rerun.log'}")

@@ -287,6 +287,16 @@ def verify_environment(python: Path, lock: EnvironmentLock) -> list[str]:
     return problems
 
 
+def ready_environment(lock: EnvironmentLock, cache_root: Path | None = None) -> BuiltEnvironment | None:
+    """The cached environment of `lock` if a finished build of it is there."""
+    root = (cache_root if cache_root is not None else env_cache_root()) / lock.sha256[:24]
+    python = root / "venv" / "bin" / "python"
+    if not (root / READY_FILE).is_file() or not python.exists():
+        return None
+    record = json.loads((root / READY_FILE).read_text())
+    return BuiltEnvironment(**{**record, "root": root, "python": python, "archives": root / "archives", "reused": True})
+
+
 def build_environment(
     lock: EnvironmentLock,
     cache_root: Path | None = None,
@@ -306,10 +316,9 @@ def build_environment(
     venv, archives = root / "venv", root / "archives"
     python = venv / "bin" / "python"
     with _exclusive(cache_root / f"{key[:24]}.lock"):
-        ready = root / READY_FILE
-        if ready.is_file() and python.exists():
-            record = json.loads(ready.read_text())
-            return BuiltEnvironment(**{**record, "root": root, "python": python, "archives": archives, "reused": True})
+        ready = ready_environment(lock, cache_root)
+        if ready is not None:
+            return ready
         started = time.monotonic()
         shutil.rmtree(root, ignore_errors=True)  # an unfinished earlier build
         root.mkdir(parents=True)
@@ -339,7 +348,7 @@ def build_environment(
                                  runyard_origin=origin, runyard_source_changes=changes, completed_hashes=completed,
                                  seconds=round(time.monotonic() - started, 1))
         record = {k: v for k, v in built.record().items() if k not in ("root", "python", "archives", "reused")}
-        atomic_write_text(ready, json.dumps(record, indent=1, sort_keys=True))
+        atomic_write_text(root / READY_FILE, json.dumps(record, indent=1, sort_keys=True))
         return built
 
 

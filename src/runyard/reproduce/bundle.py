@@ -2,7 +2,8 @@
 
 `RUN_DIR/env/wheelhouse/` gets every wheel of the lock (each proven: by its hash, or, where the lock has
 none, by the content digest of the installed files), runyard's own wheel built from the recorded commit
-or the installed tree, and `requirements.txt`, the lock with every hash filled in:
+or the installed tree, and `requirements.txt`, the lock with every hash filled in. When the lock's
+environment is already built in the cache, its archives (proven when it was built) are copied from there:
 
     pip install --no-index --find-links env/wheelhouse --no-deps --require-hashes -r env/wheelhouse/requirements.txt
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runyard.fsutil import atomic_write_text, fsync_dir, sha256_file
-from runyard.reproduce.build import completed_requirements, fetch_archives, runyard_wheel
+from runyard.reproduce.build import completed_requirements, fetch_archives, ready_environment, runyard_wheel
 from runyard.reproduce.errors import LockUnsatisfiable
 from runyard.reproduce.lock import KIND_LOCAL, KIND_UNRECORDED, LOCK_DIR, read_lock
 
@@ -64,11 +65,19 @@ def bundle_run(run_dir: Path, find_links: list[Path] | None = None,
               str(d.direct_url.get("url", "")).startswith("file://")}
     source_args = [a for d in [*(find_links or []), *sorted(direct)] for a in ("--find-links", str(d))]
     try:
-        say(f"fetching {len(lock.distributions)} archives into the wheelhouse ({len(lock.unhashed())} to prove)")
-        completed = fetch_archives(lock, tmp, source_args)
-        say("building runyard's wheel")
-        wheel, origin, changes = runyard_wheel(lock, tmp)
-        atomic_write_text(tmp / "requirements.txt", completed_requirements(lock, completed, wheel))
+        built = ready_environment(lock)
+        if built is not None:  # its archives were proven when it was built: copy them
+            say(f"copying the proven archives of the cached environment {built.root}")
+            for wheel in sorted(built.archives.glob("*.whl")):
+                shutil.copy2(wheel, tmp / wheel.name)
+            shutil.copy2(built.root / "requirements.txt", tmp / "requirements.txt")
+            completed, origin, changes = built.completed_hashes, built.runyard_origin, built.runyard_source_changes
+        else:
+            say(f"fetching {len(lock.distributions)} archives into the wheelhouse ({len(lock.unhashed())} to prove)")
+            completed = fetch_archives(lock, tmp, source_args)
+            say("building runyard's wheel")
+            wheel, origin, changes = runyard_wheel(lock, tmp)
+            atomic_write_text(tmp / "requirements.txt", completed_requirements(lock, completed, wheel))
         wheels = {p.name: sha256_file(p) for p in sorted(tmp.glob("*.whl"))}
         record = {"lock_sha256": lock.sha256, "wheels": wheels, "runyard_origin": origin,
                   "runyard_source_changes": changes, "completed_hashes": completed}

@@ -62,9 +62,11 @@ def reproduce_run(
     offline: bool = False,
     env_cache: Path | None = None,
     sbatch_args: list[str] | None = None,
+    cwd: Path | None = None,
     say: Callable[[str], None] = lambda _msg: None,
 ) -> Reproduction:
-    """Reproduce `run_dir` into `into` (default RUN_DIR-reproN) and write the reproduction report."""
+    """Reproduce `run_dir` into `into` (default RUN_DIR-reproN) and write the reproduction report. Relative
+    data paths resolve from `cwd`: by default the run's recorded working directory, when it exists here."""
     run_dir = run_dir.resolve()
     spec_path = run_dir / SPEC_FILE
     if not spec_path.is_file() or not (run_dir / MANIFEST_FILE).is_file():
@@ -74,7 +76,9 @@ def reproduce_run(
     into = (into or default_into(run_dir)).resolve()
     if into.exists() and any(into.iterdir()):
         raise NotReproducible(f"--into {into} exists and is not empty: a reproduction needs a new directory")
-    cwd = Path(manifest["cwd"]) if manifest.get("cwd") and Path(manifest["cwd"]).is_dir() else Path.cwd()
+    if cwd is None:
+        recorded = manifest.get("cwd")
+        cwd = Path(recorded) if recorded and Path(recorded).is_dir() else Path.cwd()
 
     changes = check_inputs(spec, manifest, cwd)
     if changes and not allow_changed_inputs:
