@@ -66,7 +66,7 @@ def env_cache(tmp_path_factory):
     path = tmp_path_factory.mktemp("env-cache")
     previous = os.environ.get("RUNYARD_ENV_CACHE")
     os.environ["RUNYARD_ENV_CACHE"] = str(path)
-    yield path
+    yield path  # left to pytest's own clean-up of old temporary folders: deleting a venv here takes a while
     if previous is None:
         os.environ.pop("RUNYARD_ENV_CACHE", None)
     else:

@@ -10,7 +10,9 @@
    wheelhouse has is named in a refusal; nothing has been installed or run at that point;
 3. builds runyard's own wheel (from the recorded commit, else the installed tree: source.py);
 4. creates the venv without pip's bootstrap and installs exactly the lock with this interpreter's pip
-   (`pip --python VENV install --no-index --no-deps --require-hashes`), so the venv holds the lock's
+   (`pip --python VENV install --no-index --no-deps --require-hashes --no-compile`: byte-code is no part
+   of the lock's digests, and Python writes it on first import for only the modules a run uses, where
+   pip would compile every file of every package), so the venv holds the lock's
    distributions and nothing else; a CUDA torch cannot sneak in: torch's line is pinned to the hash
    of the build that ran;
 5. verifies the result by locking the new venv and comparing it with the lock (versions, content
@@ -36,6 +38,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from packaging import tags as packaging_tags
+from packaging.utils import InvalidWheelFilename, parse_wheel_filename
+from packaging.version import Version
 
 from runyard.fsutil import atomic_write_text, sha256_file
 from runyard.reproduce import source as runyard_source
@@ -48,7 +52,6 @@ from runyard.reproduce.lock import (
     KIND_UNRECORDED,
     KIND_WHEEL,
     EnvironmentLock,
-    LockedDist,
 )
 
 READY_FILE = "ready.json"
@@ -173,15 +176,16 @@ def _download(pins: dict[str, str], dest: Path, hashed: bool, source_args: list[
     return failures
 
 
-def _archive_for(dest: Path, d: LockedDist) -> Path | None:
+def _archives_by_release(dest: Path) -> dict[tuple[str, str], Path]:
+    """(canonical name, version) -> wheel file, from the file names alone (PEP 427)."""
+    found = {}
     for path in sorted(dest.glob("*.whl")):
         try:
-            facts = read_wheel(path)
-        except (OSError, ValueError, KeyError):
+            name, version, _build, _tags = parse_wheel_filename(path.name)
+        except InvalidWheelFilename:
             continue
-        if facts.name == d.name and facts.version == d.version:
-            return path
-    return None
+        found[(name, str(version))] = path
+    return found
 
 
 def fetch_archives(lock: EnvironmentLock, dest: Path, source_args: list[str]) -> dict[str, str]:
@@ -194,10 +198,11 @@ def fetch_archives(lock: EnvironmentLock, dest: Path, source_args: list[str]) ->
     failures = _download(hashed, dest, True, source_args) if hashed else {}
     failures.update(_download(unhashed, dest, False, source_args) if unhashed else {})
     completed = {}
+    fetched = _archives_by_release(dest)
     for d in wheels:
         if d.name in failures:
             continue
-        path = _archive_for(dest, d)
+        path = fetched.get((d.name, str(Version(d.version))))
         if path is None:
             failures[d.name] = "pip reported it downloaded, but no wheel of it is in the archive folder"
         elif d.sha256 is None:
@@ -335,7 +340,8 @@ def build_environment(
             say(f"creating the venv with {interpreter} and installing {len(lock.distributions)} distributions")
             _run_checked([str(interpreter), "-m", "venv", "--without-pip", str(venv)], "creating the venv")
             _run_checked([sys.executable, "-m", "pip", "--disable-pip-version-check", "--python", str(python),
-                          "install", "--no-index", "--no-deps", "--require-hashes", "--find-links", str(archives),
+                          "install", "--no-index", "--no-deps", "--require-hashes", "--no-compile",
+                          "--find-links", str(archives),
                           "-r", str(root / "requirements.txt")], "installing the lock")
             say("verifying the environment against the lock")
             mismatches = verify_environment(python, lock)
