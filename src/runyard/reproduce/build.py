@@ -327,7 +327,10 @@ def build_environment(
         started = time.monotonic()
         shutil.rmtree(root, ignore_errors=True)  # an unfinished earlier build
         root.mkdir(parents=True)
-        source_args = [arg for d in (find_links or []) for arg in ("--find-links", str(d))]
+        # Archives of environments built before are proven ones (and pip checks every hash anyway): a
+        # reproduction of a reproduction finds runyard's wheel there.
+        earlier = sorted(p for p in cache_root.glob("*/archives") if p.is_dir() and p != archives)
+        source_args = [arg for d in [*(find_links or []), *earlier] for arg in ("--find-links", str(d))]
         if offline:
             source_args.append("--no-index")
         try:
