@@ -49,6 +49,11 @@ def plot_curves(comparison: Comparison, path: Path) -> None:
         else:
             bottom.text(0.5, 0.5, "identical at every step" if common else "no common steps",
                         ha="center", va="center", transform=bottom.transAxes)
+        if stage.first_parting_step is not None:
+            for ax in (top, bottom):
+                ax.axvline(stage.first_parting_step, color="red", alpha=0.4,
+                           label=None if ax is bottom else f"curves part (step {stage.first_parting_step})")
+            top.legend()
         bottom.set_ylabel("|difference|")
         bottom.set_xlabel("step")
         bottom.grid(alpha=0.3)
