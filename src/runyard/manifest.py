@@ -3,14 +3,18 @@
 `manifest.json` records the resolved spec's hash, dataset fingerprints, code version (and git commit
 when known), package versions, hardware, seeds, the command line and timestamps. It is rewritten
 atomically as the run advances (`update_manifest`).
+
+`record_environment` (called once per session, at its start) writes the lock of the Python environment
+beside it, in `env/` (reproduce/lock.py), and records what `runyard reproduce` checks again: the working
+directory relative data paths resolve from, and the sha256 of every data source file.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
-import subprocess
 import sys
 from datetime import UTC, datetime
 from importlib import metadata
@@ -18,7 +22,14 @@ from pathlib import Path
 from typing import Any
 
 import runyard
+from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_text
+from runyard.reproduce import lock as env_lock
+from runyard.reproduce import source as runyard_source
+from runyard.reproduce.datacheck import record_data_files
+from runyard.spec import JobSpec
+
+log = logging.getLogger(__name__)
 
 MANIFEST_FILE = "manifest.json"
 PACKAGES = ("torch", "tokenizers", "numpy", "safetensors", "pydantic", "pyarrow")
@@ -40,17 +51,7 @@ def package_versions() -> dict[str, str | None]:
 
 def git_commit() -> str | None:
     """The commit of the runyard checkout, when it is one; '+dirty' when it has uncommitted changes."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=5, check=True
-        ).stdout.strip()
-        dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return commit + ("+dirty" if dirty else "")
+    return runyard_source.git_commit()
 
 
 def cpu_model() -> str:
@@ -110,3 +111,29 @@ def update_manifest(run_dir: Path, **fields: Any) -> dict[str, Any]:
     manifest.update(fields)
     write_manifest(run_dir, manifest)
     return manifest
+
+
+def record_environment(run_dir: Path, spec: JobSpec) -> None:
+    """Write the environment lock into `run_dir/env` and record the data files' digests and the working
+    directory. A session whose environment differs from the first one's keeps its own lock under
+    `env/sessions/<n>/`. A failure here is logged and recorded, never fatal to the run."""
+    manifest = read_manifest(run_dir)
+    session = len(manifest.get("sessions", []))
+    environment = dict(manifest.get("environment") or {})
+    try:
+        lock = env_lock.capture_environment()
+        env_dir = run_dir / env_lock.LOCK_DIR
+        if not (env_dir / env_lock.REQUIREMENTS_FILE).is_file():
+            env_lock.write_lock(env_dir, lock)
+            environment.update(lock_sha256=lock.sha256, unhashed=[d.name for d in lock.unhashed()])
+        elif lock.sha256 != environment.get("lock_sha256"):
+            env_lock.write_lock(env_dir / "sessions" / str(session), lock)
+            environment.setdefault("changed_in_sessions", {})[str(session)] = lock.sha256
+    except (OSError, ValueError, RunyardError) as exc:
+        log.warning("could not write the environment lock: %s", exc)
+        environment["error"] = f"{type(exc).__name__}: {exc}"
+    try:
+        data_files = record_data_files(spec.data)
+    except (OSError, RunyardError) as exc:
+        data_files = {"error": f"{type(exc).__name__}: {exc}"}
+    update_manifest(run_dir, environment=environment, data_files=data_files, cwd=os.getcwd())

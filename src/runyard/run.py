@@ -259,6 +259,7 @@ def execute_run(
         if ctx.is_main:
             open_run_dir(spec, run_dir)
             record_session(run_dir, spec, argv)
+            mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
             mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
         parallel.barrier(ctx)
         stop = StopRequest()
