@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from runyard.errors import EXIT_BAD_SPEC, SpecError
-from runyard.spec import load_spec, parse_spec, resolved_stage
+from runyard.spec import load_spec, parse_spec, resolved_stage, spec_warnings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stdlib-code.yaml"
 
@@ -58,7 +58,45 @@ def test_bad_field_is_named_with_value_and_expectation(patch, path, fragment):
 
 def test_missing_section_and_value_reported():
     problems = problems_of({"name": "t"})
-    assert ("data", "(missing)", "Field required") in problems
+    assert ("data", "(missing)", "Field required (see docs/spec.md#data)") in problems
+
+
+@pytest.mark.parametrize(
+    "patch, path, anchor",
+    [
+        ({"data": {"sources": [{"path": "x", "formt": "text"}]}}, "data.sources[0].formt", "data.sources"),
+        ({"stages": [{"name": "s", "train": {"steps": 0}}]}, "stages[0].train.steps", "train.steps"),
+        ({"stages": [{"name": "s", "gates": {"min_loss_drop": 2}}]}, "stages[0].gates.min_loss_drop", "stages.gates.min_loss_drop"),
+        ({"modle": {}}, "modle", "top"),
+        ({"resources": {"requirement": {"device_count": 0}}}, "resources.requirement.device_count", "resources.requirement.device_count"),
+    ],
+)
+def test_every_problem_points_to_its_reference_entry(patch, path, anchor):
+    problems = dict((p, expected) for p, _value, expected in problems_of(base() | patch))
+    assert problems[path].endswith(f"(see docs/spec.md#{anchor})"), problems
+
+
+def test_unknown_key_suggests_the_close_field():
+    problems = problems_of(base() | {"data": {"sources": [{"path": "x"}], "filters": {"min_wrds": 3}}})
+    assert problems[0][0] == "data.filters.min_wrds" and "did you mean 'min_words'?" in problems[0][2]
+
+
+def test_warmup_longer_than_the_stage_is_an_error_when_set():
+    problems = problems_of(base() | {"train": {"steps": 50}, "stages": [{"name": "a", "schedule": {"warmup_steps": 80}}]})
+    assert problems[0][0] == "stages[0].schedule.warmup_steps" and problems[0][1] == 80
+    assert "at most the train.steps of stage 'a' (50)" in problems[0][2]
+    top = problems_of(base() | {"schedule": {"warmup_steps": 80}, "train": {"steps": 50}})
+    assert top[0][0] == "schedule.warmup_steps" and "set it below 50" in top[0][2]
+
+
+def test_default_warmup_longer_than_the_stage_is_a_warning(tmp_path, caplog):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(base() | {"train": {"steps": 5}}))
+    with caplog.at_level("WARNING", logger="runyard.spec"):
+        spec = load_spec(path)
+    assert spec.schedule.warmup_steps == 20  # the spec is not changed, only flagged
+    assert "schedule.warmup_steps" in caplog.text and "peaks at 25% of optim.lr" in caplog.text
+    assert spec_warnings(parse_spec(base() | {"train": {"steps": 30}})) == []
 
 
 def test_message_names_file_path_value_and_expectation():
