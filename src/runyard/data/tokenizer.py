@@ -6,6 +6,7 @@ Byte-level means every input is representable (no unknown token); the end-of-doc
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -14,6 +15,18 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from runyard.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+
+log = logging.getLogger(__name__)
+
+
+def vocab_shortfall(asked: int, got: int) -> str:
+    """Why a trained vocabulary is smaller than the spec asked, and what to do about it."""
+    return (
+        f"data.tokenizer.vocab_size asked for {asked:,} tokens but the training text (up to "
+        f"data.tokenizer.train_max_bytes) supports only {got:,}: no further pair occurs "
+        f"data.tokenizer.min_frequency times. The vocabulary has {got:,} tokens; set vocab_size to {got:,} "
+        "or less, add text, or lower min_frequency."
+    )
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, max_bytes: int) -> Tokenizer:
@@ -42,6 +55,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, max_byt
             yield text
 
     tok.train_from_iterator(capped(), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:
+        log.warning("%s", vocab_shortfall(vocab_size, tok.get_vocab_size()))
     return tok
 
 
