@@ -87,8 +87,9 @@ class FilterSpec(_Strict):
     markup_aware: bool = Field(
         default=True,
         description="recognise table lines (reST grid and simple tables, Markdown tables) and heading lines "
-        "(Markdown `#` headings, reST over/underlines such as `=====`) and leave their markup out of the "
-        "symbol and repetition measures (table cells still count as words)",
+        "(Markdown `#` headings at a line's start, reST over/underlines such as `=====`): every rule but the "
+        "character counts reads the text without their markup (table cells and titles still count as words), "
+        "and a repeated heading title is not repetition",
     )
     min_chars: int | None = Field(default=1, ge=0, description="remove documents shorter than this many characters")
     max_chars: int | None = Field(default=None, ge=1, description="remove documents longer than this many characters")

@@ -37,6 +37,7 @@ from runyard.data import residency
 from runyard.data.clean import PartResult, clean_part, load_part, part_key, save_part
 from runyard.data.config import DataSpec
 from runyard.data.dedup import exact_duplicates, near_duplicates
+from runyard.data.footprint import check_cache_space
 from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
 from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
@@ -165,6 +166,7 @@ def prepare_data(
     with _locked(dataset_dir):
         prepared = load_prepared(dataset_dir)
         if prepared is None:
+            check_cache_space(data_spec, files, root)
             started = time.perf_counter()
             parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
             timings = {"clean_s": time.perf_counter() - started}
