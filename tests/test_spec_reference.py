@@ -135,3 +135,10 @@ def test_spec_reference_cli(tmp_path):
     written = _runyard("spec", "reference", "--write-docs", str(tmp_path / "d"), cwd=tmp_path)
     assert written.returncode == 0
     assert (tmp_path / "d" / MARKDOWN_FILE).read_text() == (DOCS / MARKDOWN_FILE).read_text()
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_examples_point_the_yaml_language_server_at_the_schema(path):
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# yaml-language-server: $schema=")
+    assert (path.parent / first.split("=", 1)[1]).resolve() == (DOCS / SCHEMA_FILE).resolve()
