@@ -13,6 +13,7 @@ import jsonschema
 import pytest
 import yaml
 
+from runyard import cli
 from runyard.errors import EXIT_BAD_SPEC, SpecError
 from runyard.spec import TASKS, parse_spec
 from runyard.spec_reference import (
@@ -110,30 +111,24 @@ def test_every_task_has_a_starting_spec_that_loads():
         assert text.count("\n# ") >= 5  # commented
 
 
-def _runyard(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "runyard", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=180)
-
-
-def test_spec_init_writes_a_spec_that_plans(tmp_path):
+def test_spec_init_writes_a_spec_that_plans(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     out = tmp_path / "first-run.yaml"
-    proc = _runyard("spec", "init", str(out), cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
+    assert cli.main(["spec", "init", str(out)]) == 0
     assert yaml.safe_load(out.read_text())["name"] == "first-run"
-    plan = _runyard("plan", str(out), "--json", cwd=tmp_path)
-    assert plan.returncode == 0, plan.stderr
-    assert [s["stage"] for s in json.loads(plan.stdout)["stages"]] == ["smoke", "main"]
-    again = _runyard("spec", "init", str(out), cwd=tmp_path)
-    assert again.returncode != 0 and "--force" in again.stderr
+    assert cli.main(["plan", str(out), "--json"]) == 0
+    assert [s["stage"] for s in json.loads(capsys.readouterr().out)["stages"]] == ["smoke", "main"]
+    assert cli.main(["spec", "init", str(out)]) != 0 and "--force" in capsys.readouterr().err
 
 
-def test_spec_reference_cli(tmp_path):
-    proc = _runyard("spec", "reference", "eval.unigram_margin", cwd=tmp_path)
+def test_spec_reference_cli(tmp_path, capsys):
+    # The real entry point, as a user runs it.
+    proc = subprocess.run([sys.executable, "-m", "runyard", "spec", "reference", "eval.unigram_margin"],
+                          capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and "eval.unigram_margin" in proc.stdout and "default: 0.1" in proc.stdout
-    bad = _runyard("spec", "reference", "eval.unigram_marginn", cwd=tmp_path)
-    assert bad.returncode == EXIT_BAD_SPEC and "no field" in bad.stderr
-    written = _runyard("spec", "reference", "--write-docs", str(tmp_path / "d"), cwd=tmp_path)
-    assert written.returncode == 0
+    assert cli.main(["spec", "reference", "eval.unigram_marginn"]) == EXIT_BAD_SPEC
+    assert "no field" in capsys.readouterr().err
+    assert cli.main(["spec", "reference", "--write-docs", str(tmp_path / "d")]) == 0
     assert (tmp_path / "d" / MARKDOWN_FILE).read_text() == (DOCS / MARKDOWN_FILE).read_text()
 
 

@@ -217,3 +217,10 @@ def test_default_filters_keep_normal_python_source():
     spec = FilterSpec()
     removed = [f.name for f in files if check_document(f.read_text(encoding="utf-8", errors="replace"), spec)]
     assert removed == []
+
+
+def test_indented_reST_adornments_are_recognised_but_indented_comments_are_not_headings():
+    text = "Intro\n\n.. only:: html\n\n  Reference\n  ######\n\n  Text.\n\n    # a comment in code\n"
+    view = prose_view(text)
+    assert view.markup_lines == {"heading_adornment": 1} and "######" not in view.text
+    assert "Reference" in view.titles and "# a comment in code" in view.text

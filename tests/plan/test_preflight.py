@@ -6,19 +6,18 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
 
+from runyard import cli
 from runyard.data.config import DataSpec
 from runyard.data.footprint import data_cache_bytes
 from runyard.data.pipeline import prepare_data
 from runyard.data.sources import list_input_files
-from runyard.errors import SpecError
+from runyard.errors import EXIT_BAD_SPEC, SpecError
 from runyard.model.config import ModelConfig
 from runyard.model.transformer import Transformer
 from runyard.plan.datacheck import check_spec_against_data
@@ -27,8 +26,6 @@ from runyard.plan.preflight import preflight, resolve_sources
 from runyard.spec import parse_spec
 from runyard.train.checkpoint import write_checkpoint
 from tests.data.data_fixtures import write_corpus
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def spec_with(sources: list[dict], **extra) -> dict:
@@ -53,18 +50,17 @@ def test_a_source_that_matches_nothing_is_a_spec_error_naming_it(tmp_path):
     assert all("(see docs/spec.md#data.sources.path)" in e for _v, e in problems.values())
 
 
-def test_plan_fails_on_a_glob_that_matches_nothing_and_reports_disk_otherwise(tmp_path):
+def test_plan_fails_on_a_glob_that_matches_nothing_and_reports_disk_otherwise(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(spec_with([{"path": str(tmp_path / "nothing" / "*.txt")}])))
-    proc = subprocess.run([sys.executable, "-m", "runyard", "plan", str(bad)], capture_output=True, text=True,
-                          timeout=180, cwd=tmp_path)
-    assert proc.returncode == 2 and "data.sources[0].path" in proc.stderr and "matched none" in proc.stderr
+    assert cli.main(["plan", str(bad)]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert "data.sources[0].path" in err and "matched none" in err
     good = tmp_path / "good.yaml"
     good.write_text(yaml.safe_dump(spec_with([{"path": "{stdlib}/json/*.py"}])))
-    proc = subprocess.run([sys.executable, "-m", "runyard", "plan", str(good), "--json"], capture_output=True,
-                          text=True, timeout=180, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr
-    pre = json.loads(proc.stdout)["preflight"]
+    assert cli.main(["plan", str(good), "--json"]) == 0
+    pre = json.loads(capsys.readouterr().out)["preflight"]
     assert pre["sources"][0]["files"] >= 3 and pre["disk"][0]["fits"] is True
     whats = [n["what"] for n in pre["disk"][0]["needs"]]
     assert whats[0].startswith("the data cache") and any("stage main checkpoints" in w for w in whats)
@@ -130,14 +126,25 @@ def test_a_heldout_split_shorter_than_the_context_suggests_a_fix(small_dataset):
 
 
 def test_values_the_run_cannot_honour_are_warned_by_field(small_dataset, caplog):
-    spec = parse_spec({"name": "t", "data": small_dataset, "model": {"vocab_size": 1000, "context_length": 16},
-                       "eval": {"final_batches": 10000}})
+    spec = parse_spec({"name": "t", "data": {**small_dataset, "tokenizer": {"vocab_size": 60000}},
+                       "model": {"vocab_size": 70000, "context_length": 16}, "eval": {"final_batches": 10000}})
     prepared = _prepared(spec)
     with caplog.at_level(logging.WARNING, logger="runyard.plan.datacheck"):
         warnings = check_spec_against_data(spec, prepared)
     fields = {field: message for field, _value, message in warnings}
-    assert f"{1000 - prepared.vocab_size:,} embedding rows" in fields["model.vocab_size"]
+    assert prepared.vocab_size < 60000 and "asked for 60,000 tokens" in fields["data.tokenizer.vocab_size"]
+    assert f"{70000 - prepared.vocab_size:,} embedding rows" in fields["model.vocab_size"]
     assert "fewer are scored" in fields["eval.final_batches"] and "eval.final_batches" in caplog.text
+
+
+def test_a_heldout_document_the_fraction_did_not_give_is_warned(tmp_path):
+    corpus = write_corpus(tmp_path / "corpus", n_docs=4, words=(200, 300))
+    data = {"sources": [{"path": str(corpus / "*.txt")}], "tokenizer": {"vocab_size": 300}, "workers": 1,
+            "shard_tokens": 1024, "heldout_fraction": 0.01, "cache_dir": str(tmp_path / "cache")}
+    spec = parse_spec({"name": "t", "data": data, "model": {"context_length": 16}})
+    warnings = check_spec_against_data(spec, _prepared(spec))
+    (message,) = [m for f, _v, m in warnings if f == "data.heldout_fraction"]
+    assert "expects 0.04 held-out documents of 4; the split holds out one" in message
 
 
 def test_preflight_lists_sources_and_disk(tmp_path):

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 # A markup line starts (after indentation) with one of these characters; only such lines are
 # classified, found by one scan of the text, so plain prose costs little. A Markdown heading starts at
-# the line's first column, which also leaves out the comments of indented code.
-_CANDIDATE = re.compile(r"\n(?:[ \t]*[-+=|:`'\"~^_*]|#)")
+# the line's first column, which also leaves out the comments of indented code; an indented line of
+# '#' can still be a reST adornment (inside a directive).
+_CANDIDATE = re.compile(r"\n(?:[ \t]*[-+=|:`'\"~^_*]|#|[ \t]+###)")
 # reST section adornment (over/underline) or transition: one of these characters, 3 or more times.
 # '.' is left out so that a line of dots still counts for the ellipsis rule.
 _ADORNMENT_CHARS = frozenset("=-`:'\"~^_*+#")

@@ -6,7 +6,6 @@ Byte-level means every input is representable (no unknown token); the end-of-doc
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -15,8 +14,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from runyard.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
-
-log = logging.getLogger(__name__)
 
 
 def vocab_shortfall(asked: int, got: int) -> str:
@@ -55,8 +52,6 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, max_byt
             yield text
 
     tok.train_from_iterator(capped(), trainer=trainer)
-    if tok.get_vocab_size() < vocab_size:
-        log.warning("%s", vocab_shortfall(vocab_size, tok.get_vocab_size()))
     return tok
 
 

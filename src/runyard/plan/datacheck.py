@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from runyard.data.loader import TokenStream
 from runyard.data.pipeline import PreparedData
+from runyard.data.tokenizer import vocab_shortfall
 from runyard.errors import SpecError
 from runyard.spec import JobSpec, reference_hint, resolved_stage
 
@@ -75,12 +76,31 @@ def check_spec_against_data(spec: JobSpec, prepared: PreparedData) -> list[tuple
             if split.tokens < resolved.model.context_length + 1:
                 problems.append((f"{where}.context_length", resolved.model.context_length,
                                  _too_short(spec, split, resolved.model.context_length)))
-    warnings += _evaluation_warnings(spec, splits[1])
+    warnings += _data_warnings(spec, prepared) + _evaluation_warnings(spec, splits[1])
     if problems:
         raise SpecError("(spec checked against its prepared data)", problems)
     for field, value, message in warnings:
         log.warning("spec: %s = %r: %s", field, value, message)
     return warnings
+
+
+def _data_warnings(spec: JobSpec, prepared: PreparedData) -> list[tuple[str, object, str]]:
+    """What the data stage could not do as the spec says: a smaller vocabulary, a held-out split that
+    had to take a document the fraction did not give it."""
+    out = []
+    tokenizer = prepared.stats.get("tokenizer", {})
+    asked = tokenizer.get("requested_vocab_size")
+    if asked is not None and asked > prepared.vocab_size:
+        out.append(("data.tokenizer.vocab_size", asked, vocab_shortfall(asked, prepared.vocab_size)))
+    split = prepared.stats.get("split", {})
+    held = split.get("heldout", {}).get("documents", 0)
+    total = held + split.get("train", {}).get("documents", 0)
+    fraction = spec.data.heldout_fraction
+    if held == 1 and total and fraction * total < 0.5:
+        out.append(("data.heldout_fraction", fraction,
+                    f"expects {fraction * total:.2f} held-out documents of {total:,}; the split holds out one "
+                    f"so that evaluation has data ({1 / total:.1%} of the documents)"))
+    return out
 
 
 def _evaluation_warnings(spec: JobSpec, heldout: SplitSize) -> list[tuple[str, object, str]]:
