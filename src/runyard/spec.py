@@ -126,15 +126,6 @@ class JobSpec(_Strict):
                     _merge(self, stage, section)
                 except ValidationError as exc:
                     raise _StageOverrideError(i, section, exc) from None
-        for i, stage in enumerate(self.stages):
-            warmup, steps, where, explicit = _stage_warmup(self, i)
-            if warmup > steps and explicit:
-                raise _FieldError(
-                    where,
-                    warmup,
-                    f"at most the train.steps of stage {stage.name!r} ({steps}): a longer warmup never "
-                    f"reaches optim.lr; set it below {steps}, e.g. {max(1, steps // 10)}",
-                )
         return self
 
     def fingerprint(self) -> str:
@@ -169,28 +160,20 @@ class _StageOverrideError(ValueError):
         super().__init__(str(exc))
 
 
-class _FieldError(ValueError):
-    """A cross-field problem that belongs to one field: reported under that field's path."""
-
-    def __init__(self, loc: tuple[Any, ...], value: object, expected: str):
-        self.loc, self.value, self.expected = loc, value, expected
-        super().__init__(expected)
-
-
 def _merge(spec: JobSpec, stage: StageSpec, section: str) -> BaseModel:
     base = getattr(spec, section).model_dump()
     base.update(getattr(stage, section))
     return _SECTION_TYPES[section].model_validate(base)
 
 
-def _stage_warmup(spec: JobSpec, index: int) -> tuple[int, int, tuple[Any, ...], bool]:
-    """(warmup steps, steps, where the warmup is set, whether the user set it) for stage `index`."""
+def _stage_warmup(spec: JobSpec, index: int) -> tuple[int, int, tuple[Any, ...]]:
+    """(warmup steps, steps, where the warmup is set) for stage `index`."""
     stage = spec.stages[index]
     warmup = stage.schedule.get("warmup_steps", spec.schedule.warmup_steps)
     steps = stage.train.get("steps", spec.train.steps)
     if "warmup_steps" in stage.schedule:
-        return warmup, steps, ("stages", index, "schedule", "warmup_steps"), True
-    return warmup, steps, ("schedule", "warmup_steps"), "warmup_steps" in spec.schedule.model_fields_set
+        return warmup, steps, ("stages", index, "schedule", "warmup_steps")
+    return warmup, steps, ("schedule", "warmup_steps")
 
 
 def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
@@ -210,13 +193,16 @@ def spec_warnings(spec: JobSpec) -> list[tuple[str, object, str]]:
     happens). Errors are raised by validation; these are logged when a spec is loaded."""
     out = []
     for i, stage in enumerate(spec.stages):
-        warmup, steps, where, explicit = _stage_warmup(spec, i)
-        if warmup > steps and not explicit:
+        warmup, steps, where = _stage_warmup(spec, i)
+        if warmup > steps:
+            # A warning, not an error: a run directory's stored spec states every default explicitly, so
+            # "the user set it" cannot be told apart on resume.
             out.append((
                 _loc_to_path(where),
                 warmup,
-                f"the default warmup is longer than stage {stage.name!r} ({steps} steps): its learning rate "
-                f"peaks at {steps / warmup:.0%} of optim.lr; set schedule.warmup_steps below {steps}",
+                f"longer than stage {stage.name!r} ({steps} steps): its learning rate peaks at "
+                f"{steps / warmup:.0%} of optim.lr and never decays; set it below {steps}, e.g. "
+                f"{max(1, steps // 10)}",
             ))
     return out
 
@@ -250,10 +236,6 @@ def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> l
         if isinstance(ctx_exc, _StageOverrideError):
             # An override that makes a stage invalid: report it under stages[i].<section>.<field>.
             problems += _problems(ctx_exc.exc, raw, ("stages", ctx_exc.index, ctx_exc.section))
-            continue
-        if isinstance(ctx_exc, _FieldError):
-            loc = prefix + ctx_exc.loc
-            problems.append((_loc_to_path(loc), ctx_exc.value, f"{ctx_exc.expected} {reference_hint(loc)}"))
             continue
         found, value = spec_paths.lookup(raw, loc)
         if not found:

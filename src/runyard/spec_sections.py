@@ -111,8 +111,8 @@ class ScheduleSpec(_Strict):
     warmup_steps: int = Field(
         default=20,
         ge=0,
-        description="optimizer steps of linear warmup. Longer than the stage's train.steps is an error "
-        "when set (the rate would never reach optim.lr) and a warning when it is this default",
+        description="optimizer steps of linear warmup; longer than a stage's train.steps is warned (the rate "
+        "would never reach optim.lr)",
     )
     decay: Literal["cosine", "linear", "constant"] = Field(
         default="cosine", description="shape after warmup: `cosine`, `linear`, or `constant` (no decay)"
