@@ -53,3 +53,13 @@ class Preempted(RunyardError):
     """Training stopped on a signal after a checkpoint was written."""
 
     exit_code = EXIT_PREEMPTED
+
+
+class InsufficientDiskSpace(RunyardError):
+    """Refused before any work: the run's estimated disk needs exceed the free space (the figures say
+    which path, how much is needed and how much is free)."""
+
+
+class DiskFull(RunyardError):
+    """A write failed for lack of space; the message names what was being written, where, how much it
+    needed and how much was free."""

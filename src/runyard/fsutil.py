@@ -2,7 +2,11 @@
 
 A reader of a file written with `atomic_write_*` sees either the old file or the whole new one, even
 after a crash or power loss: the data goes to a temporary file beside it, is fsynced, renamed into
-place, and the directory is fsynced so the rename itself survives.
+place, and the directory is fsynced so the rename itself survives. A write that fails for lack of space
+raises `DiskFull` naming the file, the bytes it needed and the bytes free.
+
+Files and directories made here get the permissions the process's umask gives (0644 and 0755 under the
+usual 022), like every other file of a run; a secret asks for its own `mode`.
 """
 
 from __future__ import annotations
@@ -10,8 +14,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any
+
+from runyard.diskspace import writing
 
 
 def fsync_file(path: Path) -> None:
@@ -31,19 +38,55 @@ def atomic_write_bytes(path: Path | str, data: bytes, mode: int | None = None) -
     """Write `data` to `path` durably and all at once; `mode` sets the permissions (e.g. 0o600 for a
     secret) before any byte is written."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+    with writing(str(path), path.parent, needed=len(data)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o666 if mode is None else mode)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+
+def make_temp_dir(parent: Path | str, prefix: str) -> Path:
+    """A new, uniquely named directory in `parent` for files that will be renamed into place together.
+    Unlike tempfile.mkdtemp (always 0700), it gets the umask's permissions, so the directory it becomes
+    reads like the rest of the run."""
+    parent = Path(parent)
+    parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        path = parent / f"{prefix}{uuid.uuid4().hex[:12]}"
+        try:
+            path.mkdir(mode=0o777)  # the umask applies
+        except FileExistsError:
+            continue
+        return path
+
+
+def current_umask() -> int:
+    """The process's umask, read without changing it where the system says it (Linux)."""
     try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    mask = os.umask(0o022)  # elsewhere: read by setting it, and put it back at once
+    os.umask(mask)
+    return mask
+
+
+def match_umask(path: Path | str) -> None:
+    """Give a file that a library created with its own fixed mode (safetensors writes 0600) the
+    permissions the umask gives every other file."""
+    os.chmod(path, 0o666 & ~current_umask())
 
 
 def atomic_write_text(path: Path | str, text: str, mode: int | None = None) -> None:

@@ -21,6 +21,8 @@ from runyard.evaluate.heldout import HeldoutMetrics, summarise, train_token_coun
 from runyard.evaluate.report import verdict, write_report
 from runyard.fsutil import atomic_write_text
 from runyard.plan import sizing
+from runyard.plan.datacheck import check_spec_against_data
+from runyard.plan.preflight import check_run_disk
 from runyard.plan.stages import evaluate_gates, format_failures, read_gates, write_gates
 from runyard.serve.drift import DriftReference
 from runyard.serve.engine import Generator
@@ -107,31 +109,6 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
     if prepared is None:
         prepared = prepare_data(spec.data, seed=spec.seed, report_dir=None, progress=False)
     return prepared
-
-
-def check_spec_against_data(spec: JobSpec, prepared: PreparedData) -> None:
-    """Problems only the prepared data can reveal, reported like any spec error (field path, value,
-    what was expected) before a stage starts."""
-    from runyard.data.loader import TokenStream
-
-    problems = []
-    split_tokens = {
-        "train": TokenStream(prepared.train_index).total,
-        "held-out": TokenStream(prepared.heldout_index).total,
-    }
-    for stage in spec.stages:
-        resolved = resolved_stage(spec, stage.name)
-        where = f"stages[{resolved.index}].model" if stage.model else "model"
-        vocab = resolved.model.vocab_size
-        if vocab is not None and vocab < prepared.vocab_size:
-            problems.append((f"{where}.vocab_size", vocab, f"at least the tokenizer's vocabulary, {prepared.vocab_size}"))
-        need = resolved.model.context_length + 1
-        for split, total in split_tokens.items():
-            if total < need:
-                problems.append((f"{where}.context_length", resolved.model.context_length,
-                                 f"a sequence the {split} split can fill: it has {total} tokens"))
-    if problems:
-        raise SpecError("(spec checked against its prepared data)", problems)
 
 
 def _stage_summary(name: str, result: StageResult | None, record: dict, metrics_rows: list[dict]) -> dict:
@@ -235,8 +212,8 @@ def evaluate_and_export(
         )
         samples.append({"prompt": prompt, "completion": completion})
 
-    result = verdict(metrics, spec.eval)
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
+    result = verdict(metrics, spec.eval, stage_metrics)
     write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
 
@@ -261,6 +238,7 @@ def execute_run(
             record_session(run_dir, spec, argv)
             mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
             mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
+            check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
         parallel.barrier(ctx)
         stop = StopRequest()
         with stop_on_signals(stop):

@@ -1,163 +1,112 @@
 """The job spec: one YAML file that states everything a run depends on.
 
 `load_spec(path)` parses and validates it up front; any problem is raised as a `SpecError` naming
-the field path, the bad value and what was expected, before any work starts. Stages inherit the
-top-level `model`, `optim`, `schedule` and `train` settings and override them field by field;
-`resolved_stage(spec, stage)` gives the settings a stage really trains with.
+the field path, the bad value, what was expected and the field's entry in the spec reference
+(docs/spec.md, generated from these models by `runyard spec reference`), before any work starts.
+Stages inherit the top-level `model`, `optim`, `schedule` and `train` settings and override them field
+by field; `resolved_stage(spec, stage)` gives the settings a stage really trains with.
+
+Every field carries a description (what it means, its unit): the reference and the JSON Schema are
+built from them, and a test fails when one is missing.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
+from runyard import spec_paths
 from runyard.data.config import DataSpec
 from runyard.errors import SpecError
-from runyard.market.requirement import Requirement
+from runyard.spec_sections import (
+    CheckpointSpec,
+    EvalSpec,
+    GateSpec,
+    ModelSpec,
+    OptimSpec,
+    ResourcesSpec,
+    ScheduleSpec,
+    StageSpec,
+    TrainSpec,
+    _Strict,
+)
 
+__all__ = [
+    "CheckpointSpec",
+    "DataSpec",
+    "EvalSpec",
+    "GateSpec",
+    "JobSpec",
+    "ModelSpec",
+    "OptimSpec",
+    "ResolvedStage",
+    "ResourcesSpec",
+    "ScheduleSpec",
+    "StageSpec",
+    "TASKS",
+    "TrainSpec",
+    "dump_spec",
+    "load_spec",
+    "parse_spec",
+    "reference_anchor",
+    "resolved_stage",
+    "spec_warnings",
+]
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+log = logging.getLogger(__name__)
 
+# Where spec errors send the reader: docs/spec.md, whose anchors are field paths (reference_anchor).
+REFERENCE_DOC = "docs/spec.md"
 
-class ModelSpec(_Strict):
-    """A Llama-style decoder. `vocab_size: null` takes the tokenizer's vocabulary size."""
-
-    vocab_size: int | None = Field(default=None, ge=2)
-    d_model: int = Field(default=256, ge=8)
-    n_layers: int = Field(default=4, ge=1)
-    n_heads: int = Field(default=4, ge=1)
-    n_kv_heads: int | None = Field(default=None, ge=1, description="grouped-query heads; default n_heads")
-    ffn_hidden: int | None = Field(default=None, ge=1, description="SwiGLU width; default ~8/3 d_model")
-    context_length: int = Field(default=256, ge=2)
-    tie_embeddings: bool = True
-    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
-    rope_theta: float = Field(default=10000.0, gt=0)
-    norm_eps: float = Field(default=1e-5, gt=0)
-
-    @model_validator(mode="after")
-    def _heads_divide(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if (self.d_model // self.n_heads) % 2:
-            raise ValueError("head dimension d_model/n_heads must be even for rotary embeddings")
-        kv = self.n_kv_heads or self.n_heads
-        if self.n_heads % kv:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
-        return self
-
-
-class OptimSpec(_Strict):
-    """AdamW. Norm weights, biases and embeddings are not decayed unless the flags say so."""
-
-    lr: float = Field(default=3e-3, gt=0, le=10)
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = Field(default=1e-8, gt=0)
-    weight_decay: float = Field(default=0.1, ge=0)
-    decay_norms_and_biases: bool = False
-    decay_embeddings: bool = False
-    grad_clip: float | None = Field(default=1.0, gt=0)
-
-    @field_validator("betas")
-    @classmethod
-    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
-        if not all(0.0 <= b < 1.0 for b in v):
-            raise ValueError("each beta must be in [0, 1)")
-        return v
-
-
-class ScheduleSpec(_Strict):
-    warmup_steps: int = Field(default=20, ge=0)
-    decay: Literal["cosine", "linear", "constant"] = "cosine"
-    min_lr_ratio: float = Field(default=0.1, ge=0.0, le=1.0)
-
-
-class TrainSpec(_Strict):
-    """How long and how wide a stage trains. Global batch = batch_size x grad_accum x world size."""
-
-    steps: int = Field(default=200, ge=1)
-    batch_size: int = Field(default=16, ge=1, description="sequences per micro-batch per process")
-    grad_accum: int = Field(default=1, ge=1)
-
-
-class GateSpec(_Strict):
-    """A stage passes only if every set gate passes."""
-
-    min_loss_drop: float | None = Field(
-        default=0.1, ge=0, lt=1, description="fraction by which the training loss must fall"
-    )
-    require_finite: bool = True
-    max_heldout_loss: float | None = Field(default=None, gt=0)
-    checkpoint_roundtrip: bool = True
-    min_tokens_per_s: float | None = Field(default=None, gt=0)
-
-
-class StageSpec(_Strict):
-    """One stage. Unset sections inherit the top level; set fields override it one by one."""
-
-    name: str
-    model: dict[str, Any] = Field(default_factory=dict)
-    optim: dict[str, Any] = Field(default_factory=dict)
-    schedule: dict[str, Any] = Field(default_factory=dict)
-    train: dict[str, Any] = Field(default_factory=dict)
-    gates: GateSpec = Field(default_factory=GateSpec)
-
-    @field_validator("name")
-    @classmethod
-    def _slug(cls, v: str) -> str:
-        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
-            raise ValueError("a stage name is 1-64 letters, digits, '_', '.' or '-'")
-        return v
-
-
-class EvalSpec(_Strict):
-    interval: int = Field(default=50, ge=1, description="steps between held-out evaluations")
-    batches: int = Field(default=8, ge=1, description="held-out batches per evaluation during training")
-    final_batches: int = Field(default=32, ge=1, description="held-out batches scored by the final evaluation")
-    max_heldout_perplexity: float | None = Field(default=None, gt=1, description="fit-to-ship bound")
-    max_gap: float | None = Field(default=None, gt=0, description="held-out minus train loss bound")
-    must_beat_unigram: bool = True
-    prompts: list[str] = Field(default_factory=lambda: ["def ", "import ", "class "])
-    sample_tokens: int = Field(default=48, ge=1)
-    temperature: float = Field(default=0.8, ge=0)
-    top_k: int | None = Field(default=40, ge=1)
-
-
-class CheckpointSpec(_Strict):
-    interval: int = Field(default=50, ge=1, description="steps between checkpoints")
-    keep_last: int = Field(default=2, ge=1)
-    keep_best: bool = True
-
-
-class ResourcesSpec(_Strict):
-    device: Literal["cpu", "cuda", "auto"] = "auto"
-    precision: Literal["fp32", "bf16", "auto"] = "auto"
-    compile: bool = False
-    nproc: int = Field(default=1, ge=1)
-    parallel: Literal["ddp", "fsdp"] = "ddp"
-    deterministic: bool = True
-    threads: int | None = Field(default=None, ge=1, description="CPU threads per process")
-    requirement: Requirement = Field(default_factory=Requirement)
+# The tasks a spec may name. Issue 13 adds tabular and image tasks here and their starting specs in
+# runyard.spec_template.
+Task = Literal["language_model"]
+TASKS: tuple[str, ...] = get_args(Task)
 
 
 class JobSpec(_Strict):
-    name: str
-    seed: int = Field(default=0, ge=0, lt=2**63)
-    data: DataSpec
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    optim: OptimSpec = Field(default_factory=OptimSpec)
-    schedule: ScheduleSpec = Field(default_factory=ScheduleSpec)
-    train: TrainSpec = Field(default_factory=TrainSpec)
-    stages: list[StageSpec] = Field(default_factory=lambda: [StageSpec(name="main")], min_length=1)
-    eval: EvalSpec = Field(default_factory=EvalSpec)
-    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
-    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    """A run's whole job spec: what to train on, what to train, how, and what counts as done."""
+
+    task: Task = Field(
+        default="language_model",
+        description="what the run trains: `language_model` (a decoder on text; tabular and image tasks are "
+        "planned). `runyard spec init --task` writes a starting spec for a task",
+    )
+    name: str = Field(
+        description="the run's name (1-100 letters, digits, '_', '.' or '-'); the run directory is "
+        "runs/<name> unless --run-dir says otherwise"
+    )
+    seed: int = Field(
+        default=0,
+        ge=0,
+        lt=2**63,
+        description="the seed every random source derives from (split, initialisation, data order, dropout, "
+        "samples); recorded in the manifest",
+    )
+    data: DataSpec = Field(description="the data: sources, cleaning, deduplication, split, tokenizer, shards")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="the model's shape (stages may override fields)")
+    optim: OptimSpec = Field(default_factory=OptimSpec, description="the optimizer (stages may override fields)")
+    schedule: ScheduleSpec = Field(
+        default_factory=ScheduleSpec, description="the learning-rate schedule (stages may override fields)"
+    )
+    train: TrainSpec = Field(default_factory=TrainSpec, description="steps and batch sizes (stages may override fields)")
+    stages: list[StageSpec] = Field(
+        default_factory=lambda: [StageSpec(name="main")],
+        min_length=1,
+        description="the stages, trained in order; the default is one stage named `main`",
+    )
+    eval: EvalSpec = Field(default_factory=EvalSpec, description="evaluation, the fit-to-ship verdict and samples")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="checkpoint interval and retention")
+    resources: ResourcesSpec = Field(
+        default_factory=ResourcesSpec, description="devices, precision, processes and the hardware requirement"
+    )
 
     @field_validator("name")
     @classmethod
@@ -172,7 +121,7 @@ class JobSpec(_Strict):
         if len(set(names)) != len(names):
             raise ValueError(f"stage names must be unique, got {names}")
         for i, stage in enumerate(self.stages):
-            for section in ("model", "optim", "schedule", "train"):
+            for section in _SECTION_TYPES:
                 try:
                     _merge(self, stage, section)
                 except ValidationError as exc:
@@ -217,6 +166,16 @@ def _merge(spec: JobSpec, stage: StageSpec, section: str) -> BaseModel:
     return _SECTION_TYPES[section].model_validate(base)
 
 
+def _stage_warmup(spec: JobSpec, index: int) -> tuple[int, int, tuple[Any, ...]]:
+    """(warmup steps, steps, where the warmup is set) for stage `index`."""
+    stage = spec.stages[index]
+    warmup = stage.schedule.get("warmup_steps", spec.schedule.warmup_steps)
+    steps = stage.train.get("steps", spec.train.steps)
+    if "warmup_steps" in stage.schedule:
+        return warmup, steps, ("stages", index, "schedule", "warmup_steps")
+    return warmup, steps, ("schedule", "warmup_steps")
+
+
 def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
     for i, stage in enumerate(spec.stages):
         if stage.name == name:
@@ -229,25 +188,44 @@ def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
     raise KeyError(f"no stage named {name!r}; stages are {[s.name for s in spec.stages]}")
 
 
-def _loc_to_path(loc: tuple[Any, ...]) -> str:
-    path = ""
-    for part in loc:
-        if isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += ("." if path else "") + str(part)
-    return path or "(top level)"
+def spec_warnings(spec: JobSpec) -> list[tuple[str, object, str]]:
+    """Values the run will not use as written, though the spec is valid: (field path, value, what
+    happens). Errors are raised by validation; these are logged when a spec is loaded."""
+    out = []
+    for i, stage in enumerate(spec.stages):
+        warmup, steps, where = _stage_warmup(spec, i)
+        if warmup > steps:
+            # A warning, not an error: a run directory's stored spec states every default explicitly, so
+            # "the user set it" cannot be told apart on resume.
+            out.append((
+                _loc_to_path(where),
+                warmup,
+                f"longer than stage {stage.name!r} ({steps} steps): its learning rate peaks at "
+                f"{steps / warmup:.0%} of optim.lr and never decays; set it below {steps}, e.g. "
+                f"{max(1, steps // 10)}",
+            ))
+    return out
 
 
-def _lookup(raw: Any, loc: tuple[Any, ...]) -> tuple[bool, Any]:
-    """The user's own value at `loc`, so messages quote what they wrote rather than a merged default."""
-    node = raw
-    for part in loc:
-        try:
-            node = node[part]
-        except (KeyError, IndexError, TypeError):
-            return False, None
-    return True, node
+# A stage's free-form overrides are the top-level sections' fields.
+_STAGE_ALIASES = {f"stages.{section}": (section,) for section in _SECTION_TYPES}
+
+
+def reference_anchor(loc: tuple[Any, ...] | str) -> str:
+    """The anchor of a field's entry in docs/spec.md: its dotted path without list indices
+    (`data.sources[0].path` -> `data.sources.path`; `stages[1].train.steps` -> `train.steps`); an unknown
+    key points at its section."""
+    if isinstance(loc, str):
+        loc = spec_paths.path_to_loc(loc)
+    return spec_paths.anchor(JobSpec, loc, _STAGE_ALIASES)
+
+
+def reference_hint(loc: tuple[Any, ...] | str) -> str:
+    """Where the reference describes the field at `loc`, for the end of an error message."""
+    return f"(see {REFERENCE_DOC}#{reference_anchor(loc)})"
+
+
+_loc_to_path = spec_paths.loc_to_path
 
 
 def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[str, object, str]]:
@@ -259,15 +237,15 @@ def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> l
             # An override that makes a stage invalid: report it under stages[i].<section>.<field>.
             problems += _problems(ctx_exc.exc, raw, ("stages", ctx_exc.index, ctx_exc.section))
             continue
-        found, value = _lookup(raw, loc)
+        found, value = spec_paths.lookup(raw, loc)
         if not found:
             value = err.get("input")
         if err["type"] == "missing":
             value = "(missing)"
-        msg = err["msg"]
+        msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
-            msg = "unknown key; check its spelling against the spec reference"
-        problems.append((_loc_to_path(loc), value, msg.removeprefix("Value error, ")))
+            msg = spec_paths.unknown_key_message(JobSpec, loc, _STAGE_ALIASES)
+        problems.append((_loc_to_path(loc), value, f"{msg} {reference_hint(loc)}"))
     return problems
 
 
@@ -282,7 +260,7 @@ def parse_spec(raw: Any, source: str = "<spec>") -> JobSpec:
 
 
 def load_spec(path: str | Path) -> JobSpec:
-    """Read and validate a YAML job spec."""
+    """Read and validate a YAML job spec; values the run will not use as written are logged as warnings."""
     path = Path(path)
     try:
         text = path.read_text(encoding="utf-8")
@@ -294,7 +272,10 @@ def load_spec(path: str | Path) -> JobSpec:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
         raise SpecError(str(path), [(where, getattr(exc, "problem", str(exc)), "valid YAML")]) from None
-    return parse_spec(raw, str(path))
+    spec = parse_spec(raw, str(path))
+    for field_path, value, message in spec_warnings(spec):
+        log.warning("spec %s: %s = %r: %s", path, field_path, value, message)
+    return spec
 
 
 def dump_spec(spec: JobSpec) -> str:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import sysconfig
 from pathlib import Path
+from pydoc_data.topics import topics as PYTHON_REFERENCE  # Python's own reference docs, as text
 
 import pytest
 
 from runyard.data.config import FilterSpec, NormalizeSpec
 from runyard.data.filters import check_document
+from runyard.data.markup import classify_line, prose_view
 from runyard.data.normalize import normalize_text
 
 PROSE = (
@@ -57,8 +59,152 @@ def test_each_filter_trips_and_passes(reason: str):
     bounds, bad, good = CASES[reason]
     spec = FilterSpec(**{"max_duplicate_line_fraction": None, **bounds})
     failed = check_document(bad, spec)
-    assert failed is not None and failed[0] == reason
+    assert failed is not None and failed.reason == reason
+    assert failed.field in bounds and failed.threshold == bounds[failed.field]
+    assert (failed.value < failed.threshold) if failed.kind == "min" else (failed.value > failed.threshold)
     assert check_document(good, spec) is None
+
+
+@pytest.mark.parametrize(
+    "bounds, text, tripped",
+    [
+        ({"max_top_ngram_fraction": 0.2}, "buy now " * 30 + "please", "2-gram 'buy now' x30"),
+        ({"max_symbol_word_ratio": 0.1}, "see # a # b # c ... d # e", "'#' x4, '...' x1 over"),
+        ({"max_duplicate_line_fraction": 0.3}, "same line\n" * 5 + "other\n", "repeated lines: 'same line' x4"),
+        ({"max_non_alpha_word_fraction": 0.3}, "12 34 12 -- 12 ok", "words without a letter: '12' x3"),
+        ({"max_ellipsis_line_fraction": 0.3}, "wait...\nand then...\nok", "2 of 3 lines, e.g. 'wait...'"),
+        ({"max_mean_word_length": 10}, "supercalifragilistic antidisestablishmentarianism x", "longest words 'antidis"),
+    ],
+)
+def test_failure_names_what_tripped_it(bounds, text, tripped):
+    failed = check_document(text, FilterSpec(**{"max_duplicate_line_fraction": None, **bounds}))
+    assert failed is not None and tripped in failed.tripped_by, failed
+    sample = failed.sample("doc-1", text)
+    assert sample["rule"] == next(iter(bounds)) and sample["threshold"] == next(iter(bounds.values()))
+    assert sample["tripped_by"] == failed.tripped_by and sample["id"] == "doc-1"
+
+
+# Gopher-style bounds for prose, as a user sets them for a documentation corpus.
+PROSE_BOUNDS = {
+    "min_words": 50,
+    "max_symbol_word_ratio": 0.1,
+    "max_non_alpha_word_fraction": 0.3,
+    "max_top_ngram_fraction": 0.2,
+    "max_duplicate_line_fraction": 0.3,
+    "max_duplicate_paragraph_fraction": 0.3,
+}
+
+INDEX_PAGE = """\
+##################
+  Library manual
+##################
+
+.. toctree::
+   :maxdepth: 2
+
+   intro.rst
+   builtins.rst
+
+Overview
+########
+
+The library manual describes the modules that ship with the interpreter, how to import them and
+what each one offers, from text processing to networking and concurrency.
+
+Text services
+#############
+
+String operations, regular expressions, difflib and textwrap help with text of every kind, from
+log files to generated reports, and each module documents its functions with examples.
+
+Networking
+##########
+
+Sockets, HTTP clients and servers, and e-mail handling are covered in the chapters that follow,
+each with a short tutorial and a reference section.
+"""
+
+GRID_TABLE_PAGE = """\
+Status codes
+============
+
+The server answers every request with one of the following codes; the table lists each with its
+meaning and what a client should do next.
+
++--------+----------------------+------------------------------+
+| Code   | Meaning              | What to do                   |
++========+======================+==============================+
+| 200    | OK                   | read the body                |
++--------+----------------------+------------------------------+
+| 301    | Moved permanently    | follow the new location      |
++--------+----------------------+------------------------------+
+| 404    | Not found            | check the address            |
++--------+----------------------+------------------------------+
+| 429    | Too many requests    | wait, then retry             |
++--------+----------------------+------------------------------+
+| 503    | Unavailable          | retry with backoff           |
++--------+----------------------+------------------------------+
+
+Markdown tables work the same way:
+
+| option | default | meaning |
+| --- | :---: | ---: |
+| retries | 3 | attempts before giving up |
+| timeout | 30 | seconds per attempt |
+"""
+
+
+def test_markup_lines_are_recognised():
+    assert classify_line("+--------+-------+") == "table_border"
+    assert classify_line("+========+=======+") == "table_border"
+    assert classify_line("|========|=======|") == "table_border"
+    assert classify_line("=====  =======  ====") == "table_border"
+    assert classify_line("| --- | :---: | ---: |") == "table_border"
+    assert classify_line("| 200 | OK |") == "table_row"
+    assert classify_line("##########") == "heading_adornment"
+    assert classify_line("~~~~~~") == "heading_adornment"
+    assert classify_line("## Installation") == "heading"
+    for prose in ("The end.", "a | b", "x = 1", "-- a dash", "#!/bin/sh", "...", "- item"):
+        assert classify_line(prose) is None, prose
+    view = prose_view(GRID_TABLE_PAGE)
+    assert "Moved permanently follow the new location" in view.text and "+---" not in view.text
+    assert view.titles == {"Status codes"} and "Status codes" not in view.body
+
+
+@pytest.mark.parametrize("page", [INDEX_PAGE, GRID_TABLE_PAGE], ids=["index-page", "grid-table"])
+def test_technical_pages_pass_only_when_markup_is_recognised(page):
+    assert check_document(page, FilterSpec(**PROSE_BOUNDS)) is None
+    plain = check_document(page, FilterSpec(**PROSE_BOUNDS, markup_aware=False))
+    assert plain is not None and plain.reason in ("symbol_word_ratio", "duplicate_lines", "non_alpha_words")
+
+
+def test_python_reference_docs_pass_the_prose_filters():
+    # Python's own reference documentation (tables, reST headings), as shipped with every interpreter.
+    spec = FilterSpec(**PROSE_BOUNDS)
+    failures = {
+        name: failed for name, text in PYTHON_REFERENCE.items()
+        if (failed := check_document(text, spec)) is not None and failed.reason != "too_few_words"
+    }
+    assert len(PYTHON_REFERENCE) > 50 and failures == {}
+    # The operator precedence table is what the repetition rule used to drop: its borders repeat.
+    plain = check_document(PYTHON_REFERENCE["operator-summary"], FilterSpec(**PROSE_BOUNDS, markup_aware=False))
+    assert plain is not None and plain.reason == "top_ngram_repetition" and "+----" in plain.tripped_by
+
+
+@pytest.mark.parametrize(
+    "spam, reason",
+    [
+        ("Great deals today #sale #deal #cheap #buy #now #best #offer #free #win #hot " * 8, "symbol_word_ratio"),
+        (PROSE + "".join(f"| buy now | lot {i} |\n" for i in range(40)), "top_ngram_repetition"),
+        ("Click here to win a prize today and every day.\n" * 30, "duplicate_lines"),
+        ("# Buy now\n\nBuy cheap pills online, buy cheap pills online, buy cheap pills online.\n\n" * 10,
+         "duplicate_lines"),
+    ],
+    ids=["hashtags", "repeated-table-cells", "repeated-lines", "repeated-sections"],
+)
+def test_spam_is_still_caught_with_markup_recognised(spam, reason):
+    failed = check_document(spam, FilterSpec(**{**PROSE_BOUNDS, "min_words": 5}))
+    assert failed is not None and failed.reason == reason, failed
 
 
 def test_disabled_filters_pass_everything():
@@ -71,3 +217,10 @@ def test_default_filters_keep_normal_python_source():
     spec = FilterSpec()
     removed = [f.name for f in files if check_document(f.read_text(encoding="utf-8", errors="replace"), spec)]
     assert removed == []
+
+
+def test_indented_reST_adornments_are_recognised_but_indented_comments_are_not_headings():
+    text = "Intro\n\n.. only:: html\n\n  Reference\n  ######\n\n  Text.\n\n    # a comment in code\n"
+    view = prose_view(text)
+    assert view.markup_lines == {"heading_adornment": 1} and "######" not in view.text
+    assert "Reference" in view.titles and "# a comment in code" in view.text

@@ -8,10 +8,18 @@ import importlib
 import sys
 
 from runyard import __version__
-from runyard.errors import EXIT_BAD_SPEC, RunyardError
+from runyard.diskspace import free_bytes, human_bytes, is_disk_full, mount_point
+from runyard.errors import EXIT_BAD_SPEC, EXIT_FAILURE, RunyardError
 
 # Modules that add verbs, in the order they appear in `runyard --help`.
-VERB_MODULES = ["runyard.cli.run", "runyard.cli.data", "runyard.cli.reproduce", "runyard.cli.control", "runyard.cli.market"]
+VERB_MODULES = [
+    "runyard.cli.run",
+    "runyard.cli.spec",
+    "runyard.cli.data",
+    "runyard.cli.reproduce",
+    "runyard.cli.control",
+    "runyard.cli.market",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -47,7 +55,23 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("runyard: interrupted", file=sys.stderr)
         return 130
+    except Exception as exc:
+        if not is_disk_full(exc):
+            raise
+        print(f"runyard: {disk_full_message(exc)}", file=sys.stderr)
+        return EXIT_FAILURE
     return int(code or 0)
+
+
+def disk_full_message(exc: BaseException) -> str:
+    """A full disk that no write site translated (they raise DiskFull): say so plainly, with what is known."""
+    filename = getattr(exc, "filename", None)
+    where = f" writing {filename}" if filename else ""
+    place = filename or "."
+    return (
+        f"no space left on the device{where}: {human_bytes(free_bytes(place))} free on {mount_point(place)} "
+        f"({type(exc).__name__}: {exc}). Free some space; `runyard plan SPEC` estimates what a run needs."
+    )
 
 
 def exit_bad_usage(message: str) -> int:

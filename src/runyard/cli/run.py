@@ -73,7 +73,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
         help="size a spec: parameters, FLOPs, memory, time, requirement",
         description="Print the plan of a spec from the spec alone: parameters, tokens and training FLOPs "
         "per stage, memory per device, an estimated wall time at a given throughput, and the requirement "
-        "(accelerators, duration, regions) a market or scheduler acts on.",
+        "(accelerators, duration, regions) a market or scheduler acts on. Before any work it resolves the "
+        "sources (a path or glob that matches no file is an error, exit 2) and estimates the disk the data "
+        "cache, the checkpoints and the export need against the space free on each filesystem.",
     )
     p.add_argument("spec", type=Path, help="job spec (YAML)")
     p.add_argument("--tokens-per-s", type=float, default=None, help="throughput to estimate wall time with")
@@ -216,14 +218,19 @@ def _print_summary(summary) -> None:
 
 
 def cmd_plan(args) -> int:
+    from runyard.plan.preflight import preflight
     from runyard.plan.sizing import human_bytes, plan_run
+    from runyard.run import default_run_dir
     from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
+    pre = preflight(spec, default_run_dir(spec))  # sources resolve (or exit 2) and disk estimates
     plan = plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size, args.tokens_per_s)
     if args.json:
-        print(json.dumps(plan, indent=2))
+        print(json.dumps({**plan, "preflight": pre.to_dict()}, indent=2))
         return 0
+    for line in pre.lines():
+        print(line)
     for s in plan["stages"]:
         eta = f"{s['estimated_seconds'] / 60:.1f} min" if s["estimated_seconds"] else "(give --tokens-per-s)"
         print(

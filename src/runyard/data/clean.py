@@ -42,6 +42,7 @@ class PartResult:
     removed: Counter = field(default_factory=Counter)
     pii: Counter = field(default_factory=Counter)
     samples: dict[str, list[dict]] = field(default_factory=dict)
+    pii_samples: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def text_hash(text: str) -> bytes:
@@ -60,13 +61,12 @@ def clean_part(files: list[InputFile], spec: DataSpec) -> PartResult:
             text = normalize_text(raw, spec.normalize)
             failed = check_document(text, spec.filters)
             if failed is not None:
-                reason, value = failed
-                out.removed[reason] += 1
-                samples = out.samples.setdefault(reason, [])
+                out.removed[failed.reason] += 1
+                samples = out.samples.setdefault(failed.reason, [])
                 if len(samples) < spec.filters.samples_per_reason:
-                    samples.append({"id": doc_id, "value": round(value, 4), "text": text[:SAMPLE_CHARS]})
+                    samples.append(failed.sample(doc_id, text[:SAMPLE_CHARS]))
                 continue
-            text = scrub_pii(text, spec.pii, out.pii)
+            text = scrub_pii(text, spec.pii, out.pii, out.pii_samples)
             out.ids.append(doc_id)
             out.texts.append(text)
             out.exact.append(text_hash(text))
@@ -110,6 +110,7 @@ def save_part(path: Path, part: PartResult) -> None:
                 "removed": part.removed,
                 "pii": part.pii,
                 "samples": part.samples,
+                "pii_samples": part.pii_samples,
             }
         ),
     }
@@ -136,4 +137,5 @@ def load_part(path: Path) -> PartResult:
         removed=Counter(meta["removed"]),
         pii=Counter(meta["pii"]),
         samples=meta["samples"],
+        pii_samples=meta.get("pii_samples", {}),
     )

@@ -19,23 +19,51 @@ class SourceSpec(_Strict):
     """One input. `path` is a local path, a glob, or an fsspec URL. `{stdlib}` in it expands to the
     running interpreter's standard library directory."""
 
-    path: str
-    format: Literal["text", "jsonl", "parquet"] = "text"
+    path: str = Field(
+        description="a local file, a glob (`**` recurses) or an fsspec URL; `{stdlib}` expands to the "
+        "interpreter's standard library. `runyard plan` fails when it matches no file"
+    )
+    format: Literal["text", "jsonl", "parquet"] = Field(
+        default="text",
+        description="`text` (each file is one document), `jsonl` (one document per line) or `parquet` "
+        "(one document per row)",
+    )
     text_field: str = Field(default="text", description="JSONL field / Parquet column holding the text")
-    exclude: list[str] = Field(default_factory=list, description="glob patterns of paths to leave out")
-    encoding_errors: Literal["replace", "skip"] = "replace"
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="glob patterns of paths to leave out (`*` crosses '/', so `**/test/**` drops every "
+        "test directory)",
+    )
+    encoding_errors: Literal["replace", "skip"] = Field(
+        default="replace",
+        description="bytes that are not UTF-8: `replace` them with U+FFFD, or `skip` the document (both counted "
+        "in the data report)",
+    )
     compression: Literal["infer", "none", "gzip", "zstd"] = Field(
-        default="infer", description="infer from the file name (.gz, .zst) unless set"
+        default="infer", description="`infer` from the file name (.gz, .zst), or `none`, `gzip`, `zstd`"
     )
 
 
 class TokenizerSpec(_Strict):
-    """Train a byte-level BPE tokenizer on the training split, or load one (`path`)."""
+    """The tokenizer: a byte-level BPE trained on the training split (HF `tokenizers`), or one loaded
+    from `path`."""
 
-    path: str | None = None
-    vocab_size: int = Field(default=4096, ge=260, le=1_000_000)
-    min_frequency: int = Field(default=2, ge=1)
-    train_max_bytes: int = Field(default=50_000_000, gt=0, description="cap on text fed to BPE training")
+    path: str | None = Field(
+        default=None,
+        description="a `tokenizer.json` to load instead of training one; it must contain the "
+        "end-of-document token `<|endoftext|>`",
+    )
+    vocab_size: int = Field(
+        default=4096,
+        ge=260,
+        le=1_000_000,
+        description="vocabulary of the trained BPE, counting the 256 byte tokens and `<|endoftext|>`. A "
+        "corpus too small to support it yields fewer tokens: the data report and a warning say how many",
+    )
+    min_frequency: int = Field(default=2, ge=1, description="a pair of tokens is merged only if it occurs this often")
+    train_max_bytes: int = Field(
+        default=50_000_000, gt=0, description="bytes of training-split text (the first, in document order) fed to BPE training"
+    )
 
 
 class NormalizeSpec(_Strict):
@@ -50,55 +78,97 @@ class NormalizeSpec(_Strict):
 class FilterSpec(_Strict):
     """Quality filters. Each is off when its bound is null. The defaults only drop empty documents and
     degenerate ones (nearly all lines the same), so source code passes; prose corpora should set the
-    Gopher-style bounds (e.g. min_words 50, max_symbol_word_ratio 0.1, max_non_alpha_word_fraction 0.2)."""
+    Gopher-style bounds (e.g. min_words 50, max_symbol_word_ratio 0.1, max_non_alpha_word_fraction 0.2).
+    Table and heading lines of technical text are recognised first (markup_aware), so tables and
+    `#####` headings do not count as repetition or symbols. Each removal is counted under its rule, with
+    samples naming the measured value and what tripped it."""
 
-    enabled: bool = True
-    min_chars: int | None = Field(default=1, ge=0)
-    max_chars: int | None = Field(default=None, ge=1)
-    min_words: int | None = Field(default=None, ge=0)
-    max_words: int | None = Field(default=None, ge=1)
-    min_mean_word_length: float | None = Field(default=None, ge=0)
-    max_mean_word_length: float | None = Field(default=None, gt=0)
-    max_symbol_word_ratio: float | None = Field(default=None, ge=0, description="('#' + '...') per word")
+    enabled: bool = Field(default=True, description="apply the quality filters at all")
+    markup_aware: bool = Field(
+        default=True,
+        description="recognise table lines (reST grid and simple tables, Markdown tables) and heading lines "
+        "(Markdown `#` headings at a line's start, reST over/underlines such as `=====`): every rule but the "
+        "character counts reads the text without their markup (table cells and titles still count as words), "
+        "and a repeated heading title is not repetition",
+    )
+    min_chars: int | None = Field(default=1, ge=0, description="remove documents shorter than this many characters")
+    max_chars: int | None = Field(default=None, ge=1, description="remove documents longer than this many characters")
+    min_words: int | None = Field(default=None, ge=0, description="remove documents with fewer whitespace-separated words")
+    max_words: int | None = Field(default=None, ge=1, description="remove documents with more whitespace-separated words")
+    min_mean_word_length: float | None = Field(
+        default=None, ge=0, description="remove documents whose mean word length (characters) is below this"
+    )
+    max_mean_word_length: float | None = Field(
+        default=None, gt=0, description="remove documents whose mean word length (characters) is above this"
+    )
+    max_symbol_word_ratio: float | None = Field(
+        default=None, ge=0, description="bound on ('#' characters + ellipses) per word, outside table and heading markup"
+    )
     max_non_alpha_word_fraction: float | None = Field(
-        default=None, ge=0, le=1, description="fraction of words with no alphabetic character"
+        default=None, ge=0, le=1, description="bound on the fraction of words with no alphabetic character"
     )
     max_duplicate_line_fraction: float | None = Field(
-        default=0.9, ge=0, le=1, description="fraction of non-blank lines that repeat an earlier line"
+        default=0.9,
+        ge=0,
+        le=1,
+        description="bound on the fraction of non-blank lines that repeat an earlier line (table borders and "
+        "heading underlines aside)",
     )
-    max_duplicate_paragraph_fraction: float | None = Field(default=None, ge=0, le=1)
-    top_ngram_n: int = Field(default=2, ge=1, le=10)
+    max_duplicate_paragraph_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="bound on the fraction of paragraphs that repeat an earlier paragraph"
+    )
+    top_ngram_n: int = Field(default=2, ge=1, le=10, description="words per n-gram for max_top_ngram_fraction")
     max_top_ngram_fraction: float | None = Field(
-        default=None, ge=0, le=1, description="characters covered by the most frequent word n-gram"
+        default=None,
+        ge=0,
+        le=1,
+        description="bound on the fraction of word characters covered by the most frequent word n-gram "
+        "(Gopher), outside table and heading markup",
     )
-    max_ellipsis_line_fraction: float | None = Field(default=None, ge=0, le=1)
-    max_bullet_line_fraction: float | None = Field(default=None, ge=0, le=1)
+    max_ellipsis_line_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="bound on the fraction of lines ending in '...' or '…'"
+    )
+    max_bullet_line_fraction: float | None = Field(
+        default=None, ge=0, le=1, description="bound on the fraction of lines starting with a bullet ('•', '- ', '* ', ...)"
+    )
     samples_per_reason: int = Field(
-        default=3, ge=0, le=100, description="removed documents kept in the report"
+        default=3, ge=0, le=100, description="removed documents kept in the data report per rule"
     )
 
 
 class PiiSpec(_Strict):
-    """PII scrubbing, off by default: matches are replaced by placeholders and counted."""
+    """PII scrubbing, off by default: matches are replaced by placeholders (`<EMAIL>`, `<PHONE>`, `<IP>`,
+    `<CARD>`), counted, and shown before/after in the data report. Documentation addresses (RFC 5737 and
+    RFC 3849 examples, private, loopback and link-local ranges), version strings, digit runs without a
+    phone number's shape and decimals are left alone."""
 
-    enabled: bool = False
-    emails: bool = True
-    phones: bool = True
-    ip_addresses: bool = True
-    credit_cards: bool = True
+    enabled: bool = Field(default=False, description="scrub PII at all")
+    emails: bool = Field(default=True, description="replace e-mail addresses (example.com/.org/.net and .test, .example, .invalid domains excepted)")
+    phones: bool = Field(
+        default=True,
+        description="replace phone numbers: international (+CC) or with a trunk prefix/area code in "
+        "parentheses and separated groups; a bare digit run is not a phone number",
+    )
+    ip_addresses: bool = Field(default=True, description="replace public IPv4 and IPv6 addresses")
+    credit_cards: bool = Field(
+        default=True, description="replace card numbers: 13-19 digits, grouped by spaces or dashes, passing the Luhn check"
+    )
+    samples_per_kind: int = Field(
+        default=3, ge=0, le=100, description="replacements shown before/after in the data report per kind"
+    )
 
 
 class DedupSpec(_Strict):
     """Exact (hash of normalised text) and near-duplicate (MinHash + LSH) removal."""
 
-    exact: bool = True
-    near: bool = True
+    exact: bool = Field(default=True, description="remove documents whose normalised text repeats an earlier one")
+    near: bool = Field(default=True, description="remove near-duplicates (MinHash signatures, LSH candidate pairs)")
     threshold: float = Field(default=0.8, gt=0, lt=1, description="Jaccard similarity of word n-gram sets")
-    num_perm: int = Field(default=128, ge=16, le=1024)
+    num_perm: int = Field(default=128, ge=16, le=1024, description="MinHash permutations per signature")
     ngram: int = Field(default=5, ge=1, le=20, description="words per shingle")
     bands: int | None = Field(default=None, ge=1, description="LSH bands; default tuned to the threshold")
     seed: int = Field(default=1, ge=0, description="seed of the MinHash permutations")
-    report_clusters: int = Field(default=10, ge=0)
+    report_clusters: int = Field(default=10, ge=0, description="largest near-duplicate clusters listed in the data report")
 
     @model_validator(mode="after")
     def _bands_divide(self) -> DedupSpec:
@@ -110,27 +180,37 @@ class DedupSpec(_Strict):
 class StoreSpec(_Strict):
     """Where prepared shards are kept (the cold store): a path or any fsspec URL, labelled with a region."""
 
-    url: str
-    region: str | None = None
+    url: str = Field(description="a local path or an fsspec URL (s3://, gs://, ...)")
+    region: str | None = Field(default=None, description="the region the store is in, checked against data.residency")
 
 
 class DataSpec(_Strict):
-    sources: list[SourceSpec] = Field(min_length=1)
-    heldout_fraction: float = Field(default=0.05, gt=0.0, lt=0.5)
-    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec)
+    """The data: where it comes from, how it is cleaned, deduplicated, split and tokenized, and where the
+    prepared shards are kept."""
+
+    sources: list[SourceSpec] = Field(min_length=1, description="the inputs, read in order")
+    heldout_fraction: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="fraction of documents held out for evaluation, chosen by a seeded hash of each document",
+    )
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="train or load the tokenizer")
     shard_tokens: int = Field(default=1 << 20, ge=1024, description="tokens per shard file")
-    cache_dir: str | None = Field(default=None, description="token cache; default ~/.cache/runyard/data")
-    residency: list[str] | None = Field(default=None, description="regions where the data may sit")
+    cache_dir: str | None = Field(
+        default=None, description="token cache; default $RUNYARD_CACHE_DIR, else ~/.cache/runyard/data"
+    )
+    residency: list[str] | None = Field(default=None, description="regions where the data may sit; null: anywhere")
     workers: int | None = Field(default=None, ge=1, description="processes; default the core count")
     chunk_bytes: int = Field(
         default=1 << 22,
         ge=1,
-        description="text per tokenization chunk (the unit of resume; not in the fingerprint)",
+        description="text per tokenization chunk, in bytes (the unit of resume; not in the fingerprint)",
     )
-    normalize: NormalizeSpec = Field(default_factory=NormalizeSpec)
-    filters: FilterSpec = Field(default_factory=FilterSpec)
-    pii: PiiSpec = Field(default_factory=PiiSpec)
-    dedup: DedupSpec = Field(default_factory=DedupSpec)
+    normalize: NormalizeSpec = Field(default_factory=NormalizeSpec, description="text normalisation")
+    filters: FilterSpec = Field(default_factory=FilterSpec, description="quality filters")
+    pii: PiiSpec = Field(default_factory=PiiSpec, description="PII scrubbing")
+    dedup: DedupSpec = Field(default_factory=DedupSpec, description="exact and near-duplicate removal")
     store: StoreSpec | None = Field(default=None, description="cold store the shards are published to")
     cache_region: str | None = Field(
         default=None, description="region of the local cache; default env RUNYARD_REGION"

@@ -1,25 +1,78 @@
 """PII scrubbing: e-mail addresses, phone numbers, IP addresses and card numbers are replaced by
-placeholders (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CARD>`), each replacement counted.
+placeholders (`<EMAIL>`, `<PHONE>`, `<IP>`, `<CARD>`), each replacement counted, and a few kept as
+before/after samples for the data report.
 
-Patterns are deliberately conservative (anchored on word boundaries, card numbers Luhn-checked) so that
-version strings, hex constants and line numbers in code are left alone."""
+The rules are written for technical text, where most things that look like PII are not:
+- IP addresses: documentation ranges (RFC 5737 TEST-NETs, RFC 3849's 2001:db8::/32), private, loopback,
+  link-local, multicast and reserved addresses are left alone, and so are networks in CIDR notation
+  (`11.0.0.0/8`), the well-known public resolvers (8.8.8.8, 1.1.1.1, ...) and a dotted quad that reads
+  as a version (`v1.2.3.4`, `version 2.0.0.1`, `1.2.3.4-rc1`, `2.8.10.2 and lower`);
+- phone numbers need a phone's shape: `+` and a country code, an area code in parentheses, the
+  NANP `555-123-4567` form with one separator throughout, or a phone word before them (`tel:`, `call`);
+  a run of digits or space-separated numbers (a table of figures) is not a phone number, and neither
+  is a NANP number reserved for fiction (555-0100 to 555-0199);
+- card numbers are 13-19 digits, contiguous or in groups split by one kind of separator, with a known
+  issuer prefix, that network's length and a valid Luhn check digit; digits after a decimal point or
+  inside an identifier (`svc/5191...`, `id-4111...`) never are;
+- e-mail addresses at reserved example domains (example.com, .test, .invalid, ...) are left alone.
+"""
 
 from __future__ import annotations
 
 import ipaddress
 import re
 from collections import Counter
+from collections.abc import Callable
 
 from runyard.data.config import PiiSpec
 
-EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}(?![\w-])")
-# International (+CC ...) or North-American style numbers with separators; bare digit runs are not phones.
+EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,})(?![\w-])")
+_EXAMPLE_DOMAINS = re.compile(r"(?:^|\.)(?:example\.(?:com|net|org)|example|test|invalid|localhost)$", re.I)
+
 PHONE = re.compile(
-    r"(?<![\w+])(?:\+\d{1,3}[ .-]?)?(?:\(\d{2,4}\)[ .-]?|\d{2,4}[ .-])\d{3,4}[ .-]\d{3,4}(?![\w])"
+    r"(?<![\w+.])(?:"
+    r"\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]\d{2,4}){1,4}"  # +44 20 7946 0958
+    r"|\(\d{2,4}\)[ .-]?\d{3,4}[ .-]\d{3,4}"  # (555) 123-4567
+    r"|\d{3}(?P<sep>[-.])\d{3}(?P=sep)\d{4}"  # 555-123-4567, 555.123.4567
+    r")(?!\w|[.-]\d)"
 )
-IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?!\w|\.\d)")
-IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{1,4}(?![\w:])")
-CARD = re.compile(r"(?<!\d)(?:\d[ -]?){12,18}\d(?!\d)")
+# Spaced digit groups are a phone number only after a phone word: "call 020 7946 0958", "Tel: 030 1234 567".
+PHONE_AFTER_WORD = re.compile(
+    r"(?i:\b(?:tel|phone|telephone|call|fax|mobile|cell)\b\W{0,3})(?P<number>\d{2,5}(?:[ .-]\d{2,4}){1,3})(?!\w|[.-]\d)"
+)
+IPV4 = re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w/-]|\.\d)")
+IPV6 = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{1,4}(?![\w:/])")
+# Contiguous, or groups split by one separator kind; never the digits of a decimal or of an identifier.
+CARD = re.compile(
+    r"(?<![\w.,/-])(?:\d{13,19}|\d{4}(?P<sep>[ -])\d{4,6}(?:(?P=sep)\d{4,5}){1,3})(?![\w/]|[.,-]\d)"
+)
+_VERSION_BEFORE = re.compile(r"(?:\bv|\bversion\s*|\brelease\s*|\brev\.?\s*)$", re.I)
+_VERSION_AFTER = re.compile(r"\s+(?:and|or)\s+(?:lower|higher|earlier|later|older|newer|above|below)\b", re.I)
+# Public DNS resolvers that documentation names all the time; no person behind them.
+_WELL_KNOWN_IPS = {"8.8.8.8", "8.8.4.4", "1.1.1.1", "1.0.0.1", "9.9.9.9", "149.112.112.112", "208.67.222.222",
+                   "208.67.220.220", "2001:4860:4860::8888", "2001:4860:4860::8844", "2606:4700:4700::1111"}
+_FICTIONAL_NANP = re.compile(r"(?:\D|^)555\D?01\d\d$")
+
+_DOCUMENTATION_NETS = [
+    ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24", "2001:db8::/32")
+]
+# Issuer prefixes (IIN) of the card networks and the lengths each issues.
+_CARD_NETWORKS = [
+    (re.compile(r"4"), (13, 16, 19)),  # Visa
+    (re.compile(r"5[1-5]|2[2-7]"), (16,)),  # Mastercard
+    (re.compile(r"3[47]"), (15,)),  # American Express
+    (re.compile(r"6011|64[4-9]|65"), (16, 17, 18, 19)),  # Discover
+    (re.compile(r"35[2-8]"), (16, 17, 18, 19)),  # JCB
+    (re.compile(r"30[0-5]|3[689]"), (14, 15, 16, 17, 18, 19)),  # Diners Club
+    (re.compile(r"62"), (16, 17, 18, 19)),  # UnionPay
+]
+
+SAMPLE_CONTEXT = 30  # characters either side of a replacement in a sample
+
+
+def _span(match: re.Match) -> tuple[int, int]:
+    """What is replaced: the `number` group where a pattern has one (the phone word stays), else all."""
+    return match.span("number") if "number" in match.re.groupindex else match.span()
 
 
 def _luhn_ok(digits: str) -> bool:
@@ -32,35 +85,87 @@ def _luhn_ok(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _valid_ip(candidate: str) -> bool:
+def is_card_number(candidate: str) -> bool:
+    """A known network's prefix and length, and a valid Luhn check digit."""
+    digits = re.sub(r"\D", "", candidate)
+    network = any(prefix.match(digits) and len(digits) in lengths for prefix, lengths in _CARD_NETWORKS)
+    return network and _luhn_ok(digits)
+
+
+def is_personal_ip(candidate: str) -> bool:
+    """A valid address that can point at someone: public, and not in a documentation range."""
     try:
-        ipaddress.ip_address(candidate)
+        ip = ipaddress.ip_address(candidate)
     except ValueError:
         return False
-    return True
+    if str(ip) in _WELL_KNOWN_IPS or any(ip in net for net in _DOCUMENTATION_NETS if net.version == ip.version):
+        return False
+    return ip.is_global and not ip.is_multicast
 
 
-def scrub_pii(text: str, spec: PiiSpec, counts: Counter) -> str:
-    """Replace PII in `text` by placeholders; `counts[kind]` grows by the number replaced."""
+def _ipv4_ok(text: str, match: re.Match) -> bool:
+    before = text[max(0, match.start() - 12) : match.start()]
+    if _VERSION_BEFORE.search(before) or _VERSION_AFTER.match(text, match.end()):
+        return False
+    return is_personal_ip(match.group(0))
+
+
+def _ipv6_ok(text: str, match: re.Match) -> bool:
+    return match.group(0).count(":") >= 3 and is_personal_ip(match.group(0))
+
+
+def _phone_ok(text: str, match: re.Match) -> bool:
+    start, end = _span(match)
+    number = text[start:end]
+    return 7 <= sum(c.isdigit() for c in number) <= 15 and not _FICTIONAL_NANP.search(number)
+
+
+def _email_ok(text: str, match: re.Match) -> bool:
+    return not _EXAMPLE_DOMAINS.search(match.group(1))
+
+
+def _card_ok(text: str, match: re.Match) -> bool:
+    return is_card_number(match.group(0))
+
+
+def _sample(text: str, match: re.Match, placeholder: str) -> dict[str, str]:
+    start, end = _span(match)
+    lo, hi = max(0, start - SAMPLE_CONTEXT), min(len(text), end + SAMPLE_CONTEXT)
+    return {"before": text[lo:hi], "after": text[lo:start] + placeholder + text[end:hi]}
+
+
+def scrub_pii(
+    text: str, spec: PiiSpec, counts: Counter, samples: dict[str, list[dict[str, str]]] | None = None
+) -> str:
+    """Replace PII in `text` by placeholders; `counts[kind]` grows by the number replaced, and `samples[kind]`
+    (when given) collects up to `spec.samples_per_kind` before/after snippets."""
     if not spec.enabled:
         return text
 
-    def sub(pattern: re.Pattern, placeholder: str, kind: str, text: str, valid=None) -> str:
+    def sub(pattern: re.Pattern, placeholder: str, kind: str, text: str, ok: Callable[[str, re.Match], bool]) -> str:
         def repl(m: re.Match) -> str:
-            if valid is not None and not valid(m.group(0)):
+            if not ok(text, m):
                 return m.group(0)
             counts[kind] += 1
-            return placeholder
+            if samples is not None:
+                kept = samples.setdefault(kind, [])
+                if len(kept) < spec.samples_per_kind:
+                    kept.append(_sample(text, m, placeholder))
+            start, end = _span(m)
+            whole = m.group(0)
+            return whole[: start - m.start()] + placeholder + whole[end - m.start() :]
 
         return pattern.sub(repl, text)
 
     if spec.emails and "@" in text:
-        text = sub(EMAIL, "<EMAIL>", "email", text)
+        text = sub(EMAIL, "<EMAIL>", "email", text, _email_ok)
     if spec.credit_cards:
-        text = sub(CARD, "<CARD>", "credit_card", text, lambda s: _luhn_ok(re.sub(r"\D", "", s)))
+        text = sub(CARD, "<CARD>", "credit_card", text, _card_ok)
     if spec.ip_addresses:
-        text = sub(IPV4, "<IP>", "ip_address", text, _valid_ip)
-        text = sub(IPV6, "<IP>", "ip_address", text, lambda s: s.count(":") >= 3 and _valid_ip(s))
+        text = sub(IPV4, "<IP>", "ip_address", text, _ipv4_ok)
+        if ":" in text:
+            text = sub(IPV6, "<IP>", "ip_address", text, _ipv6_ok)
     if spec.phones:
-        text = sub(PHONE, "<PHONE>", "phone", text, lambda s: 7 <= sum(c.isdigit() for c in s) <= 15)
+        text = sub(PHONE, "<PHONE>", "phone", text, _phone_ok)
+        text = sub(PHONE_AFTER_WORD, "<PHONE>", "phone", text, _phone_ok)
     return text

@@ -37,6 +37,7 @@ from runyard.data import residency
 from runyard.data.clean import PartResult, clean_part, load_part, part_key, save_part
 from runyard.data.config import DataSpec
 from runyard.data.dedup import exact_duplicates, near_duplicates
+from runyard.data.footprint import check_cache_space
 from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
 from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
@@ -165,6 +166,7 @@ def prepare_data(
     with _locked(dataset_dir):
         prepared = load_prepared(dataset_dir)
         if prepared is None:
+            check_cache_space(data_spec, files, root)
             started = time.perf_counter()
             parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
             timings = {"clean_s": time.perf_counter() - started}
@@ -244,13 +246,17 @@ def _prepare(
     removed: dict[str, int] = {}
     pii: dict[str, int] = {}
     samples: dict[str, list] = {}
+    pii_samples: dict[str, list] = {}
     for p in parts:
         for target, source in ((counts, p.counts), (removed, p.removed), (pii, p.pii)):
             for k, v in source.items():
                 target[k] = target.get(k, 0) + v
         for reason, s in p.samples.items():
             samples.setdefault(reason, []).extend(s)
+        for kind, s in p.pii_samples.items():
+            pii_samples.setdefault(kind, []).extend(s)
     samples = {r: s[: spec.filters.samples_per_reason] for r, s in samples.items()}
+    pii_samples = {k: s[: spec.pii.samples_per_kind] for k, s in pii_samples.items()}
     ids = [i for p in parts for i in p.ids]
     texts = [t for p in parts for t in p.texts]
     hashes = [h for p in parts for h in p.exact]
@@ -377,7 +383,9 @@ def _prepare(
         "steps": steps,
         "removed": removed,
         "removal_samples": samples,
+        "filters": spec.filters.model_dump(mode="json"),
         "pii": pii,
+        "pii_samples": pii_samples,
         "dedup": dedup_stats,
         "split": {
             "method": SPLIT_METHOD,
@@ -388,6 +396,7 @@ def _prepare(
         "tokenizer": {
             "source": tok_source,
             "vocab_size": vocab,
+            "requested_vocab_size": None if spec.tokenizer.path else spec.tokenizer.vocab_size,
             "eos_id": eos,
             "train_max_bytes": spec.tokenizer.train_max_bytes,
         },

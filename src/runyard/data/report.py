@@ -7,6 +7,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from runyard.data.filters import RULE_BOUNDS
+from runyard.data.tokenizer import vocab_shortfall
 from runyard.fsutil import atomic_write_bytes
 
 
@@ -29,19 +31,8 @@ def markdown_report(stats: dict[str, Any]) -> str:
         f"{read.get('undecodable_skipped', 0)}; bad records: {read.get('bad_records', 0)}",
         "",
     ]
-    lines += ["## Removed by quality filters", ""]
-    if stats["removed"]:
-        lines += ["| reason | documents |", "|---|---:|"]
-        lines += [f"| {r} | {n:,} |" for r, n in sorted(stats["removed"].items(), key=lambda x: -x[1])]
-        for reason, samples in stats["removal_samples"].items():
-            lines += ["", f"### Samples: {reason}", ""]
-            for s in samples:
-                snippet = s["text"][:160].replace("\n", "⏎").replace("`", "'")
-                lines.append(f"- `{s['id']}` (value {s['value']}): `{snippet}`")
-    else:
-        lines.append("No document was removed by a quality filter.")
-    if stats.get("pii"):
-        lines += ["", "## PII replaced", "", *[f"- {k}: {v:,}" for k, v in sorted(stats["pii"].items())]]
+    lines += _removals_markdown(stats)
+    lines += _pii_markdown(stats)
     d = stats["dedup"]
     lines += [
         "",
@@ -80,11 +71,65 @@ def markdown_report(stats: dict[str, Any]) -> str:
     lines += [
         "",
         f"Tokenizer: {tok['source']}, vocabulary {tok['vocab_size']:,}, end-of-document id {tok['eos_id']}.",
+    ]
+    asked = tok.get("requested_vocab_size")
+    if tok["source"] == "trained" and asked is not None and asked != tok["vocab_size"]:
+        lines += ["", f"**Changed from the spec:** {vocab_shortfall(asked, tok['vocab_size'])}"]
+    lines += [
         "",
         "![document lengths](doc_lengths.png)",
         "",
     ]
     return "\n".join(lines)
+
+
+def _snippet(text: str, limit: int = 160) -> str:
+    return text[:limit].replace("\n", "⏎").replace("`", "'")
+
+
+def _bound_text(stats: dict[str, Any], reason: str) -> tuple[str, str]:
+    """(rule, threshold) of a removal reason: the spec field and its bound as this dataset was cleaned."""
+    field, kind = RULE_BOUNDS.get(reason, (reason, "max"))
+    bound = stats.get("filters", {}).get(field)
+    return f"data.filters.{field}", "-" if bound is None else f"{kind} {bound}"
+
+
+def _removals_markdown(stats: dict[str, Any]) -> list[str]:
+    lines = ["## Removed by quality filters", ""]
+    if not stats["removed"]:
+        return lines + ["No document was removed by a quality filter."]
+    if stats.get("filters", {}).get("markup_aware"):
+        lines += [
+            "Table borders, table rows' pipes and heading markup (reST, Markdown) were set aside before the "
+            "word, symbol and repetition rules (data.filters.markup_aware).",
+            "",
+        ]
+    lines += ["| reason | rule | threshold | documents |", "|---|---|---|---:|"]
+    for reason, n in sorted(stats["removed"].items(), key=lambda x: -x[1]):
+        rule, threshold = _bound_text(stats, reason)
+        lines.append(f"| {reason} | `{rule}` | {threshold} | {n:,} |")
+    for reason, samples in stats["removal_samples"].items():
+        rule, threshold = _bound_text(stats, reason)
+        lines += ["", f"### Samples: {reason} (`{rule}`, {threshold})", ""]
+        for s in samples:
+            tripped = f"; tripped by {s['tripped_by']}" if s.get("tripped_by") else ""
+            snippet = _snippet(s["text"])
+            lines.append(f"- `{s['id']}`: measured {s['value']}{tripped}  \n  `{snippet}`")
+    return lines
+
+
+def _pii_markdown(stats: dict[str, Any]) -> list[str]:
+    if not stats.get("pii"):
+        return []
+    lines = ["", "## PII replaced", "", "| kind | replaced |", "|---|---:|"]
+    lines += [f"| {k} | {v:,} |" for k, v in sorted(stats["pii"].items())]
+    for kind, samples in sorted(stats.get("pii_samples", {}).items()):
+        lines += ["", f"### Before and after: {kind}", ""]
+        for s in samples:
+            lines.append(f"- `{_snippet(s['before'])}`  \n  → `{_snippet(s['after'])}`")
+    if stats.get("pii_samples"):
+        lines += ["", "The samples show the original text: keep this report as private as the data."]
+    return lines
 
 
 def _histogram_png(stats: dict[str, Any], path: Path) -> None:

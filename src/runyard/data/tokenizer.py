@@ -16,6 +16,16 @@ from runyard.errors import DataError
 EOS_TOKEN = "<|endoftext|>"
 
 
+def vocab_shortfall(asked: int, got: int) -> str:
+    """Why a trained vocabulary is smaller than the spec asked, and what to do about it."""
+    return (
+        f"data.tokenizer.vocab_size asked for {asked:,} tokens but the training text (up to "
+        f"data.tokenizer.train_max_bytes) supports only {got:,}: no further pair occurs "
+        f"data.tokenizer.min_frequency times. The vocabulary has {got:,} tokens; set vocab_size to {got:,} "
+        "or less, add text, or lower min_frequency."
+    )
+
+
 def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, max_bytes: int) -> Tokenizer:
     """Train a byte-level BPE on `texts`, reading at most `max_bytes` (UTF-8) of them in order."""
     tok = Tokenizer(models.BPE())

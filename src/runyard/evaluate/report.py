@@ -6,7 +6,7 @@ Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eva
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from runyard.evaluate.heldout import HeldoutMetrics
@@ -16,24 +16,69 @@ from runyard.spec import EvalSpec
 
 @dataclass(frozen=True)
 class Verdict:
+    """Fit to ship or not; `reasons` names each bound that failed, `passed` each that held, and `flags`
+    what a person should look at though it does not change the verdict."""
+
     fit_to_ship: bool
     reasons: list[str]
+    passed: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list)
 
 
-def verdict(metrics: HeldoutMetrics, thresholds: EvalSpec) -> Verdict:
-    """Every threshold the spec sets must hold; each failing one is named."""
-    reasons = []
-    if thresholds.max_heldout_perplexity is not None and metrics.heldout_perplexity > thresholds.max_heldout_perplexity:
-        reasons.append(
-            f"held-out perplexity {metrics.heldout_perplexity:.2f} above bound {thresholds.max_heldout_perplexity}"
+def verdict(
+    metrics: HeldoutMetrics, thresholds: EvalSpec, stage_metrics: dict[str, list[dict]] | None = None
+) -> Verdict:
+    """Every bound the spec sets must hold, each failing one named. Without bounds the held-out loss must
+    still beat the unigram baseline by eval.unigram_margin. `stage_metrics` (each stage's metrics.jsonl
+    rows) lets it flag a held-out loss that stopped improving well before a stage ended."""
+    reasons, passed = [], []
+    if thresholds.max_heldout_perplexity is not None:
+        line = f"held-out perplexity {metrics.heldout_perplexity:.2f} against the bound {thresholds.max_heldout_perplexity} (eval.max_heldout_perplexity)"
+        (passed if metrics.heldout_perplexity <= thresholds.max_heldout_perplexity else reasons).append(line)
+    if thresholds.max_gap is not None:
+        line = f"train/held-out gap {metrics.gap:.3f} against the bound {thresholds.max_gap} (eval.max_gap, memorisation)"
+        (passed if metrics.gap <= thresholds.max_gap else reasons).append(line)
+    if thresholds.must_beat_unigram:
+        margin = thresholds.unigram_margin
+        needed = metrics.unigram_loss * (1 - margin)
+        gain = 1 - metrics.heldout_loss / metrics.unigram_loss if metrics.unigram_loss > 0 else 0.0
+        line = (
+            f"held-out loss {metrics.heldout_loss:.3f} is {gain:.1%} below the unigram baseline "
+            f"{metrics.unigram_loss:.3f}; fit to ship needs at least {margin:.0%} (eval.unigram_margin), "
+            f"a loss of {needed:.3f} or lower"
         )
-    if thresholds.max_gap is not None and metrics.gap > thresholds.max_gap:
-        reasons.append(f"train/held-out gap {metrics.gap:.3f} above bound {thresholds.max_gap} (memorisation)")
-    if thresholds.must_beat_unigram and not metrics.heldout_loss < metrics.unigram_loss:
-        reasons.append(
-            f"held-out loss {metrics.heldout_loss:.3f} does not beat the unigram baseline {metrics.unigram_loss:.3f}"
-        )
-    return Verdict(fit_to_ship=not reasons, reasons=reasons)
+        ok = metrics.heldout_loss < metrics.unigram_loss and metrics.heldout_loss <= needed
+        (passed if ok else reasons).append(line)
+    flags = stalled_heldout(stage_metrics or {}, thresholds.stall_fraction)
+    return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed, flags=flags)
+
+
+def stalled_heldout(stage_metrics: dict[str, list[dict]], stall_fraction: float | None) -> list[str]:
+    """Stages whose best held-out loss came `stall_fraction` of their steps or more before their end,
+    with no better evaluation since: the steps after it did not help (or the model began to memorise)."""
+    if stall_fraction is None:
+        return []
+    flags = []
+    for stage, rows in stage_metrics.items():
+        held = [(r["step"], r["heldout_loss"]) for r in rows if r.get("heldout_loss") is not None]
+        steps = max((r["step"] for r in rows if "step" in r), default=0)
+        if len(held) < 3 or steps <= 0:
+            continue
+        best_step, best = min(held, key=lambda h: (h[1], h[0]))
+        last_step, last = held[-1]
+        after = sum(1 for step, _ in held if step > best_step)
+        if after and steps - best_step >= stall_fraction * steps:
+            trend = (
+                f"it rose to {last:.3f} since, so the model may be memorising its training data"
+                if last > best * 1.01 else f"it ended at {last:.3f}"
+            )
+            flags.append(
+                f"stage {stage}: the held-out loss stopped improving at step {best_step} of {steps} "
+                f"(best {best:.3f}; {after} evaluation{'s' if after != 1 else ''} since, none better); {trend}. "
+                "Fewer steps, more data or more regularisation (model.dropout, optim.weight_decay) may do as "
+                "well or better"
+            )
+    return flags
 
 
 def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Path]:
@@ -91,6 +136,8 @@ def write_report(
         "run": run_name,
         "fit_to_ship": result.fit_to_ship,
         "reasons": result.reasons,
+        "passed": result.passed,
+        "flags": result.flags,
         "metrics": asdict(metrics),
         "stages": stage_summaries,
         "samples": samples,
@@ -104,11 +151,12 @@ def write_report(
 def _markdown(report: dict) -> str:
     m = report["metrics"]
     verdict_line = "**FIT TO SHIP**" if report["fit_to_ship"] else "**NOT FIT TO SHIP**: " + "; ".join(report["reasons"])
-    lines = [
-        f"# Evaluation: {report['run']}",
-        "",
-        verdict_line,
-        "",
+    lines = [f"# Evaluation: {report['run']}", "", verdict_line, ""]
+    lines += [f"- held: {p}" for p in report.get("passed", [])]
+    lines += [f"- **flag**: {f}" for f in report.get("flags", [])]
+    if report.get("passed") or report.get("flags"):
+        lines.append("")
+    lines += [
         "| metric | value |",
         "| --- | --- |",
         f"| held-out loss | {m['heldout_loss']:.4f} |",

@@ -54,14 +54,19 @@ class Requirement(BaseModel):
         default_factory=lambda: ["cpu"], min_length=1, description="acceptable accelerator kinds"
     )
     device_count: int = Field(default=1, ge=1, le=100_000, description="devices in total")
-    min_interconnect: Interconnect = Interconnect.ETHERNET
-    min_interconnect_gbps: int = Field(default=0, ge=0)
+    min_interconnect: Interconnect = Field(
+        default=Interconnect.ETHERNET, description="weakest acceptable link between devices: ethernet < infiniband < nvlink"
+    )
+    min_interconnect_gbps: int = Field(default=0, ge=0, description="slowest acceptable interconnect, Gbit/s")
     duration_s: int = Field(default=3600, gt=0, le=366 * 86400, description="how long the devices are needed")
     allowed_regions: list[str] | None = Field(
         default=None, description="regions where the data may sit; None means anywhere"
     )
-    latest_start: datetime | None = None
-    start_classes: list[StartClass] = Field(default_factory=lambda: [StartClass.IMMEDIATE, StartClass.QUEUED])
+    latest_start: datetime | None = Field(default=None, description="the run must start by then; None means any time")
+    start_classes: list[StartClass] = Field(
+        default_factory=lambda: [StartClass.IMMEDIATE, StartClass.QUEUED],
+        description="acceptable capacity: immediate (starts now) and/or queued (cheaper, may wait)",
+    )
 
     @model_validator(mode="after")
     def _known_kinds(self) -> Requirement:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +24,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from runyard.diskspace import nbytes_of, writing
 from runyard.errors import RunyardError
-from runyard.fsutil import fsync_dir, fsync_file, sha256_file
+from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
 from runyard.model.transformer import ModelConfig, Transformer
 
 EXPORT_FORMAT = "runyard-export"
@@ -72,9 +72,12 @@ def export_model(
         )
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")  # not mkdtemp: its 0700 would stick
     try:
-        save_file(_weights_to_save(model, cfg), str(tmp / WEIGHTS_FILE), metadata={"format": EXPORT_FORMAT})
+        weights = _weights_to_save(model, cfg)
+        with writing(f"the export {out_dir}", out_dir.parent, needed=nbytes_of(weights)):
+            save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": EXPORT_FORMAT})
+        match_umask(tmp / WEIGHTS_FILE)  # safetensors creates it 0600
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         config = {
             "format": EXPORT_FORMAT,

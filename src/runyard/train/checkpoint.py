@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import xxhash
 
+from runyard.diskspace import nbytes_of, writing
 from runyard.errors import CheckpointCorrupt
 from runyard.fsutil import fsync_dir, fsync_file
 
@@ -88,8 +89,9 @@ def write_checkpoint(
     tmp = root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
-        for stem, obj in tensors.items():
-            torch.save(obj, tmp / f"{stem}.pt")
+        with writing(f"checkpoint {final.name}", root, needed=nbytes_of(tensors)):
+            for stem, obj in tensors.items():
+                torch.save(obj, tmp / f"{stem}.pt")
         (tmp / STATE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}, indent=1))
         if write_extra is not None:
             write_extra(tmp)

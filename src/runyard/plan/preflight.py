@@ -1,0 +1,134 @@
+"""Checks before any work: the spec's sources resolve to files (a glob that matches nothing fails
+here, not after the data stage has started), and the disk holds what the run will write.
+
+`preflight(spec, run_dir)` gathers both for `runyard plan`; `check_run_disk(spec, run_dir)` refuses a run
+whose checkpoints and export will not fit (the data cache is checked by the data stage itself, once it
+knows whether the dataset is already prepared).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from runyard.data.config import DataSpec
+from runyard.data.footprint import data_need
+from runyard.data.pipeline import resolve_cache_dir
+from runyard.data.sources import InputFile, expand_path_template, list_source_files
+from runyard.diskspace import DiskNeed, FilesystemCheck, check_disk, group_by_filesystem, human_bytes
+from runyard.errors import DataError, SpecError
+from runyard.plan.disk import run_dir_needs
+from runyard.plan.stages import read_gates
+from runyard.spec import JobSpec, reference_hint, spec_warnings
+
+
+@dataclass(frozen=True)
+class SourceListing:
+    index: int
+    path: str
+    files: int
+    bytes: int
+
+
+@dataclass
+class Preflight:
+    sources: list[SourceListing]
+    files: list[InputFile]
+    disk: list[FilesystemCheck]
+    warnings: list[tuple[str, object, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {
+            "sources": [vars(s) for s in self.sources],
+            "disk": [
+                {
+                    "filesystem": str(c.mount),
+                    "free_bytes": c.free,
+                    "needed_bytes": c.needed,
+                    "fits": c.fits,
+                    "needs": [{"what": n.what, "path": str(n.path), "bytes": n.bytes} for n in c.needs],
+                }
+                for c in self.disk
+            ],
+            "warnings": [{"field": f, "value": v, "message": m} for f, v, m in self.warnings],
+        }
+
+    def lines(self) -> list[str]:
+        """The preflight as `runyard plan` prints it."""
+        out = [
+            f"source data.sources[{s.index}] {s.path!r}: {s.files:,} files, {human_bytes(s.bytes)}"
+            for s in self.sources
+        ]
+        for c in self.disk:
+            out += ["disk: " + c.describe()[0]] + [f"  {line}" for line in c.describe()[1:]]
+        out += [f"warning: {f} = {v!r}: {m}" for f, v, m in self.warnings]
+        return out
+
+
+def resolve_sources(spec: DataSpec) -> tuple[list[InputFile], list[SourceListing]]:
+    """Every source's files; a source that matches none is a SpecError naming it, its expansion and,
+    where that is why, the exclude patterns that left nothing."""
+    files: list[InputFile] = []
+    listings: list[SourceListing] = []
+    problems: list[tuple[str, object, str]] = []
+    for i, source in enumerate(spec.sources):
+        where = f"data.sources[{i}].path"
+        try:
+            found = list_source_files(source, i)
+        except (DataError, OSError, ValueError) as exc:
+            problems.append((where, source.path, f"a readable path, glob or URL ({exc}) {reference_hint(where)}"))
+            continue
+        if not found:
+            problems.append((where, source.path, _no_match(source, i) + f" {reference_hint(where)}"))
+            continue
+        files += found
+        listings.append(SourceListing(i, source.path, len(found), sum(f.size for f in found)))
+    if problems:
+        raise SpecError("data.sources", problems)
+    return files, listings
+
+
+def _no_match(source, index: int) -> str:
+    expanded = expand_path_template(source.path)
+    if source.exclude:
+        unfiltered = list_source_files(source.model_copy(update={"exclude": []}), index)
+        if unfiltered:
+            return (
+                f"files to read: it matches {len(unfiltered)} but data.sources[{index}].exclude "
+                f"{source.exclude} leaves none"
+            )
+    relative = "" if os.path.isabs(expanded) or "://" in expanded else f", relative to {Path.cwd()}"
+    return f"a path or glob that matches files: it matched none (expanded to {expanded!r}{relative})"
+
+
+def _stages_done(spec: JobSpec, run_dir: Path) -> set[str]:
+    done = set()
+    for stage in spec.stages:
+        record = read_gates(run_dir / "stages" / stage.name)
+        if record is not None and record["passed"]:
+            done.add(stage.name)
+    return done
+
+
+def _vocab(spec: JobSpec) -> int:
+    return spec.model.vocab_size or spec.data.tokenizer.vocab_size
+
+
+def preflight(spec: JobSpec, run_dir: Path, cache_dir: Path | None = None) -> Preflight:
+    """Resolve the sources (SpecError if one matches nothing) and estimate the disk the run needs."""
+    files, listings = resolve_sources(spec.data)
+    needs: list[DiskNeed] = [data_need(spec.data, files, resolve_cache_dir(spec.data, cache_dir))]
+    needs[0] = DiskNeed(needs[0].what + " (unless already prepared)", needs[0].path, needs[0].bytes)
+    needs += run_dir_needs(spec, run_dir, _vocab(spec), _stages_done(spec, run_dir))
+    return Preflight(listings, files, group_by_filesystem(needs), spec_warnings(spec))
+
+
+def check_run_disk(spec: JobSpec, run_dir: Path, stages_done: Collection[str] | None = None) -> None:
+    """Refuse, with the figures, a run whose checkpoints and export will not fit under `run_dir`."""
+    done = _stages_done(spec, run_dir) if stages_done is None else set(stages_done)
+    check_disk(
+        run_dir_needs(spec, run_dir, _vocab(spec), done),
+        hint="free some space, point --run-dir at a larger disk, or lower checkpoint.keep_last",
+    )

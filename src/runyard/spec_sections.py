@@ -1,0 +1,272 @@
+"""The sections of a job spec other than `data` (runyard.data.config): model, optimizer, schedule,
+training length, stages and their gates, evaluation, checkpoints and resources.
+
+`runyard.spec` assembles them into `JobSpec` and re-exports them. Every field carries a description (what
+it means, its unit); the spec reference and the JSON Schema are generated from them.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from runyard.market.requirement import Requirement
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelSpec(_Strict):
+    """The model: a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)."""
+
+    vocab_size: int | None = Field(
+        default=None,
+        ge=2,
+        description="rows of the embedding table (token ids the model knows); null takes the tokenizer's "
+        "vocabulary size. It must be at least the tokenizer's; rows beyond it are never used (warned)",
+    )
+    d_model: int = Field(default=256, ge=8, description="width of the residual stream (hidden size), in units")
+    n_layers: int = Field(default=4, ge=1, description="transformer blocks")
+    n_heads: int = Field(
+        default=4,
+        ge=1,
+        description="attention (query) heads; d_model must divide by it and d_model / n_heads must be "
+        "even (rotary embeddings)",
+    )
+    n_kv_heads: int | None = Field(
+        default=None,
+        ge=1,
+        description="key/value heads (grouped-query attention); null means n_heads. n_heads must be a "
+        "multiple of it",
+    )
+    ffn_hidden: int | None = Field(
+        default=None,
+        ge=1,
+        description="width of the SwiGLU feed-forward layer; null means 8/3 d_model rounded up to a "
+        "multiple of 32",
+    )
+    context_length: int = Field(
+        default=256,
+        ge=2,
+        description="tokens per training sequence, and the most the model attends to when generating; "
+        "each split must hold at least context_length + 1 tokens",
+    )
+    tie_embeddings: bool = Field(
+        default=True, description="share one matrix between the input embedding and the output projection"
+    )
+    dropout: float = Field(
+        default=0.0, ge=0.0, lt=1.0, description="dropout probability during training (0 turns it off)"
+    )
+    rope_theta: float = Field(default=10000.0, gt=0, description="base of the rotary embedding frequencies")
+    norm_eps: float = Field(default=1e-5, gt=0, description="epsilon added inside RMSNorm")
+
+    @model_validator(mode="after")
+    def _heads_divide(self) -> ModelSpec:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        if (self.d_model // self.n_heads) % 2:
+            raise ValueError("head dimension d_model/n_heads must be even for rotary embeddings")
+        kv = self.n_kv_heads or self.n_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
+        return self
+
+
+class OptimSpec(_Strict):
+    """The optimizer: AdamW. Norm weights, biases and embeddings are not decayed unless the flags say so."""
+
+    lr: float = Field(default=3e-3, gt=0, le=10, description="peak learning rate, reached at the end of warmup")
+    betas: tuple[float, float] = Field(
+        default=(0.9, 0.95),
+        description="AdamW's [beta1, beta2]: decay rates of the gradient's first and second moment "
+        "estimates, each in [0, 1)",
+    )
+    eps: float = Field(default=1e-8, gt=0, description="AdamW's epsilon, added to the denominator")
+    weight_decay: float = Field(
+        default=0.1, ge=0, description="decoupled weight decay (per step, scaled by the learning rate)"
+    )
+    decay_norms_and_biases: bool = Field(default=False, description="apply weight decay to norm weights and biases too")
+    decay_embeddings: bool = Field(default=False, description="apply weight decay to the embedding table too")
+    grad_clip: float | None = Field(
+        default=1.0,
+        gt=0,
+        description="clip the gradients' global L2 norm to this before each step; null turns clipping off",
+    )
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError("each beta must be in [0, 1)")
+        return v
+
+
+class ScheduleSpec(_Strict):
+    """The learning-rate schedule: linear warmup to optim.lr, then decay to optim.lr x min_lr_ratio at
+    the stage's last step."""
+
+    warmup_steps: int = Field(
+        default=20,
+        ge=0,
+        description="optimizer steps of linear warmup; longer than a stage's train.steps is warned (the rate "
+        "would never reach optim.lr)",
+    )
+    decay: Literal["cosine", "linear", "constant"] = Field(
+        default="cosine", description="shape after warmup: `cosine`, `linear`, or `constant` (no decay)"
+    )
+    min_lr_ratio: float = Field(
+        default=0.1, ge=0.0, le=1.0, description="the learning rate at the last step, as a fraction of optim.lr"
+    )
+
+
+class TrainSpec(_Strict):
+    """How long and how wide a stage trains. Global batch = batch_size x grad_accum x processes."""
+
+    steps: int = Field(default=200, ge=1, description="optimizer steps in the stage")
+    batch_size: int = Field(default=16, ge=1, description="sequences per micro-batch per process")
+    grad_accum: int = Field(default=1, ge=1, description="micro-batches accumulated into one optimizer step")
+
+
+class GateSpec(_Strict):
+    """A stage's gates: a stage passes only if every set gate passes, and a later stage never starts
+    on a failed one. null turns a gate off."""
+
+    min_loss_drop: float | None = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="fraction by which the training loss must fall: the mean of the stage's first steps "
+        "(up to 10) against the mean of its last ones",
+    )
+    require_finite: bool = Field(default=True, description="every training and held-out loss must be finite (no NaN or Inf)")
+    max_heldout_loss: float | None = Field(
+        default=None, gt=0, description="bound on the held-out loss (nats per token) at the end of the stage"
+    )
+    checkpoint_roundtrip: bool = Field(
+        default=True, description="reload the stage's final checkpoint and compare every tensor bitwise with the model"
+    )
+    min_tokens_per_s: float | None = Field(
+        default=None, gt=0, description="floor on steady-state training throughput, tokens per second over all processes"
+    )
+
+
+class StageSpec(_Strict):
+    """One stage. Unset sections inherit the top level; set fields override it one by one."""
+
+    name: str = Field(
+        description="the stage's name (1-64 letters, digits, '_', '.' or '-'); it names stages/<name>/ in "
+        "the run directory"
+    )
+    model: dict[str, Any] = Field(
+        default_factory=dict, description="fields of the top-level `model` this stage changes (same keys)"
+    )
+    optim: dict[str, Any] = Field(
+        default_factory=dict, description="fields of the top-level `optim` this stage changes (same keys)"
+    )
+    schedule: dict[str, Any] = Field(
+        default_factory=dict, description="fields of the top-level `schedule` this stage changes (same keys)"
+    )
+    train: dict[str, Any] = Field(
+        default_factory=dict, description="fields of the top-level `train` this stage changes (same keys)"
+    )
+    gates: GateSpec = Field(default_factory=GateSpec, description="the checks this stage must pass")
+
+    @field_validator("name")
+    @classmethod
+    def _slug(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
+            raise ValueError("a stage name is 1-64 letters, digits, '_', '.' or '-'")
+        return v
+
+
+class EvalSpec(_Strict):
+    """Held-out evaluation (during training and at the end), the fit-to-ship verdict and sample
+    generations."""
+
+    interval: int = Field(default=50, ge=1, description="optimizer steps between held-out evaluations during training")
+    batches: int = Field(default=8, ge=1, description="held-out batches scored at each evaluation during training")
+    final_batches: int = Field(
+        default=32,
+        ge=1,
+        description="held-out batches (each the last stage's batch_size sequences of context_length tokens) "
+        "scored by the final evaluation; fewer when the held-out split is smaller (warned)",
+    )
+    max_heldout_perplexity: float | None = Field(
+        default=None, gt=1, description="fit to ship only if the final held-out perplexity is at most this"
+    )
+    max_gap: float | None = Field(
+        default=None,
+        gt=0,
+        description="fit to ship only if held-out loss minus train loss (nats per token) is at most this "
+        "(a memorisation bound)",
+    )
+    must_beat_unigram: bool = Field(
+        default=True,
+        description="fit to ship only if the held-out loss beats the unigram baseline (each token predicted by "
+        "its frequency in the training split) by unigram_margin",
+    )
+    unigram_margin: float = Field(
+        default=0.1,
+        ge=0,
+        lt=1,
+        description="fraction by which the held-out loss (nats per token) must fall below the unigram "
+        "baseline's for must_beat_unigram: 0.1 means at least 10% lower, 0 means any lower",
+    )
+    stall_fraction: float | None = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="flag a stage in the report when its best held-out loss came this fraction of its steps "
+        "or more before its end, with no better evaluation since (overfitting, or steps that did not help); "
+        "null turns the flag off. A flag does not change the verdict",
+    )
+    prompts: list[str] = Field(
+        default_factory=lambda: ["def ", "import ", "class "],
+        description="prompts completed by the exported model; the completions are shown in the report",
+    )
+    sample_tokens: int = Field(default=48, ge=1, description="tokens generated per sample")
+    temperature: float = Field(default=0.8, ge=0, description="sampling temperature of the samples; 0 is greedy")
+    top_k: int | None = Field(default=40, ge=1, description="sample among the k most likely tokens; null: among all")
+
+
+class CheckpointSpec(_Strict):
+    """Checkpoints: written atomically at an interval and at a stage's last step, kept by a retention
+    policy."""
+
+    interval: int = Field(default=50, ge=1, description="optimizer steps between checkpoints (the last step is always saved)")
+    keep_last: int = Field(
+        default=2,
+        ge=1,
+        description="newest checkpoints kept per stage; older ones are deleted. Disk needed before a run "
+        "starts counts keep_last + 1 (one being written) checkpoints per stage, + 1 with keep_best",
+    )
+    keep_best: bool = Field(default=True, description="also keep the checkpoint with the lowest held-out loss")
+
+
+class ResourcesSpec(_Strict):
+    """Where and how the run computes, and the requirement a market or scheduler acts on."""
+
+    device: Literal["cpu", "cuda", "auto"] = Field(default="auto", description="`cpu`, `cuda`, or `auto` (cuda when available)")
+    precision: Literal["fp32", "bf16", "auto"] = Field(
+        default="auto",
+        description="`fp32`, or `bf16` autocast on CUDA (`auto` is bf16 on CUDA and fp32 on CPU; bf16 on a "
+        "CPU trains in fp32)",
+    )
+    compile: bool = Field(default=False, description="compile the model with torch.compile")
+    nproc: int = Field(default=1, ge=1, description="worker processes on this node, under torchrun (`--nproc` overrides)")
+    parallel: Literal["ddp", "fsdp"] = Field(
+        default="ddp",
+        description="with several processes: `ddp` (a full replica each) or `fsdp` (parameters, gradients and "
+        "optimizer state sharded; FSDP2)",
+    )
+    deterministic: bool = Field(
+        default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"
+    )
+    threads: int | None = Field(default=None, ge=1, description="CPU threads per process; null: torch's default")
+    requirement: Requirement = Field(
+        default_factory=Requirement,
+        description="the hardware the run needs, where and when; the same schema as a market demand's",
+    )

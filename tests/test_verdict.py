@@ -1,0 +1,73 @@
+"""The fit-to-ship verdict without bounds in the spec: beating the unigram baseline by a stated margin,
+and a flag for a held-out loss that stopped improving well before the end of a stage."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from runyard.evaluate.heldout import summarise
+from runyard.evaluate.report import stalled_heldout, verdict, write_report
+from runyard.spec import EvalSpec
+
+
+def ppl_metrics(heldout_ppl: float, unigram_ppl: float):
+    return summarise(math.log(heldout_ppl), math.log(heldout_ppl) - 0.05, math.log(unigram_ppl), 1000)
+
+
+def test_barely_beating_the_unigram_baseline_is_not_fit_to_ship_by_default():
+    # The issue's 60-step run: perplexity 735 against the baseline's 760.
+    v = verdict(ppl_metrics(735, 760), EvalSpec())
+    assert not v.fit_to_ship
+    (reason,) = v.reasons
+    assert "0.5% below the unigram baseline" in reason and "at least 10% (eval.unigram_margin)" in reason
+
+
+def test_a_real_gain_over_the_baseline_is_fit_to_ship_and_says_why():
+    # The stdlib demo: perplexity ~55 against ~725.
+    v = verdict(ppl_metrics(55, 725), EvalSpec())
+    assert v.fit_to_ship and v.reasons == []
+    assert any("39.2% below the unigram baseline" in p for p in v.passed)
+
+
+def test_the_margin_is_a_spec_field():
+    assert verdict(ppl_metrics(735, 760), EvalSpec(unigram_margin=0)).fit_to_ship
+    assert not verdict(ppl_metrics(760, 760), EvalSpec(unigram_margin=0)).fit_to_ship  # equal is not beating
+    assert verdict(ppl_metrics(735, 760), EvalSpec(must_beat_unigram=False)).fit_to_ship
+    assert not verdict(ppl_metrics(55, 725), EvalSpec(unigram_margin=0.5)).fit_to_ship
+
+
+def rows(heldout: list[tuple[int, float]], steps: int) -> list[dict]:
+    evals = dict(heldout)
+    return [{"step": s, "loss": 3.0, **({"heldout_loss": evals[s]} if s in evals else {})} for s in range(1, steps + 1)]
+
+
+def test_a_held_out_loss_that_stopped_improving_early_is_flagged():
+    curve = [(20, 4.0), (40, 3.5), (60, 3.4), (80, 3.45), (100, 3.6)]
+    (flag,) = stalled_heldout({"main": rows(curve, 100)}, 0.2)
+    assert "stage main" in flag and "step 60 of 100" in flag and "best 3.400" in flag
+    assert "2 evaluations since" in flag and "rose to 3.600" in flag and "memorising" in flag
+
+
+def test_a_loss_still_improving_or_a_late_best_is_not_flagged():
+    improving = [(20, 4.0), (40, 3.5), (60, 3.4), (80, 3.3), (100, 3.2)]
+    late_best = [(20, 4.0), (40, 3.5), (60, 3.4), (90, 3.3), (100, 3.31)]
+    assert stalled_heldout({"main": rows(improving, 100), "other": rows(late_best, 100)}, 0.2) == []
+    assert stalled_heldout({"main": rows([(20, 4.0), (40, 3.0)], 100)}, 0.2) == []  # too few evaluations
+    assert stalled_heldout({"main": rows([(20, 4.0), (40, 3.0), (60, 3.1), (100, 3.2)], 100)}, None) == []
+
+
+def test_flags_reach_the_report_without_changing_the_verdict(tmp_path):
+    metrics = ppl_metrics(55, 725)
+    stage_rows = rows([(20, 4.0), (40, 3.5), (60, 3.4), (80, 3.45), (100, 3.6)], 100)
+    for r in stage_rows:
+        r["lr"] = 0.01
+    result = verdict(metrics, EvalSpec(), {"main": stage_rows})
+    assert result.fit_to_ship and len(result.flags) == 1
+    report = write_report(tmp_path, "r", metrics, result, [], {"main": stage_rows},
+                          [{"name": "main", "steps": 100, "final_loss": 3.0, "heldout_loss": 3.6,
+                            "tokens_per_s": 10.0, "gates_passed": True}])
+    assert report["flags"] == result.flags
+    assert json.loads((tmp_path / "report.json").read_text())["passed"] == result.passed
+    md = (tmp_path / "report.md").read_text()
+    assert "**FIT TO SHIP**" in md and "- **flag**: stage main" in md and "- held: held-out loss" in md
