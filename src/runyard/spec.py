@@ -29,6 +29,9 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """A Llama-style decoder. `vocab_size: null` takes the tokenizer's vocabulary size."""
 
+    family: Literal["decoder"] = Field(
+        default="decoder", description="the model family (runyard.model.registry); the fields below are the decoder's"
+    )
     vocab_size: int | None = Field(default=None, ge=2)
     d_model: int = Field(default=256, ge=8)
     n_layers: int = Field(default=4, ge=1)
