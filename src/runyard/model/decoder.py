@@ -35,8 +35,10 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 
 class DecoderFamily(ModelFamily):
     name = "decoder"
 
-    def config_from_spec(self, spec: Any, **data_facts: Any) -> ModelConfig:
-        return ModelConfig.from_spec(spec, data_facts["vocab_size"])
+    def config_from_spec(self, spec: Any, *, vocab_size: int | None = None, **data_facts: Any) -> ModelConfig:
+        if vocab_size is None:
+            raise ValueError("the decoder's config needs the tokenizer's vocab_size from the prepared data")
+        return ModelConfig.from_spec(spec, vocab_size)
 
     def config_from_dict(self, data: dict[str, Any]) -> ModelConfig:
         return ModelConfig.from_dict(data)

@@ -157,13 +157,14 @@ def _save_sharded(state: TrainingState, root: Path, step: int, values: dict, ctx
     stall = time.perf_counter() - t0
 
     def finish() -> Path:
-        files = shards.result()
-        if not ctx.is_main:
-            return final
         try:
+            files = shards.result()
+            if not ctx.is_main:
+                return final
             store.commit(tmp, final, step, {**written, **files}, sharded=True)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if ctx.is_main:  # every rank's write has ended (DCP raised on all of them, or all are done)
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         if retention is not None:
             retention.apply(root)
