@@ -13,13 +13,22 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from runyard import manifest as mf
-from runyard.data.loader import TokenLoader, heldout_batches
+from runyard.data.loader import TokenLoader, TokenStream, eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data
 from runyard.errors import GateFailed, RunyardError, SpecError
-from runyard.evaluate.heldout import HeldoutMetrics, summarise, train_token_counts, unigram_loss
+from runyard.evaluate.heldout import (
+    HeldoutMetrics,
+    evaluation_seeds,
+    summarise,
+    train_token_counts,
+    unigram_loss,
+)
 from runyard.evaluate.report import verdict, write_report
 from runyard.fsutil import atomic_write_text
+from runyard.model.registry import get_family
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
@@ -28,8 +37,7 @@ from runyard.serve.drift import DriftReference
 from runyard.serve.engine import Generator
 from runyard.serve.export import export_model, load_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
-from runyard.train import checkpoint as ckpt
-from runyard.train import parallel
+from runyard.train import checkpoint, parallel
 from runyard.train.loop import StageResult, evaluate_loss, train_stage
 from runyard.train.metrics import MetricsLog
 from runyard.train.rng import derive_seed
@@ -87,6 +95,7 @@ def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None
         "spec": spec.seed,
         **{f"{s.name}.init": derive_seed(spec.seed, "init", s.name) for s in spec.stages},
         **{f"{s.name}.data": derive_seed(spec.seed, "data", s.name) for s in spec.stages},
+        **evaluation_seeds(spec.seed),
     }
     mf.write_manifest(run_dir, manifest)
 
@@ -166,40 +175,46 @@ def run_stages(
 
 def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: parallel.DistContext):
     """The last stage's model as its final checkpoint holds it (for a run resumed after training)."""
-    from runyard.model.transformer import ModelConfig, Transformer
-
     stage = resolved_stage(spec, spec.stages[-1].name)
+    family = get_family(stage.model.family)
     # A plain model, not build_setup's: this runs on rank 0 alone, where a DDP/FSDP wrapper would wait
     # for the other ranks.
-    config = ModelConfig.from_spec(stage.model, prepared.vocab_size)
-    model = Transformer(config).to(ctx.device)
-    ref = ckpt.latest_good(stage_dir(run_dir, stage.name) / "checkpoints")
+    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
+    model = family.build(config).to(ctx.device)
+    ref = checkpoint.latest_good(stage_dir(run_dir, stage.name) / "checkpoints")
     if ref is None:
         raise RunyardError(f"stage {stage.name} passed but has no readable checkpoint in {run_dir}")
-    tensors, _ = ckpt.read_checkpoint(ref.path)
-    model.load_state_dict(tensors["model"])
+    model.load_state_dict(checkpoint.read_model_weights(ref.path))
     return model, config
 
 
 def evaluate_and_export(
     spec: JobSpec, run_dir: Path, prepared: PreparedData, model, config, summaries: list[dict], ctx
 ) -> RunSummary:
-    """Held-out metrics, unigram baseline, export, samples from the export, the report."""
+    """Held-out metrics, unigram baseline, export, samples from the export, the report.
+
+    The held-out and train losses are scored on samples of the same size drawn across each whole
+    split (seeded from the spec), so their gap measures generalisation; the report says what each
+    sample covered."""
     device, precision = ctx.device, spec.resources.precision
-    seq, batch = config.context_length, resolved_stage(spec, spec.stages[-1].name).train.batch_size
-    held = heldout_batches(prepared.heldout_index, seq, batch, spec.eval.final_batches)
-    train_sample = heldout_batches(prepared.train_index, seq, batch, spec.eval.final_batches)
-    heldout_loss = evaluate_loss(model, held, device, precision)
-    train_loss = evaluate_loss(model, train_sample, device, precision)
+    last_stage = resolved_stage(spec, spec.stages[-1].name)
+    seq, batch = config.context_length, last_stage.train.batch_size
+    seeds = evaluation_seeds(spec.seed)
+    held = eval_sample(prepared.heldout_index, seq, batch, spec.eval.final_batches * batch, seeds["eval.final_heldout"])
+    train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
+    heldout_loss = evaluate_loss(model, held.batches, device, precision)
+    train_loss = evaluate_loss(model, train_sample.batches, device, precision)
     counts = train_token_counts(
         TokenLoader(prepared.train_index, seq_len=seq, batch_size=batch, seed=0, shuffle=False), prepared.vocab_size
     )
-    unigram = unigram_loss(counts, [y for _, y in held])
-    metrics = summarise(heldout_loss, train_loss, unigram, sum(y.numel() for _, y in held))
+    unigram = unigram_loss(counts, [y for _, y in held.batches])
+    metrics = summarise(heldout_loss, train_loss, unigram, held.tokens,
+                        coverage={"held-out": held.coverage(), "train": train_sample.coverage()})
 
     export_dir = run_dir / "export"
     export_model(model, config, prepared.tokenizer_path, export_dir,
-                 extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()})
+                 extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
+                 family=last_stage.model.family)
     # The training token distribution, for drift monitoring of live requests (serve/drift.py).
     DriftReference([int(c) for c in counts]).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
@@ -260,8 +275,6 @@ def execute_run(
 
 
 def _configure_threads(spec: JobSpec) -> None:
-    import torch
-
     if spec.resources.threads:
         torch.set_num_threads(spec.resources.threads)
     if spec.resources.deterministic:

@@ -22,6 +22,10 @@ class _Strict(BaseModel):
 class ModelSpec(_Strict):
     """The model: a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)."""
 
+    family: Literal["decoder"] = Field(
+        default="decoder",
+        description="the model family (runyard.model.registry); the fields below are the decoder's",
+    )
     vocab_size: int | None = Field(
         default=None,
         ge=2,

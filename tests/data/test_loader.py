@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from runyard.data.loader import TokenLoader, heldout_batches
+from runyard.data.loader import TokenLoader
 from runyard.data.shards import ShardWriter, write_index
 from runyard.errors import DataError
 
@@ -124,14 +124,6 @@ def test_state_from_other_data_is_refused(counting_index: Path):
         TokenLoader(counting_index, SEQ, 4, seed=3).load_state_dict(state)
     with pytest.raises(DataError, match="seq_len"):
         TokenLoader(counting_index, SEQ + 1, 4, seed=2).load_state_dict(state)
-
-
-def test_heldout_batches_fixed(counting_index: Path):
-    a = heldout_batches(counting_index, SEQ, 8, max_batches=3)
-    b = heldout_batches(counting_index, SEQ, 8, max_batches=3)
-    assert len(a) == 3
-    assert all(torch.equal(x1, x2) and torch.equal(y1, y2) for (x1, y1), (x2, y2) in zip(a, b, strict=True))
-    assert seq_ids(a[0][0]) == list(range(8))
 
 
 def test_too_short_split_is_a_clear_error(counting_index: Path):

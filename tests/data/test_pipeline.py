@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from runyard.data.loader import TokenLoader, TokenStream, heldout_batches
+from runyard.data.loader import TokenLoader, TokenStream, eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data
 from runyard.data.shards import load_index, verify_index
 from runyard.data.tokenizer import load_tokenizer
@@ -43,7 +43,7 @@ def test_prepare_produces_a_usable_dataset(corpus: Path, tmp_path: Path):
     tok = load_tokenizer(prepared.tokenizer_path)
     first = TokenLoader(prepared.train_index, 16, 2, seed=0, shuffle=False).next_batch()[0][0].tolist()
     assert tok.decode(first).startswith("# document")
-    assert heldout_batches(prepared.heldout_index, 16, 2, 2)[0][0].shape == (2, 16)
+    assert eval_sample(prepared.heldout_index, 16, 2, 4, seed=0).batches[0][0].shape == (2, 16)
     for name in ("report.md", "report.json", "doc_lengths.png"):
         assert (tmp_path / "report" / name).stat().st_size > 0
     assert "## Deduplication" in (tmp_path / "report" / "report.md").read_text()

@@ -132,7 +132,7 @@ def test_sigterm_then_resume_is_bitwise_identical(reference_run, tmp_path, corru
     stopped_at = refs[-1].step
     assert 23 <= stopped_at < STEPS
     if corrupt_newest:
-        model_file = refs[-1].path / "model.pt"
+        model_file = refs[-1].path / "model.safetensors"
         data = bytearray(model_file.read_bytes())
         data[-100] ^= 0xFF
         model_file.write_bytes(bytes(data))

@@ -1,3 +1,4 @@
+import json
 import math
 
 import numpy as np
@@ -37,3 +38,20 @@ def test_report_files_are_written(tmp_path):
         assert (tmp_path / name).stat().st_size > 0
     assert (tmp_path / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "FIT TO SHIP" in (tmp_path / "report.md").read_text()
+
+
+def test_report_says_what_each_evaluation_sample_covered(tmp_path):
+    coverage = {
+        "held-out": {"sequences": 64, "tokens": 4096, "documents": 23, "split_documents": 25,
+                     "split_sequences": 300, "method": "stratified", "seed": 11},
+        "train": {"sequences": 64, "tokens": 4096, "documents": 61, "split_documents": 230,
+                  "split_sequences": 2900, "method": "stratified", "seed": 12},
+    }
+    m = summarise(2.0, 1.9, 3.0, 4096, coverage=coverage)
+    report = write_report(tmp_path, "r", m, verdict(m, EvalSpec()), [], {"main": [{"step": 1, "loss": 3.0, "lr": 0.1}]},
+                          [])
+    assert report["metrics"]["coverage"] == coverage
+    assert json.loads((tmp_path / "report.json").read_text())["metrics"]["coverage"]["train"]["documents"] == 61
+    md = (tmp_path / "report.md").read_text()
+    assert "| held-out | 64 of 300 | 4,096 | 23 of 25 | 11 |" in md
+    assert "| train | 64 of 2,900 | 4,096 | 61 of 230 | 12 |" in md

@@ -6,10 +6,18 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from runyard.errors import CheckpointCorrupt
 from runyard.fsutil import sha256_file
+from runyard.model.config import ModelConfig
+from runyard.model.transformer import Transformer
 from runyard.train import checkpoint as ckpt
+from runyard.train.checkpoint import store, tensorfile
+from runyard.train.checkpoint.checksums import file_checksum
+from runyard.train.checkpoint.tree import UnstorableState
+from runyard.train.parallel import DistContext
+from runyard.train.rng import capture_rng
 
 
 def write(root, step, value=1.0):
@@ -29,7 +37,7 @@ def test_roundtrip_is_exact(tmp_path):
 def test_corrupt_checkpoint_is_refused_and_previous_used(tmp_path, damage):
     write(tmp_path, 10, 1.0)
     newest = write(tmp_path, 20, 2.0)
-    target = newest / "model.pt"
+    target = newest / "model.safetensors"
     if damage == "flip":
         data = bytearray(target.read_bytes())
         data[len(data) // 2] ^= 0xFF
@@ -58,15 +66,18 @@ def test_manifest_path_escape_is_refused(tmp_path):
         ckpt.verify_checkpoint(path)
 
 
-def test_failed_write_leaves_previous_intact(tmp_path):
+def test_failed_write_leaves_previous_intact(tmp_path, monkeypatch):
     write(tmp_path, 1, 1.0)
+    real_write = tensorfile.HashingFile.write
 
-    class Unsaveable:
-        def __reduce__(self):
+    def fail_midway(self, data):
+        if self.nbytes > 0:  # the header is down; the tensor bytes are not
             raise RuntimeError("disk full")
+        return real_write(self, data)
 
+    monkeypatch.setattr(tensorfile.HashingFile, "write", fail_midway)
     with pytest.raises(RuntimeError):
-        ckpt.write_checkpoint(tmp_path, 2, {"model": {"w": Unsaveable()}}, {})
+        ckpt.write_checkpoint(tmp_path, 2, {"model": {"w": torch.ones(4, 4)}}, {})
     assert [r.step for r in ckpt.list_checkpoints(tmp_path)] == [1]
     assert not list(tmp_path.glob(".tmp-*"))
 
@@ -103,16 +114,16 @@ def test_manifest_from_sha256_era_still_verifies_and_detects_damage(tmp_path):
         manifest["files"][rel] = {"sha256": sha256_file(path / rel), "bytes": meta["bytes"]}
     (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
     ckpt.verify_checkpoint(path)
-    data = bytearray((path / "model.pt").read_bytes())
+    data = bytearray((path / "model.safetensors").read_bytes())
     data[10] ^= 1
-    (path / "model.pt").write_bytes(bytes(data))
+    (path / "model.safetensors").write_bytes(bytes(data))
     with pytest.raises(CheckpointCorrupt, match="fails its sha256 checksum"):
         ckpt.verify_checkpoint(path)
 
 
 def test_resaving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, monkeypatch):
     write(tmp_path, 5, 1.0)
-    real_rename = ckpt.os.rename
+    real_rename = store.os.rename
     calls = []
 
     def crash_on_install(src, dst):
@@ -121,10 +132,10 @@ def test_resaving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, monkeypa
             raise KeyboardInterrupt("killed between setting the old checkpoint aside and installing the new")
         return real_rename(src, dst)
 
-    monkeypatch.setattr(ckpt.os, "rename", crash_on_install)
+    monkeypatch.setattr(store.os, "rename", crash_on_install)
     with pytest.raises(KeyboardInterrupt):
         write(tmp_path, 5, 2.0)
-    monkeypatch.setattr(ckpt.os, "rename", real_rename)
+    monkeypatch.setattr(store.os, "rename", real_rename)
     assert not (tmp_path / "step_00000005").exists(), "the crash hit after the old one was set aside"
     ref = ckpt.latest_good(tmp_path)  # recovers the set-aside checkpoint
     assert ref is not None and ref.step == 5
@@ -133,3 +144,93 @@ def test_resaving_a_step_never_leaves_it_without_a_checkpoint(tmp_path, monkeypa
     write(tmp_path, 5, 3.0)
     assert torch.equal(ckpt.read_checkpoint(tmp_path / "step_00000005")[0]["model"]["w"], torch.full((4, 4), 3.0))
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000005"]
+
+
+# -- the format: safetensors-layout files, nested state without pickle -------------------------------------
+def tiny_training_state(tie: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=40, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_hidden=32,
+                      context_length=8, tie_embeddings=tie)
+    model = Transformer(cfg)
+    opt = torch.optim.AdamW(model.param_groups(0.1), lr=1e-2, betas=(0.9, 0.95))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    return ckpt.TrainingState(model, opt, Position())
+
+
+class Position:
+    def __init__(self, position: int = 0):
+        self.position = position
+
+    def state_dict(self):
+        return {"position": self.position}
+
+    def load_state_dict(self, state):
+        self.position = state["position"]
+
+
+CPU_CTX = DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+def test_optimizer_state_round_trips_with_its_types(tmp_path):
+    state = tiny_training_state()
+    saved = state.optimizer.state_dict()
+    path = ckpt.write_checkpoint(tmp_path, 1, {"optimizer": saved}, {})
+    loaded = ckpt.read_checkpoint(path)[0]["optimizer"]
+    assert sorted(loaded["state"]) == sorted(saved["state"]) and all(isinstance(k, int) for k in loaded["state"])
+    for k, per_param in saved["state"].items():
+        for name, value in per_param.items():
+            assert torch.equal(loaded["state"][k][name], value) and loaded["state"][k][name].dtype == value.dtype
+    assert loaded["param_groups"] == saved["param_groups"]
+    assert isinstance(loaded["param_groups"][0]["betas"], tuple)
+
+
+def test_model_file_is_an_ordinary_safetensors_state_dict_with_tied_weights_once(tmp_path):
+    state = tiny_training_state(tie=True)
+    path = ckpt.save(state, tmp_path / "checkpoints", 3, {"note": "x"}, CPU_CTX)
+    on_disk = load_file(str(path / "model.safetensors"))  # the safetensors library itself reads it
+    live = state.model.state_dict()
+    assert "lm_head.weight" not in on_disk and set(on_disk) == set(live) - {"lm_head.weight"}
+    weights = ckpt.read_model_weights(path)
+    assert weights.keys() == live.keys() and all(torch.equal(weights[k], live[k]) for k in live)
+    row = json.loads((tmp_path / ckpt.CHECKPOINT_LOG).read_text().splitlines()[-1])
+    assert row["step"] == 3 and row["mode"] == "sync" and row["bytes"] > 0
+
+
+def test_checksums_taken_while_writing_match_the_files(tmp_path):
+    path = ckpt.save(tiny_training_state(), tmp_path, 1, {}, CPU_CTX)
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+    for rel, meta in manifest["files"].items():
+        assert meta["xxh3_128"] == file_checksum(path / rel) and meta["bytes"] == (path / rel).stat().st_size
+
+
+def test_a_value_that_is_not_plain_data_is_refused_where_it_is(tmp_path):
+    with pytest.raises(UnstorableState, match=r"state at state\.layer\.w is a object"):
+        ckpt.write_checkpoint(tmp_path, 1, {"model": {"state": {"layer": {"w": object()}}}}, {})
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_format_1_checkpoint_still_resumes(tmp_path):
+    """Run directories written before the safetensors layout (torch.save files, RNG JSON in state.json)
+    keep resuming."""
+    state = tiny_training_state()
+    torch.manual_seed(42)
+    rng_tensors, rng_json = capture_rng()
+    expected_draw = torch.rand(3)
+    tmp = tmp_path / ".tmp-step_00000007-legacy"
+    tmp.mkdir()
+    torch.save(state.model.state_dict(), tmp / "model.pt")
+    torch.save(state.optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(rng_tensors, tmp / "rng.pt")
+    (tmp / "state.json").write_text(json.dumps({"format": 1, "step": 7, "loader": {"position": 5}, "rng": rng_json}))
+    store.commit(tmp, tmp_path / "step_00000007", 7)
+
+    fresh = tiny_training_state(seed=1)
+    restored = ckpt.load(fresh, tmp_path, CPU_CTX)
+    assert restored.step == 7 and fresh.loader.position == 5
+    assert torch.equal(torch.rand(3), expected_draw), "RNG restored"
+    for k, v in state.model.state_dict().items():
+        assert torch.equal(fresh.model.state_dict()[k], v), k
+    assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"])

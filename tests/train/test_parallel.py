@@ -9,13 +9,18 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from runyard.data.loader import TokenLoader
 from runyard.data.shards import ShardWriter, write_index
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.train import checkpoint as ckpt
-from runyard.train import dist_checkpoint, parallel
-from runyard.train.loop import TrainSetup, forward_backward, load_state, save_state
+from runyard.train import parallel
+from runyard.train.checkpoint import store
+from runyard.train.loop import TrainSetup, forward_backward
+from runyard.train.rng import capture_rng
 
 CPU = torch.device("cpu")
 CTX = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=CPU)
@@ -60,18 +65,18 @@ def test_sharded_checkpoint_resumes_bitwise(index, tmp_path, use_async):
     torch.set_num_threads(1)
     a = make_setup(index)
     train_steps(a, 3)
-    dist_checkpoint.save_sharded(a, tmp_path, 3, {"world_size": 1, "grad_accum": 1}, CTX, wait=True,
-                                 use_async=use_async)
+    ckpt.save(a.state, tmp_path, 3, {"world_size": 1, "grad_accum": 1}, CTX, wait=True, sharded_format=True,
+              use_async=use_async)
     path = tmp_path / ckpt.step_dir_name(3)
-    assert dist_checkpoint.is_sharded(path) and (path / "rng" / "rank_00000.pt").is_file()
+    assert ckpt.is_sharded(path) and (path / "rng" / "rank_00000.safetensors").is_file()
     manifest = ckpt.verify_checkpoint(path)
     assert any(name.startswith("dcp/") for name in manifest["files"])
-    rows = [json.loads(line) for line in (tmp_path.parent / dist_checkpoint.CHECKPOINT_LOG).read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path.parent / ckpt.CHECKPOINT_LOG).read_text().splitlines()]
     assert rows[-1]["step"] == 3 and rows[-1]["stall_s"] >= 0 and rows[-1]["bytes"] > 0
     expected = train_steps(a, 3)
 
     b = make_setup(index, seed=1)  # other initial weights: all must come from the checkpoint
-    state = parallel.load_checkpoint(load_state, b, ckpt.latest_good(tmp_path), CTX)
+    state = ckpt.load(b.state, tmp_path, CTX).values
     assert state["step"] == 3 and b.loader.position == 3 * 4
     assert train_steps(b, 3) == expected
     for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
@@ -81,7 +86,7 @@ def test_sharded_checkpoint_resumes_bitwise(index, tmp_path, use_async):
 def test_read_checkpoint_consolidates_a_sharded_model(index, tmp_path):
     a = make_setup(index)
     train_steps(a, 1)
-    dist_checkpoint.save_sharded(a, tmp_path, 1, {}, CTX, wait=True)
+    ckpt.save(a.state, tmp_path, 1, {}, CTX, wait=True, sharded_format=True)
     tensors, state = ckpt.read_checkpoint(tmp_path / ckpt.step_dir_name(1))
     assert state["step"] == 1
     live = a.model.state_dict()
@@ -93,7 +98,7 @@ def test_truncated_shard_falls_back_to_the_previous_checkpoint(index, tmp_path, 
     a = make_setup(index)
     for step in (1, 2):
         train_steps(a, 1)
-        dist_checkpoint.save_sharded(a, tmp_path, step, {}, CTX, wait=True)
+        ckpt.save(a.state, tmp_path, step, {}, CTX, wait=True, sharded_format=True)
     shard = next((tmp_path / ckpt.step_dir_name(2) / "dcp").glob("*.distcp"))
     shard.write_bytes(shard.read_bytes()[:-10])
     with caplog.at_level("WARNING"):
@@ -107,10 +112,10 @@ def test_single_file_checkpoint_loads_through_the_name_keyed_path(index, tmp_pat
     a job that grew from 1 to N processes takes."""
     a = make_setup(index)
     train_steps(a, 2)
-    save_state(a, tmp_path, 2, {})
+    ckpt.save(a.state, tmp_path, 2, {}, CTX)
     expected = train_steps(a, 2)
     b = make_setup(index, seed=1)
-    dist_checkpoint.load_any(b, ckpt.latest_good(tmp_path), CTX)
+    ckpt.load(b.state, tmp_path, CTX)
     assert train_steps(b, 2) == expected
 
 
@@ -122,3 +127,37 @@ def test_grad_accum_keeps_the_global_batch_when_it_divides(saved_world, saved_ac
     ctx = parallel.DistContext(rank=0, world_size=world, local_rank=0, device=CPU)
     assert parallel.grad_accum_for(1, 4, ctx, {"world_size": saved_world, "grad_accum": saved_accum}) == expected
     assert parallel.grad_accum_for(5, 4, ctx, None) == 5
+
+
+def test_tensor_chunks_are_raw_memory_and_dcp_stock_reader_refuses_them(index, tmp_path):
+    a = make_setup(index)
+    train_steps(a, 1)
+    path = ckpt.save(a.state, tmp_path, 1, {}, CTX, wait=True, sharded_format=True)
+    shard = next((path / "dcp").glob("*.distcp")).read_bytes()
+    weight = a.model.tok_emb.weight.detach().contiguous().numpy().tobytes()
+    assert weight in shard, "the embedding's bytes are in the shard as they are in memory"
+    sd = {"model": {"tok_emb.weight": torch.empty_like(a.model.tok_emb.weight)}}
+    with pytest.raises(CheckpointException, match="Unknown extension name='raw@runyard'"):  # never misread
+        dcp.load(sd, checkpoint_id=str(path / "dcp"), no_dist=True)
+
+
+def test_a_sharded_checkpoint_written_by_stock_dcp_still_resumes(index, tmp_path):
+    """Sharded checkpoints written before the raw storage layer (torch.save chunks, RNG in .pt/.json)."""
+    a = make_setup(index)
+    train_steps(a, 2)
+    tmp = tmp_path / ".tmp-step_00000002-stock"
+    model_sd, optim_sd = get_state_dict(a.model, a.optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp / "dcp"), no_dist=True)
+    tensors, plain_values = capture_rng()
+    (tmp / "rng").mkdir()
+    torch.save(tensors, tmp / "rng" / "rank_00000.pt")
+    (tmp / "rng" / "rank_00000.json").write_text(json.dumps(plain_values))
+    (tmp / "state.json").write_text(json.dumps({"format": 1, "step": 2, "loader": a.loader.state_dict()}))
+    store.commit(tmp, tmp_path / ckpt.step_dir_name(2), 2, sharded=True)
+    expected = train_steps(a, 2)
+
+    b = make_setup(index, seed=1)
+    assert ckpt.load(b.state, tmp_path, CTX).step == 2
+    assert train_steps(b, 2) == expected
+    weights = ckpt.read_model_weights(tmp_path / ckpt.step_dir_name(2))
+    assert weights.keys() == a.model.state_dict().keys()

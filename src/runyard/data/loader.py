@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -205,19 +206,87 @@ class TokenLoader:
             self._pool = None
 
 
-def heldout_batches(
-    index_path: str | Path, seq_len: int, batch_size: int, max_batches: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The first `max_batches` batches of the split in stream order (no shuffle): the same for every
-    call. If the split has fewer than batch_size sequences, one smaller batch is returned."""
+@dataclass(frozen=True)
+class EvalSample:
+    """A fixed sample of a split's sequences for evaluation, and what it covers of the split."""
+
+    batches: list[tuple[torch.Tensor, torch.Tensor]]
+    sequences: int  # sequences drawn
+    tokens: int  # target tokens scored (sequences x seq_len)
+    documents: int | None  # documents of the split the sample reads from (None: the index has no boundaries)
+    split_documents: int | None  # documents in the split
+    split_sequences: int  # sequences the split holds
+    seed: int
+
+    def coverage(self) -> dict[str, Any]:
+        """The figures a report states: how much of the split this sample covers, and how it was drawn."""
+        return {
+            "sequences": self.sequences,
+            "tokens": self.tokens,
+            "documents": self.documents,
+            "split_documents": self.split_documents,
+            "split_sequences": self.split_sequences,
+            "method": SAMPLE_METHOD,
+            "seed": self.seed,
+        }
+
+
+SAMPLE_METHOD = "stratified: one sequence drawn from each of n equal stretches of the split, in stream order"
+
+
+def _document_starts(stream: TokenStream) -> np.ndarray | None:
+    """Global token offsets at which the split's documents start, from the shard index."""
+    starts = []
+    for entry, offset in zip(stream.index["shards"], stream.offsets[:-1], strict=True):
+        if "doc_starts" not in entry:
+            return None
+        starts.extend(int(offset) + int(s) for s in entry["doc_starts"])
+    return np.asarray(sorted(starts), dtype=np.int64)
+
+
+def documents_covered(doc_starts: np.ndarray, ids: np.ndarray, width: int) -> int:
+    """How many documents the windows `ids * width .. + width` read from (a window crossing a
+    document boundary counts every document it touches)."""
+    if len(doc_starts) == 0 or len(ids) == 0:
+        return 0
+    first = np.searchsorted(doc_starts, ids * width, side="right") - 1
+    last = np.searchsorted(doc_starts, ids * width + width - 1, side="right") - 1
+    first, last = np.clip(first, 0, None), np.clip(last, 0, None)
+    touched = np.zeros(len(doc_starts) + 1, dtype=np.int64)
+    np.add.at(touched, first, 1)
+    np.add.at(touched, last + 1, -1)
+    return int((np.cumsum(touched)[:-1] > 0).sum())
+
+
+def eval_sample(index_path: str | Path, seq_len: int, batch_size: int, sequences: int, seed: int) -> EvalSample:
+    """Up to `sequences` sequences (windows of the loader's grid) drawn across the whole split, in
+    batches of `batch_size` (the last may be smaller). The split's sequences are cut into n equal
+    stretches in stream order and one is drawn from each with a generator seeded by `seed`: every part
+    of the split (and so every document long enough to hold a stretch) is represented, in proportion to
+    its tokens, and the sample is the same for the same split, shape and seed, whatever else the run has
+    drawn. A split with no more than `sequences` sequences is used whole."""
+    if sequences < 1 or batch_size < 1:
+        raise DataError(f"an evaluation sample needs sequences ({sequences}) and batch_size ({batch_size}) >= 1")
     stream = TokenStream(Path(index_path))
     width = seq_len + 1
-    n = stream.total // width
-    if n == 0:
+    total = stream.total // width
+    if total == 0:
         raise DataError(f"{index_path}: {stream.total} tokens cannot make one sequence of {width} tokens")
-    out = []
-    for b in range(min(max_batches, max(1, n // batch_size))):
-        ids = np.arange(b * batch_size, min(n, (b + 1) * batch_size))
-        rows = torch.from_numpy(stream.windows(ids, width))
-        out.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-    return out
+    n = min(sequences, total)
+    bounds = (np.arange(n + 1, dtype=np.int64) * total) // n
+    rng = np.random.Generator(np.random.PCG64(seed))
+    ids = bounds[:-1] + (rng.random(n) * (bounds[1:] - bounds[:-1])).astype(np.int64)
+    batches = []
+    for lo in range(0, n, batch_size):
+        rows = torch.from_numpy(stream.windows(ids[lo : lo + batch_size], width))
+        batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
+    doc_starts = _document_starts(stream)
+    return EvalSample(
+        batches=batches,
+        sequences=n,
+        tokens=n * seq_len,
+        documents=None if doc_starts is None else documents_covered(doc_starts, ids, width),
+        split_documents=None if doc_starts is None else len(doc_starts),
+        split_sequences=total,
+        seed=seed,
+    )

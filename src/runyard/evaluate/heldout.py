@@ -1,5 +1,9 @@
 """Held-out metrics: loss, perplexity, the train/held-out gap and a unigram baseline.
 
+Both losses are measured on samples drawn across their whole split (`data.loader.eval_sample`), of the
+same size, seeded from the spec: the gap is then a generalisation figure, not a comparison of the first
+pages of each split. `coverage` records how many sequences, tokens and documents each sample covered.
+
 The unigram baseline is the cross-entropy of a model that ignores context and predicts each token by
 its frequency in the training split (add-one smoothed). A language model that does not beat it has
 learned nothing about context.
@@ -8,12 +12,14 @@ learned nothing about context.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from runyard.data.loader import TokenLoader
+from runyard.train.rng import derive_seed
 
 
 @dataclass(frozen=True)
@@ -25,6 +31,18 @@ class HeldoutMetrics:
     unigram_loss: float
     unigram_perplexity: float
     heldout_tokens: int
+    # {"heldout": {...}, "train": {...}}: each sample's sequences, tokens, documents covered, seed.
+    coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def evaluation_seeds(spec_seed: int) -> dict[str, int]:
+    """The seeds of the evaluation samples, fixed for the run (recorded in the manifest): the held-out
+    sample scored during training, and the final held-out and train samples."""
+    return {
+        "eval.heldout": derive_seed(spec_seed, "eval", "heldout"),
+        "eval.final_heldout": derive_seed(spec_seed, "eval", "final", "heldout"),
+        "eval.final_train": derive_seed(spec_seed, "eval", "final", "train"),
+    }
 
 
 def train_token_counts(train_loader: TokenLoader, vocab_size: int, max_batches: int | None = None) -> np.ndarray:
@@ -49,7 +67,8 @@ def unigram_loss(counts: np.ndarray, heldout_targets: list[torch.Tensor]) -> flo
     return total / max(n, 1)
 
 
-def summarise(heldout_loss: float, train_loss: float, unigram: float, heldout_tokens: int) -> HeldoutMetrics:
+def summarise(heldout_loss: float, train_loss: float, unigram: float, heldout_tokens: int,
+              coverage: dict[str, dict[str, Any]] | None = None) -> HeldoutMetrics:
     return HeldoutMetrics(
         heldout_loss=heldout_loss,
         heldout_perplexity=math.exp(min(heldout_loss, 50.0)),
@@ -58,4 +77,5 @@ def summarise(heldout_loss: float, train_loss: float, unigram: float, heldout_to
         unigram_loss=unigram,
         unigram_perplexity=math.exp(min(unigram, 50.0)),
         heldout_tokens=heldout_tokens,
+        coverage=coverage or {},
     )

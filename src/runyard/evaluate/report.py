@@ -9,6 +9,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from matplotlib.figure import Figure
+
 from runyard.evaluate.heldout import HeldoutMetrics
 from runyard.fsutil import atomic_write_text
 from runyard.spec import EvalSpec
@@ -82,14 +84,11 @@ def stalled_heldout(stage_metrics: dict[str, list[dict]], stall_fraction: float 
 
 
 def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Path]:
-    """loss.png (train and held-out per stage) and lr.png."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    """loss.png (train and held-out per stage) and lr.png. Figures are drawn without pyplot (no global
+    backend, no window), as matplotlib recommends for servers."""
     written = []
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig = Figure(figsize=(8, 4.5))
+    ax = fig.subplots()
     for stage, rows in stage_metrics.items():
         steps = [r["step"] for r in rows if "loss" in r]
         ax.plot(steps, [r["loss"] for r in rows if "loss" in r], label=f"{stage} train", linewidth=1)
@@ -103,10 +102,10 @@ def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Pat
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=110)
-    plt.close(fig)
     written.append(out_dir / "loss.png")
 
-    fig, ax = plt.subplots(figsize=(8, 3.5))
+    fig = Figure(figsize=(8, 3.5))
+    ax = fig.subplots()
     for stage, rows in stage_metrics.items():
         ax.plot([r["step"] for r in rows if "lr" in r], [r["lr"] for r in rows if "lr" in r], label=stage)
     ax.set_xlabel("step")
@@ -116,7 +115,6 @@ def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Pat
     ax.legend()
     fig.tight_layout()
     fig.savefig(out_dir / "lr.png", dpi=110)
-    plt.close(fig)
     written.append(out_dir / "lr.png")
     return written
 
@@ -148,6 +146,26 @@ def write_report(
     return report
 
 
+def _coverage_lines(coverage: dict) -> list[str]:
+    """What each final evaluation sample covered of its split."""
+    if not coverage:
+        return []
+    lines = [
+        "## Evaluation samples",
+        "",
+        "Each loss is measured on sequences drawn across its whole split (one from each of n equal "
+        "stretches, seeded from the spec), the two samples the same size.",
+        "",
+        "| sample | sequences | tokens scored | documents covered | seed |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, c in coverage.items():
+        docs = "-" if c.get("documents") is None else f"{c['documents']:,} of {c['split_documents']:,}"
+        lines.append(f"| {name} | {c['sequences']:,} of {c['split_sequences']:,} | {c['tokens']:,} | {docs} | "
+                     f"{c['seed']} |")
+    return [*lines, ""]
+
+
 def _markdown(report: dict) -> str:
     m = report["metrics"]
     verdict_line = "**FIT TO SHIP**" if report["fit_to_ship"] else "**NOT FIT TO SHIP**: " + "; ".join(report["reasons"])
@@ -167,6 +185,7 @@ def _markdown(report: dict) -> str:
         f"| unigram baseline perplexity | {m['unigram_perplexity']:.2f} |",
         f"| held-out tokens scored | {m['heldout_tokens']:,} |",
         "",
+        *_coverage_lines(m.get("coverage") or {}),
         "## Stages",
         "",
         "| stage | steps | final train loss | held-out loss | tokens/s | gates |",

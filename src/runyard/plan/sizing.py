@@ -1,19 +1,20 @@
 """Sizing a run from its spec alone: parameters, training FLOPs, memory per device, time and the
 requirement a market or scheduler can act on.
 
-FLOPs follow the usual accounting (Kaplan et al. 2020; PaLM appendix B; see
-`Transformer.flops_per_token`): 6 FLOPs per matmul weight per training token plus attention's
-12 * layers * d_model * context.
-Memory counts fp32 weights, gradients and AdamW's two moments (16 bytes/parameter; divided over ranks
-under FSDP) plus activations estimated per layer for the micro-batch.
+The model's own numbers (parameters, FLOPs per token, activation memory) come from its family in the
+model registry (for the decoder: counted on the meta device from the model's definition, with the usual
+6 FLOPs per matmul weight per training token plus attention, see `Transformer.flops_per_token`).
+Memory adds fp32 weights, gradients and AdamW's two moments (16 bytes/parameter; divided over ranks
+under FSDP) to the family's activation estimate for the micro-batch.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from runyard.market.requirement import Requirement
-from runyard.model.config import ModelConfig
+from runyard.model.registry import DEFAULT_FAMILY, get_family
 from runyard.spec import JobSpec, resolved_stage
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
@@ -22,6 +23,7 @@ BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
 @dataclass(frozen=True)
 class StagePlan:
     stage: str
+    family: str
     parameters: int
     non_embedding_parameters: int
     tokens: int
@@ -31,49 +33,31 @@ class StagePlan:
     estimated_seconds: float | None
 
 
-def _shape_only(cfg: ModelConfig):
-    """The model built on the meta device: shapes without memory, so counts come from the model's own
-    definition rather than a second copy of its arithmetic."""
-    import torch
-
-    from runyard.model.transformer import Transformer
-
-    with torch.device("meta"):
-        return Transformer(cfg)
+def count_parameters(cfg: Any, family: str = DEFAULT_FAMILY) -> tuple[int, int]:
+    """(total, non-embedding) parameters of a model of config `cfg`, from its shape alone."""
+    size = get_family(family).sizing(cfg)
+    return size.parameters, size.non_embedding_parameters
 
 
-def count_parameters(cfg: ModelConfig) -> tuple[int, int]:
-    """(total, non-embedding) parameters of the decoder, from its shape alone."""
-    model = _shape_only(cfg)
-    return model.num_parameters(), model.num_parameters(non_embedding=True)
-
-
-def flops_per_token(cfg: ModelConfig) -> float:
-    return _shape_only(cfg).flops_per_token()
-
-
-def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
-    """A coarse estimate of saved activations for one micro-batch: ~34*d per token per layer plus the
-    logits (Korthikanti et al. 2022, without recomputation, SDPA's memory-efficient attention)."""
-    tokens = micro_batch * cfg.context_length
-    per_layer = 34 * cfg.d_model * tokens * bytes_per_value // 2
-    logits = tokens * cfg.vocab_size * bytes_per_value * 2
-    return cfg.n_layers * per_layer + logits
+def flops_per_token(cfg: Any, family: str = DEFAULT_FAMILY) -> float:
+    """Training FLOPs (forward and backward) per token of a model of config `cfg`."""
+    return get_family(family).sizing(cfg).flops_per_unit
 
 
 def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int, tokens_per_s: float | None = None) -> StagePlan:
     stage = resolved_stage(spec, stage_name)
-    cfg = ModelConfig.from_spec(stage.model, vocab_size)
-    total, non_embedding = count_parameters(cfg)
+    family = get_family(stage.model.family)
+    cfg = family.config_from_spec(stage.model, vocab_size=vocab_size)
+    size = family.sizing(cfg, micro_batch=stage.train.batch_size)
     world = spec.resources.nproc
     tokens = stage.train.steps * stage.train.batch_size * stage.train.grad_accum * world * cfg.context_length
-    fpt = flops_per_token(cfg)
-    states = total * BYTES_PER_PARAM_TRAINING
+    states = size.parameters * BYTES_PER_PARAM_TRAINING
     if spec.resources.parallel == "fsdp":
         states //= world
-    memory = states + activation_bytes(cfg, stage.train.batch_size)
+    memory = states + size.activation_bytes
     seconds = tokens / tokens_per_s if tokens_per_s else None
-    return StagePlan(stage_name, total, non_embedding, tokens, fpt, fpt * tokens, memory, seconds)
+    return StagePlan(stage_name, family.name, size.parameters, size.non_embedding_parameters, tokens,
+                     size.flops_per_unit, size.flops_per_unit * tokens, memory, seconds)
 
 
 def plan_run(spec: JobSpec, vocab_size: int, tokens_per_s: float | None = None) -> dict:

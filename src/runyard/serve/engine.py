@@ -13,8 +13,6 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from tokenizers import Tokenizer
 
-from runyard.model.transformer import Transformer
-
 EOS_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|eos|>", "<|end|>")
 
 
@@ -59,11 +57,12 @@ def sample_next(
 
 
 class Generator:
-    """Generates completions from a `Transformer` and its tokenizer."""
+    """Generates completions from a decoder language model (a `model.registry` family with a KV cache:
+    `model.cfg`, `model.new_kv_cache`) and its tokenizer."""
 
     def __init__(
         self,
-        model: Transformer,
+        model: torch.nn.Module,
         tokenizer: Tokenizer,
         device: str | torch.device = "cpu",
         eos_id: int | None = None,

@@ -2,10 +2,12 @@
 
 Each optimizer step: set the learning rate, run `grad_accum` micro-batches (loss summed over every
 token of the accumulated batch and divided by their count, so accumulation equals one large batch),
-clip, AdamW step, log. Held-out evaluation and checkpoints happen at their intervals. A stop request
-(SIGTERM/SIGINT) writes a checkpoint at the next step boundary and raises `Preempted`.
+clip, AdamW step, log. Held-out evaluation (on a sample drawn across the whole held-out split, fixed
+for the run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a
+checkpoint at the next step boundary and raises `Preempted`.
 
-Resume is exact: the checkpoint holds model, optimizer, step, loader position and every RNG state,
+The model comes from its family in the model registry; the loop never names a model. Resume is exact:
+the checkpoint holds model, optimizer, step, loader position and every RNG state (train/checkpoint/),
 so on CPU a resumed stage ends bitwise identical to one that never stopped.
 """
 
@@ -17,21 +19,22 @@ import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from runyard.data.loader import TokenLoader, heldout_batches
+from runyard.data.loader import TokenLoader, eval_sample
 from runyard.data.pipeline import PreparedData
 from runyard.errors import Preempted
-from runyard.model.transformer import ModelConfig, Transformer
+from runyard.evaluate.heldout import evaluation_seeds
+from runyard.model.registry import get_family
 from runyard.spec import JobSpec, ResolvedStage
-from runyard.train import checkpoint as ckpt
-from runyard.train import parallel
+from runyard.train import checkpoint, parallel
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
-from runyard.train.rng import capture_rng, derive_seed, restore_rng, seed_everything
+from runyard.train.rng import derive_seed, seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
 
@@ -47,8 +50,8 @@ class StageResult:
     tokens_per_s: float
     resumed_from: int | None
     checkpoint: Path
-    model: Transformer
-    config: ModelConfig
+    model: torch.nn.Module
+    config: Any
     extra: dict = field(default_factory=dict)
 
 
@@ -56,11 +59,16 @@ class StageResult:
 class TrainSetup:
     """Everything a stage's loop works on, built the same way for a fresh start and a resume."""
 
-    model: Transformer
+    model: torch.nn.Module
     module: torch.nn.Module  # what forward runs on: the model, or its DDP/FSDP wrapper
-    config: ModelConfig
+    config: Any  # the model family's config
     optimizer: torch.optim.Optimizer
     loader: TokenLoader
+
+    @property
+    def state(self) -> checkpoint.TrainingState:
+        """What a checkpoint saves and restores: model, optimizer, loader position and RNG."""
+        return checkpoint.TrainingState(self.model, self.optimizer, self.loader)
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -71,19 +79,15 @@ def autocast_for(device: torch.device, precision: str):
 
 
 def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx: parallel.DistContext) -> TrainSetup:
+    family = get_family(stage.model.family)
     seed_everything(derive_seed(spec.seed, "init", stage.name))
-    config = ModelConfig.from_spec(stage.model, prepared.vocab_size)
-    model = Transformer(config).to(ctx.device)
-    module = parallel.wrap_model(model, ctx, spec.resources)
+    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
+    model = family.build(config).to(ctx.device)
+    module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
     if spec.resources.compile and ctx.device.type == "cuda":
         module = torch.compile(module)
     o = stage.optim
-    optimizer = torch.optim.AdamW(
-        model.param_groups(o.weight_decay, o.decay_norms_and_biases, o.decay_embeddings),
-        lr=o.lr,
-        betas=o.betas,
-        eps=o.eps,
-    )
+    optimizer = torch.optim.AdamW(family.optimizer_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
     loader = TokenLoader(
         prepared.train_index,
         seq_len=config.context_length,
@@ -123,29 +127,6 @@ def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precis
     return total / max(count, 1)
 
 
-def save_state(setup: TrainSetup, ckpt_dir: Path, step: int, extra_state: dict) -> Path:
-    rng_tensors, rng_json = capture_rng()
-    return ckpt.write_checkpoint(
-        ckpt_dir,
-        step,
-        tensors={
-            "model": setup.model.state_dict(),
-            "optimizer": setup.optimizer.state_dict(),
-            "rng": rng_tensors,
-        },
-        state={"loader": setup.loader.state_dict(), "rng": rng_json, **extra_state},
-    )
-
-
-def load_state(setup: TrainSetup, ref: ckpt.CheckpointRef, device: torch.device) -> dict:
-    tensors, state = ckpt.read_checkpoint(ref.path, map_location=device)
-    setup.model.load_state_dict(tensors["model"])
-    setup.optimizer.load_state_dict(tensors["optimizer"])
-    setup.loader.load_state_dict(state["loader"])
-    restore_rng(tensors["rng"], state["rng"])
-    return state
-
-
 def train_stage(
     spec: JobSpec,
     stage: ResolvedStage,
@@ -155,51 +136,63 @@ def train_stage(
     stop: StopRequest | None = None,
     show_progress: bool = True,
 ) -> StageResult:
-    """Train one stage from scratch, or continue it from its newest good checkpoint."""
-    stop = stop or StopRequest()
+    """Train one stage from scratch, or continue it from its newest good checkpoint. A checkpoint
+    still being written when training fails is waited for (its own failure only logged)."""
+    try:
+        return _train_stage(spec, stage, prepared, stage_dir, ctx, stop or StopRequest(), show_progress)
+    finally:
+        checkpoint.wait_pending(raise_errors=False)
+
+
+def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, stage_dir: Path,
+                 ctx: parallel.DistContext, stop: StopRequest, show_progress: bool) -> StageResult:
+    family = get_family(stage.model.family)
     setup = build_setup(spec, stage, prepared, ctx)
     device, precision = ctx.device, spec.resources.precision
     ckpt_dir = stage_dir / "checkpoints"
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     train_cfg = stage.train
     total_steps = train_cfg.steps
-    heldout = heldout_batches(
-        prepared.heldout_index, setup.config.context_length, train_cfg.batch_size, spec.eval.batches
-    )
+    seq_len = setup.config.context_length
+    # Drawn across the whole held-out split, the same sample at every evaluation and after a resume.
+    heldout = eval_sample(prepared.heldout_index, seq_len, train_cfg.batch_size,
+                          spec.eval.batches * train_cfg.batch_size, evaluation_seeds(spec.seed)["eval.heldout"])
 
     step, best_loss, best_step, resumed_from, last_heldout = 0, math.inf, None, None, None
-    ref = parallel.latest_good(ckpt_dir, ctx)
+    restored = checkpoint.load(setup.state, ckpt_dir, ctx)
     recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
-    if ref is not None:
-        state = parallel.load_checkpoint(load_state, setup, ref, ctx)
-        step = resumed_from = state["step"]
-        best_loss = state.get("best_heldout_loss") or math.inf
-        best_step = state.get("best_step")
-        last_heldout = state.get("last_heldout_loss")
-        log.info("stage %s: resuming from %s (step %d)", stage.name, ref.path, step)
+    if restored is not None:
+        saved = restored.values
+        step = resumed_from = restored.step
+        best_loss = saved.get("best_heldout_loss") or math.inf
+        best_step = saved.get("best_step")
+        last_heldout = saved.get("last_heldout_loss")
+        log.info("stage %s: resuming from %s (step %d)", stage.name, restored.ref.path, step)
     if ctx.is_main:
-        if ref is not None:
+        if restored is not None:
             recovery.on_resume(metrics.read(), step, ctx.world_size)
         metrics.truncate_after(step)
     losses = [row["loss"] for row in metrics.read() if "loss" in row] if ctx.is_main else []
 
-    tokens_per_micro = train_cfg.batch_size * setup.config.context_length
+    tokens_per_micro = train_cfg.batch_size * seq_len
     # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
-    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx, state if ref else None)
+    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx,
+                                         restored.values if restored else None)
     tokens_per_step = tokens_per_micro * grad_accum * ctx.world_size
     # Each rank divides its summed loss by its own share of the step's tokens; DDP's mean over ranks
     # then makes the gradient that of the whole global batch.
     loss_scale = ctx.world_size / tokens_per_step
-    flops_per_token = setup.model.flops_per_token()
+    flops_per_token = family.sizing(setup.config).flops_per_unit
     peak = device_peak_flops(device)
     params = [p for p in setup.model.parameters() if p.requires_grad]
     clip = stage.optim.grad_clip
     throughput: list[float] = []
-    last_path = ref.path if ref else None
+    last_path = restored.ref.path if restored else None
+    retention_keep_best = spec.checkpoint.keep_best
 
     def checkpoint_now(at_step: int) -> Path:
         nonlocal last_path
-        extra = {
+        values = {
             "stage": stage.name,
             "best_heldout_loss": None if math.isinf(best_loss) else best_loss,
             "best_step": best_step,
@@ -207,12 +200,9 @@ def train_stage(
             "world_size": ctx.world_size,
             "grad_accum": grad_accum,
         }
-        keep_best = best_step if spec.checkpoint.keep_best else None
-        last_path = parallel.save_checkpoint(
-            save_state, setup, ckpt_dir, at_step, extra, ctx,
-            retain=lambda: ckpt.apply_retention(ckpt_dir, spec.checkpoint.keep_last, keep_best),
-            wait=at_step >= total_steps or stop.requested,
-        )
+        retention = checkpoint.Retention(spec.checkpoint.keep_last, best_step if retention_keep_best else None)
+        last_path = checkpoint.save(setup.state, ckpt_dir, at_step, values, ctx, retention=retention,
+                                    wait=at_step >= total_steps or stop.requested)
         return last_path
 
     setup.module.train()
@@ -253,8 +243,11 @@ def train_stage(
             if step_mfu is not None:
                 row["mfu"] = step_mfu
             if step % spec.eval.interval == 0 or step == total_steps:
-                last_heldout = parallel.all_reduce_mean(evaluate_loss(setup.module, heldout, device, precision), ctx)
-                row["heldout_loss"] = last_heldout
+                last_heldout = parallel.all_reduce_mean(
+                    evaluate_loss(setup.module, heldout.batches, device, precision), ctx
+                )
+                row.update(heldout_loss=last_heldout, heldout_tokens=heldout.tokens,
+                           heldout_documents=heldout.documents)
                 if last_heldout < best_loss:
                     best_loss, best_step = last_heldout, step
             losses.append(loss_value)
@@ -282,6 +275,6 @@ def train_stage(
         tokens_per_s=sum(steady) / len(steady) if steady else 0.0,
         resumed_from=resumed_from,
         checkpoint=last_path,
-        model=parallel.consolidated_model(setup.model, setup.config, ctx),
+        model=parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx),
         config=setup.config,
     )

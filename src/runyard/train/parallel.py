@@ -5,9 +5,8 @@ Under torchrun (RANK/WORLD_SIZE/LOCAL_RANK in the environment) the process group
 on CPU and nccl on CUDA (plus gloo beside nccl, which async checkpointing needs for its CPU tensors).
 
 The model never knows it is parallelised: `wrap_model` applies DDP or FSDP2 from outside
-(torchtitan's `parallelize.py` idea). Checkpoint saving and loading route through `save_checkpoint`,
-`latest_good` and `load_checkpoint` here, which pick the single-file format (one process) or sharded
-torch.distributed.checkpoint (several), see train/dist_checkpoint.py.
+(torchtitan's `parallelize.py` idea). This module knows processes and collectives only; checkpoints
+(train/checkpoint/) use its collectives, never the other way round.
 """
 
 from __future__ import annotations
@@ -15,13 +14,19 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from runyard.errors import RunyardError
+from runyard.train.rng import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -51,8 +56,6 @@ class DistContext:
 
 def resolve_device(requested: str) -> torch.device:
     if requested == "cuda" and not torch.cuda.is_available():
-        from runyard.errors import RunyardError
-
         raise RunyardError("resources.device is 'cuda' but torch sees no CUDA device on this machine")
     if requested == "auto":
         requested = "cuda" if torch.cuda.is_available() else "cpu"
@@ -95,9 +98,8 @@ def setup(requested_device: str) -> DistContext:
 
 
 def teardown() -> None:
-    from runyard.train import dist_checkpoint
-
-    dist_checkpoint.wait_pending(raise_errors=False)  # a save still in flight after an error
+    """Leave the process group (a no-op for one process). A checkpoint save still in flight must have
+    been waited for first (the training loop does so, even when it fails)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 
@@ -157,42 +159,36 @@ def seed_rank_stream(ctx: DistContext) -> None:
     """After every rank built the identical initial model, give each rank its own torch RNG stream, so
     dropout differs between the ranks' micro-batches (as it does between rows of one large batch)."""
     if ctx.distributed:
-        from runyard.train.rng import derive_seed
-
         torch.manual_seed(derive_seed(torch.initial_seed(), "rank", ctx.rank))
 
 
-def wrap_model(model: torch.nn.Module, ctx: DistContext, resources) -> torch.nn.Module:
+def wrap_model(model: torch.nn.Module, ctx: DistContext, resources,
+               shard_units: Sequence[torch.nn.Module] = ()) -> torch.nn.Module:
     """Apply data parallelism from outside the model (the model never knows it is parallelised).
 
     ddp: the model replicated, gradients all-reduced in buckets during backward.
-    fsdp: FSDP2 `fully_shard` on each transformer block, then on the root (embedding, final norm, head):
-    parameters, gradients and optimizer state are sharded; with bf16 on CUDA, parameters are gathered in
-    bf16 and gradients reduced in fp32.
+    fsdp: FSDP2 `fully_shard` on each of `shard_units` (the model family names them: a decoder's
+    blocks), then on the root (for a decoder: embedding, final norm, head): parameters, gradients and
+    optimizer state are sharded; with bf16 on CUDA, parameters are gathered in bf16 and gradients
+    reduced in fp32.
     """
     if not ctx.distributed:
         return model
     parallel = getattr(resources, "parallel", "ddp")
     seed_rank_stream(ctx)
     if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
         kwargs: dict[str, Any] = {}
         if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, **kwargs)
+        for unit in shard_units:
+            fully_shard(unit, **kwargs)
         fully_shard(model, **kwargs)
         return model
-    from torch.nn.parallel import DistributedDataParallel
-
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def is_fsdp(module: torch.nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
     return isinstance(module, FSDPModule)
 
 
@@ -216,20 +212,17 @@ def grad_sync(module: torch.nn.Module, ctx: DistContext, last_micro: bool):
     return contextlib.nullcontext()
 
 
-def consolidated_model(model: torch.nn.Module, config, ctx: DistContext) -> torch.nn.Module:
+def consolidated_model(model: torch.nn.Module, build: Callable[[], torch.nn.Module], ctx: DistContext) -> torch.nn.Module:
     """A whole (unsharded) copy of the model on rank 0, for gates, evaluation and export; other ranks
-    get the model back unchanged. Collective under FSDP: every rank must call it."""
+    get the model back unchanged. `build()` makes an empty model of the same shape. Collective under
+    FSDP: every rank must call it."""
     if not ctx.distributed or not is_fsdp(model):
         return model
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    from runyard.model.transformer import Transformer
-
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return model
     with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
-        whole = Transformer(config)
+        whole = build()
     whole.load_state_dict(full)
     return whole.to(ctx.device)
 
@@ -252,37 +245,3 @@ def grad_accum_for(spec_accum: int, batch_size: int, ctx: DistContext, saved: di
                 "it becomes %d", saved["world_size"], ctx.world_size, saved_global, batch_size,
                 batch_size * spec_accum * ctx.world_size)
     return spec_accum
-
-
-# -- checkpoints ---------------------------------------------------------------------------------------
-def save_checkpoint(save_fn, setup, ckpt_dir: Path, step: int, extra: dict, ctx: DistContext,
-                    retain=None, wait: bool = False) -> Path:
-    """Write the checkpoint for `step`; return its final path (committed now, or soon when async).
-
-    One process: `save_fn` writes the single-file format synchronously. Several: every rank writes its
-    shards through torch.distributed.checkpoint in the background; rank 0 commits the directory when
-    all shards are down. `retain()` (retention) runs on rank 0 after the commit. `wait` blocks until
-    the commit (the last checkpoint of a stage, or before exiting on a signal).
-    """
-    from runyard.train import dist_checkpoint
-
-    if not ctx.distributed:
-        return dist_checkpoint.save_single(save_fn, setup, ckpt_dir, step, extra, retain)
-    return dist_checkpoint.save_sharded(setup, ckpt_dir, step, extra, ctx, retain=retain, wait=wait)
-
-
-def latest_good(ckpt_dir: Path, ctx: DistContext):
-    """Rank 0 picks the newest checkpoint that verifies and tells the others, so all load the same one."""
-    from runyard.train import checkpoint as ckpt
-
-    ref = ckpt.latest_good(ckpt_dir) if ctx.is_main else None
-    return broadcast_object(ref, ctx)
-
-
-def load_checkpoint(load_fn, setup, ref, ctx: DistContext) -> dict:
-    """Restore model, optimizer, loader position and RNG from `ref`, whatever world size wrote it."""
-    from runyard.train import dist_checkpoint
-
-    if not ctx.distributed and not dist_checkpoint.is_sharded(ref.path):
-        return load_fn(setup, ref, ctx.device)
-    return dist_checkpoint.load_any(setup, ref, ctx)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import random
+from typing import Any
 
 import numpy as np
 import torch
@@ -18,8 +20,6 @@ def seed_everything(seed: int) -> None:
 
 def derive_seed(base: int, *parts: object) -> int:
     """A stable 63-bit seed for a sub-task (a stage, a rank), independent of Python's hash salt."""
-    import hashlib
-
     digest = hashlib.sha256(repr((base, *parts)).encode()).digest()
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
@@ -48,3 +48,16 @@ def restore_rng(tensors: dict[str, torch.Tensor], json_state: dict) -> None:
     random.setstate((py_version, tuple(py_state), py_gauss))
     kind, keys, pos, has_gauss, gauss = json_state["numpy"]
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, gauss))
+
+
+class ProcessRNG:
+    """This process's random number generators (torch CPU and CUDA, Python, numpy) as one stateful
+    component: `state_dict()` holds the torch states as tensors and the others as plain values."""
+
+    def state_dict(self) -> dict[str, Any]:
+        tensors, json_state = capture_rng()
+        return {**tensors, **json_state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng({k: v for k, v in state.items() if isinstance(v, torch.Tensor)},
+                    {"python": state["python"], "numpy": state["numpy"]})

@@ -1,69 +1,38 @@
-"""Checkpoints: atomic, checksummed, kept by a retention policy.
+"""Checkpoint directories on disk: names, the atomic commit with its checksum manifest, verification,
+the newest good checkpoint, and retention. Both formats (plain.py, sharded.py) commit through here.
 
-A checkpoint is a directory `step_00000123/` holding tensors (`*.pt`, saved with torch.save and read
-back with `weights_only=True`), a `state.json` of plain values (step, loader position, RNG states,
-anything JSON), and `MANIFEST.json` with the checksum (xxh3-128) and size of every other file. It is written into
-a hidden temporary directory, every file fsynced, then renamed into place, so a crash leaves either
-the whole checkpoint or nothing under its final name. `MANIFEST.json` is written last; a directory
-without it, or whose files do not match it, is refused (`CheckpointCorrupt`) and `latest_good()`
-falls back to the previous one.
+A checkpoint is a directory `step_00000123/` holding its files and `MANIFEST.json`, the checksum and
+size of every other file. It is written into a hidden `.tmp-step_...` directory beside it; each file is
+fsynced once by whoever wrote it, the manifest is written last, the directories are fsynced, and the
+directory is renamed into place. So a crash leaves either the whole checkpoint or nothing under its
+final name. A directory without a manifest, or whose files do not match it, is refused
+(`CheckpointCorrupt`) and `latest_good` falls back to the previous one.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import shutil
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-import xxhash
-
-from runyard.diskspace import nbytes_of, writing
 from runyard.errors import CheckpointCorrupt
 from runyard.fsutil import fsync_dir, fsync_file
+from runyard.train.checkpoint.checksums import HASHERS, FileEntry, durable_entry, file_checksum
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
+CHECKPOINT_LOG = "checkpoints.jsonl"  # beside the checkpoints directory: one line per save
+FORMAT_VERSION = 2  # 1: torch.save files; 2: safetensors-layout files
 _PREFIX = "step_"
-FORMAT_VERSION = 1
-
-
-# The manifest's checksum guards against torn writes and flipped bits, so it needs to be fast, not
-# cryptographic (an unsigned manifest is no defence against someone who can rewrite it anyway):
-# xxh3-128 hashes at memory speed, which keeps a save near raw write speed (benchmarks/checkpoint_io.py
-# measures the save against a raw write of the same bytes).
-# Manifests written with sha256 (format 1) still verify.
-CHECKSUM = "xxh3_128"
-_HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
-
-
-def file_checksum(path: Path, algorithm: str = CHECKSUM, chunk: int = 8 << 20) -> str:
-    h = _HASHERS[algorithm]()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def durable_entry(path: Path) -> dict[str, Any]:
-    """fsync a written file and describe it for the manifest: checksum and size."""
-    fsync_file(path)
-    return {CHECKSUM: file_checksum(path), "bytes": path.stat().st_size}
-
-
-def step_dir_name(step: int) -> str:
-    return f"{_PREFIX}{step:08d}"
+_TMP = ".tmp-"
+_REPLACED = ".replaced-"
 
 
 @dataclass(frozen=True)
@@ -72,41 +41,46 @@ class CheckpointRef:
     path: Path
 
 
-def write_checkpoint(
-    root: Path,
-    step: int,
-    tensors: dict[str, Any],
-    state: dict[str, Any],
-    write_extra: Callable[[Path], None] | None = None,
-) -> Path:
-    """Write a checkpoint for `step` atomically under `root` and return its final path.
+def step_dir_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
 
-    `tensors` maps file stems to objects torch.save can write and weights_only can read (state dicts).
-    `write_extra(tmp_dir)` may add more files (e.g. sharded distributed state) before the manifest.
-    """
+
+def staging_dir(root: Path, step: int, token: str | None = None) -> Path:
+    """A fresh hidden directory to write the checkpoint of `step` into (`token` names it when every
+    rank of a job must agree on it)."""
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{step_dir_name(step)}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = root / f"{_TMP}{step_dir_name(step)}-{token or uuid.uuid4().hex[:8]}"
+    tmp.mkdir(parents=True, exist_ok=True)
+    return tmp
+
+
+def write_state_json(tmp: Path, step: int, state: dict[str, Any]) -> FileEntry:
+    """state.json: the step and the plain values (loader position, the loop's own), fsynced."""
+    path = tmp / STATE
+    path.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}, indent=1))
+    return durable_entry(path)
+
+
+def read_state_json(path: Path) -> dict[str, Any]:
     try:
-        with writing(f"checkpoint {final.name}", root, needed=nbytes_of(tensors)):
-            for stem, obj in tensors.items():
-                torch.save(obj, tmp / f"{stem}.pt")
-        (tmp / STATE).write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}, indent=1))
-        if write_extra is not None:
-            write_extra(tmp)
-        commit(tmp, final, step)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
+        return json.loads((path / STATE).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise CheckpointCorrupt(f"checkpoint {path}: unreadable {STATE} ({exc})") from None
 
 
-def commit(tmp: Path, final: Path, step: int, **manifest_fields: Any) -> Path:
-    """Make the files under `tmp` a checkpoint: fsync and checksum each, write the manifest last, fsync
-    the directories, and install it as `final`. Used by one-process and sharded saves alike."""
-    files = {path.relative_to(tmp).as_posix(): durable_entry(path)
-             for path in sorted(p for p in tmp.rglob("*") if p.is_file())}
+def commit(tmp: Path, final: Path, step: int, written: dict[str, FileEntry] | None = None,
+           **manifest_fields: Any) -> Path:
+    """Make the files under `tmp` the checkpoint `final`. `written` holds the manifest entries of files
+    their writers already fsynced and checksummed while writing; any other file is fsynced and read
+    back here. Then the manifest, the directories' fsyncs, and the rename."""
+    written = written or {}
+    files = {}
+    for path in sorted(p for p in tmp.rglob("*") if p.is_file()):
+        rel = path.relative_to(tmp).as_posix()
+        files[rel] = written[rel] if rel in written else durable_entry(path)
+    missing = sorted(set(written) - set(files))
+    if missing:
+        raise CheckpointCorrupt(f"checkpoint {final}: files {missing} were written but are not in {tmp}")
     manifest = tmp / MANIFEST
     manifest.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, "files": files, **manifest_fields},
                                    indent=1))
@@ -115,9 +89,6 @@ def commit(tmp: Path, final: Path, step: int, **manifest_fields: Any) -> Path:
         fsync_dir(sub)
     install(tmp, final)
     return final
-
-
-_REPLACED = ".replaced-"
 
 
 def install(tmp: Path, final: Path) -> None:
@@ -150,17 +121,25 @@ def recover_replaced(root: Path) -> None:
             log.warning("restored checkpoint %s, set aside by a save that did not finish", final)
 
 
-def verify_checkpoint(path: Path) -> dict[str, Any]:
-    """Check every file against the manifest; return the manifest. Raises CheckpointCorrupt."""
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The parsed manifest of a checkpoint (not checked against its files)."""
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointCorrupt(f"checkpoint {path} has no {MANIFEST}: it was never completed")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError) as exc:
+        if not isinstance(manifest["files"], dict):
+            raise TypeError("'files' is not a mapping")
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise CheckpointCorrupt(f"checkpoint {path}: unreadable {MANIFEST} ({exc})") from None
-    for rel, meta in files.items():
+    return manifest
+
+
+def verify_checkpoint(path: Path) -> dict[str, Any]:
+    """Check every file against the manifest (size, then checksum); return the manifest.
+    Raises CheckpointCorrupt naming the checkpoint and the file."""
+    manifest = read_manifest(path)
+    for rel, meta in manifest["files"].items():
         file = (path / rel).resolve()
         if path.resolve() not in file.parents:
             raise CheckpointCorrupt(f"checkpoint {path}: manifest names {rel!r}, outside the checkpoint")
@@ -170,27 +149,12 @@ def verify_checkpoint(path: Path) -> dict[str, Any]:
             raise CheckpointCorrupt(
                 f"checkpoint {path}: {rel} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
             )
-        algorithm = next((a for a in _HASHERS if a in meta), None)
+        algorithm = next((a for a in HASHERS if a in meta), None)
         if algorithm is None:
             raise CheckpointCorrupt(f"checkpoint {path}: manifest entry for {rel} has no known checksum")
         if file_checksum(file, algorithm) != meta[algorithm]:
             raise CheckpointCorrupt(f"checkpoint {path}: {rel} fails its {algorithm} checksum")
     return manifest
-
-
-def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict]:
-    """Verify, then load: returns (tensors by stem, state)."""
-    manifest = verify_checkpoint(path)
-    tensors = {}
-    for rel in manifest["files"]:
-        if rel.endswith(".pt") and "/" not in rel:
-            tensors[rel[:-3]] = torch.load(path / rel, map_location=map_location, weights_only=True)
-    if "model" not in tensors and (path / "dcp").is_dir():  # sharded (torch.distributed.checkpoint)
-        from runyard.train.dist_checkpoint import read_full_state
-
-        tensors.update(read_full_state(path, map_location))
-    state = json.loads((path / STATE).read_text())
-    return tensors, state
 
 
 def list_checkpoints(root: Path) -> list[CheckpointRef]:
@@ -221,7 +185,7 @@ def apply_retention(root: Path, keep_last: int, best_step: int | None) -> list[P
     """Delete all but the newest `keep_last` checkpoints and the best one. Returns what was removed.
     Stale temporary directories from crashed writes are removed too."""
     removed = []
-    for tmp in root.glob(".tmp-*"):
+    for tmp in root.glob(f"{_TMP}*"):
         shutil.rmtree(tmp, ignore_errors=True)
         removed.append(tmp)
     refs = list_checkpoints(root)
@@ -233,3 +197,13 @@ def apply_retention(root: Path, keep_last: int, best_step: int | None) -> list[P
             shutil.rmtree(ref.path, ignore_errors=True)
             removed.append(ref.path)
     return removed
+
+
+def log_checkpoint(root: Path, row: dict) -> None:
+    """One line per checkpoint beside metrics.jsonl: its stall on the training loop and write time."""
+    with open(root.parent / CHECKPOINT_LOG, "a", encoding="utf-8") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def tree_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

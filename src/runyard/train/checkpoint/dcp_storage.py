@@ -1,0 +1,179 @@
+"""A storage layer for torch.distributed.checkpoint that writes tensors' memory as it is.
+
+DCP's stock `FileSystemWriter` serialises every tensor chunk with `torch.save` (a zip archive with a
+pickle and a CRC pass per chunk) and runyard then read every file back to checksum it. This writer keeps
+DCP's planning, resharding and `.metadata` unchanged and changes only the bytes: a tensor chunk is its
+raw memory (the safetensors convention: C order, little-endian), written once and checksummed on the
+way (checksums.HashingFile), each file fsynced once. Non-tensor values keep DCP's own encoding.
+
+Raw chunks are marked in the metadata with the transform descriptor `raw@runyard/1`, so DCP's stock
+reader refuses them ("Unknown extension") instead of misreading them; `RawFileSystemReader` reads both
+raw chunks and stock ones (checkpoints written before this layer).
+
+Each rank's writer attaches its files' checksums to its write results; DCP gathers those to the
+coordinator, whose `finish` collects them (`files`) and writes plain results into `.metadata`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    ReadItem,
+    SavePlan,
+    SavePlanner,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import WriteResult
+from torch.futures import Future
+
+from runyard.errors import CheckpointCorrupt
+from runyard.train.checkpoint.checksums import FileEntry, HashingFile
+from runyard.train.checkpoint.tensorfile import tensor_bytes
+
+RAW = "raw@runyard/1"
+
+
+@dataclasses.dataclass
+class _WrittenChunk(_StorageInfo):
+    """Where a chunk went, plus (on one chunk per file) the file's manifest entry, which travels to
+    the coordinator with the write results."""
+
+    file_entry: FileEntry | None = None
+
+
+def _write_file(path: Path, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+    results = []
+    with HashingFile(path) as out:
+        # DCP's order: non-tensor values first, then tensors.
+        for item in sorted(items, key=lambda i: i.type != WriteItemType.BYTE_IO):
+            data = planner.resolve_data(item)
+            offset = out.tell()
+            if item.type == WriteItemType.BYTE_IO:
+                out.write(data.getbuffer())
+                descriptors = None
+            else:
+                tensor = data.detach()
+                out.write(tensor_bytes(tensor if tensor.device.type == "cpu" else tensor.to("cpu")))
+                descriptors = [RAW]
+            info = _WrittenChunk(path.name, offset, out.tell() - offset, descriptors)
+            results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
+        file_entry = out.close()
+    if results:
+        results[0].storage_data.file_entry = file_entry
+    return results
+
+
+class RawFileSystemWriter(FileSystemWriter):
+    """DCP's file system writer with raw tensor chunks; `files` holds, on the coordinator after the
+    save, the manifest entry (checksum, size) of every rank's data file, keyed by file name."""
+
+    def __init__(self, path: str | Path, thread_count: int = 1):
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
+                         overwrite=True)
+        self.files: dict[str, FileEntry] = {}
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        prefix = plan.storage_data.prefix
+        buckets = _split_by_size_and_type(self.thread_count, plan.items)
+        paths = [Path(self.path) / f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
+        if len(buckets) == 1:
+            results = _write_file(paths[0], buckets[0], planner)
+        else:
+            with ThreadPoolExecutor(len(buckets), thread_name_prefix="runyard-ckpt-write") as pool:
+                results = [r for rs in pool.map(_write_file, paths, buckets, [planner] * len(buckets)) for r in rs]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        plain = []
+        for rank_results in results:
+            for r in rank_results:
+                info = r.storage_data
+                if getattr(info, "file_entry", None) is not None:
+                    self.files[info.relative_path] = info.file_entry
+                stored = _StorageInfo(info.relative_path, info.offset, info.length, info.transform_descriptors)
+                plain.append(WriteResult(index=r.index, size_in_bytes=r.size_in_bytes, storage_data=stored))
+        super().finish(metadata, [plain])
+
+
+def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if offset != 0 or length != t.shape[dim]:
+            t = t.narrow(dim, offset, length)
+    return t
+
+
+def _read_exactly(f, offset: int, into: torch.Tensor, where: str) -> None:
+    view = tensor_bytes(into)
+    f.seek(offset)
+    done = 0
+    while done < view.nbytes:
+        n = f.readinto(view[done:])
+        if not n:
+            raise CheckpointCorrupt(f"{where} ends {view.nbytes - done} bytes early")
+        done += n
+
+
+class RawFileSystemReader(FileSystemReader):
+    """Reads what `RawFileSystemWriter` writes (and DCP's stock files): a raw chunk is read straight
+    into its destination when it covers it whole, else into a buffer and narrowed."""
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
+        self._tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        raw: dict[str, list[ReadItem]] = {}
+        stock = []
+        for item in plan.items:
+            info = self.storage_data[item.storage_index]
+            if item.type == LoadItemType.TENSOR and RAW in (info.transform_descriptors or ()):
+                raw.setdefault(info.relative_path, []).append(item)
+            else:
+                stock.append(item)
+        if stock:
+            super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
+        for rel, items in raw.items():
+            with open(Path(self.path) / rel, "rb", buffering=0) as f:
+                for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
+                    self._read_raw(f, item, planner, rel)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _chunk(self, index: MetadataIndex):
+        chunks = self._tensors[index.fqn].chunks
+        if index.index is not None and index.index < len(chunks) and chunks[index.index].offsets == index.offset:
+            return chunks[index.index]
+        return next(c for c in chunks if c.offsets == index.offset)
+
+    def _read_raw(self, f, item: ReadItem, planner: LoadPlanner, rel: str) -> None:
+        info = self.storage_data[item.storage_index]
+        dtype = self._tensors[item.storage_index.fqn].properties.dtype
+        sizes = self._chunk(item.storage_index).sizes
+        where = f"{rel}: {item.storage_index.fqn}"
+        expected = sizes.numel() * torch.empty((), dtype=dtype).element_size()
+        if info.length != expected:
+            raise CheckpointCorrupt(f"{where} holds {info.length} bytes, its shape needs {expected}")
+        target = planner.resolve_tensor(item).detach()
+        whole = tuple(item.lengths) == tuple(sizes)
+        if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
+                and tuple(target.shape) == tuple(sizes):
+            _read_exactly(f, info.offset, target, where)
+        else:
+            chunk = torch.empty(sizes, dtype=dtype)
+            _read_exactly(f, info.offset, chunk, where)
+            target.copy_(_narrow(chunk, item.storage_offsets, item.lengths))
+        planner.commit_tensor(item, target)
