@@ -178,8 +178,7 @@ def train_stage(
         last_heldout = state.get("last_heldout_loss")
         log.info("stage %s: resuming from %s (step %d)", stage.name, ref.path, step)
     if ctx.is_main:
-        if ref is not None:
-            recovery.on_resume(metrics.read(), step, ctx.world_size)
+        recovery.on_resume(metrics.read(), step, ctx.world_size)  # also a restart before the first checkpoint
         metrics.truncate_after(step)
     losses = [row["loss"] for row in metrics.read() if "loss" in row] if ctx.is_main else []
 
