@@ -7,6 +7,8 @@ The five reported failures each have a test here: a hang after the main process 
 stage (also tests/data/test_kill_safety.py), a stale export from a damaged final checkpoint, a
 throughput gate measured as 0 after a resume, orphaned workers and two writers in one run directory,
 and the leftovers (temporary files, recovery figures before the first checkpoint, launcher folders).
+The fault-injection runs kill the main process alone, torchrun alone, or the whole tree, in the data
+stage, in training with one and two processes, and under the control plane.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from runyard.control.client import ControlClient
 from runyard.train import checkpoint as ckpt
 
 from .conftest import TINY_SPEC, merge, runyard
@@ -271,3 +274,71 @@ def test_two_processes_killed_in_training_again_and_again_end_bitwise_identical(
     resume(run_dir, env={"TMPDIR": str(tmp)})
     assert_same_run(run_dir, reference_two)
     assert [p.name for p in tmp.iterdir() if p.name.startswith("runyard-launch-")] == []
+
+
+# -- under the control plane ------------------------------------------------------------------------------
+@pytest.fixture
+def control(tmp_path, tree):
+    """control(**env) -> (state dir, client) of a real daemon with two CPU slots, started in the test's
+    process tree (so its jobs' processes are checked for orphans too)."""
+    daemons = []
+
+    def start(**env: str):
+        state = tmp_path / f"control{len(daemons)}"
+        proc = tree.start([sys.executable, "-m", "runyard", "control", "start", "--foreground", "--state-dir",
+                           str(state), "--cpu-slots", "2", "--backoff", "0.1"],
+                          env=tree.env(**env), log=tmp_path / f"daemon{len(daemons)}.log")
+        daemons.append(proc)
+        wait_until(lambda: (state / "daemon.json").exists(), 60, "the daemon to listen", proc=proc)
+        return state, ControlClient.for_state_dir(state)
+
+    yield start
+    for proc in daemons:
+        proc.send_signal(signal.SIGTERM)
+        finish(proc, 30)
+
+
+def submit(state: Path, spec: Path, run_dir: Path) -> int:
+    out = runyard("submit", str(spec), "--state-dir", str(state), "--run-dir", str(run_dir), check=True, timeout=60)
+    return int(out.stdout.split()[1])
+
+
+def launcher_of(client: ControlClient, job_id: int) -> int:
+    """The job's `runyard` process: the only child of the shim the daemon launched."""
+    shim = wait_until(lambda: client.job(job_id)["job"].get("pid"), 60, "the job to be launched")
+    (launcher,) = wait_until(lambda: children(shim), 60, "the shim to start the job")
+    return launcher
+
+
+def assert_retried_as_infra(client: ControlClient, job_id: int) -> None:
+    final = client.wait(job_id, timeout_s=RUN_TIMEOUT, poll_s=0.5)
+    assert final["state"] == "succeeded", client.logs(job_id)["text"][-3000:]
+    history = client.job(job_id)["history"]
+    retried = [h for h in history if h["to_state"] == "recovering"]
+    assert len(retried) == 1 and retried[0]["reason"].startswith("infra"), history
+
+
+def test_under_the_control_plane_a_killed_torchrun_is_infra_and_the_retry_ends_bitwise(
+        spec_two, reference_two, tmp_path, control):
+    state, client = control()
+    run_dir = tmp_path / "run"
+    job_id = submit(state, spec_two, run_dir)
+    launcher = launcher_of(client, job_id)
+    wait_until(lambda: steps_done(run_dir) >= fault_rng("control-torchrun").randint(1, 14), RUN_TIMEOUT,
+               "the workers to train", poll=0.002)
+    (torchrun,) = children(launcher)
+    os.kill(torchrun, signal.SIGKILL)
+    assert_retried_as_infra(client, job_id)
+    assert_same_run(run_dir, reference_two)
+
+
+def test_under_the_control_plane_a_main_process_killed_in_prepare_never_hangs_the_retry(
+        spec, reference, tmp_path, control):
+    state, client = control(RUNYARD_CACHE_DIR=str(tmp_path / "cache"))  # cold: the data stage runs
+    run_dir = tmp_path / "run"
+    job_id = submit(state, spec, run_dir)
+    launcher = launcher_of(client, job_id)
+    wait_until(lambda: children(launcher), 120, "the clean step's worker pool", poll=0.002)
+    os.kill(launcher, signal.SIGKILL)  # the main process alone, with its data workers running
+    assert_retried_as_infra(client, job_id)
+    assert_same_run(run_dir, reference)
