@@ -5,11 +5,17 @@ dies with its shim."""
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
 
 from runyard.control import procs
+from runyard.control.backends.slurm import SlurmBackend
 from tests.e2e.faults import ProcessTree, finish, wait_until
 
 ORPHAN_JOB = str(Path(__file__).with_name("orphan_job.py"))
@@ -42,3 +48,26 @@ def test_a_job_dies_with_its_shim(tmp_path):
         tree.assert_none_left(timeout=10)
     finally:
         tree.kill_all()
+
+
+@pytest.mark.slow
+@pytest.mark.slurm
+def test_slurm_jobs_of_an_earlier_attempt_are_cancelled_before_the_next(tmp_path):
+    if not os.environ.get("RUNYARD_TEST_SLURM"):
+        if os.environ.get("CI", "").lower() == "true":
+            pytest.fail("RUNYARD_TEST_SLURM is not set, and CI=true: run .ci/setup_slurm.sh and source .ci/env")
+        pytest.skip("RUNYARD_TEST_SLURM is not set (run .ci/setup_slurm.sh, then `source .ci/env`)")
+    earlier = SimpleNamespace(id=900_000 + os.getpid() % 1000, name="leftover")
+    name = f"runyard-{earlier.id}-{earlier.name}"
+    out = subprocess.run(["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp_path / 'out.log'}",
+                          "--wrap", "sleep 300"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    slurm_id = out.stdout.strip().split(";")[0]
+    backend = SlurmBackend(gres=None)
+    try:
+        assert backend._slurm_ids(earlier) == [slurm_id]
+        assert backend.kill_leftovers(earlier) == [slurm_id]
+        assert backend._slurm_ids(earlier) == []
+        assert backend.kill_leftovers(earlier) == []  # nothing left: nothing to do
+    finally:
+        subprocess.run(["scancel", slurm_id], capture_output=True, timeout=60)
