@@ -4,6 +4,12 @@
 whose gates passed is not trained again, a stage with checkpoints continues from the newest good
 one, and the data stage reuses its cache. So `runyard resume RUN_DIR` is `execute_run` on the spec
 stored in the run directory.
+
+One writer at a time: `execute_run` holds the run directory's lock (runyard.rundir) throughout, or,
+in a worker under the launcher, checks that the launcher holds it. A stage's result is the verified
+checkpoint at its final step: a passed stage whose final checkpoint is damaged or missing is trained
+again from its last good checkpoint to the final step before anything uses it, so an export never
+holds older weights.
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ from pathlib import Path
 import torch
 
 from runyard import manifest as mf
-from runyard.data.loader import TokenLoader, TokenStream, eval_sample
+from runyard import rundir
+from runyard.data.loader import TokenLoader, eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data
 from runyard.errors import GateFailed, RunyardError, SpecError
 from runyard.evaluate.heldout import (
@@ -32,7 +39,13 @@ from runyard.model.registry import get_family
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
-from runyard.plan.stages import evaluate_gates, format_failures, read_gates, write_gates
+from runyard.plan.stages import (
+    evaluate_recorded_gates,
+    format_failures,
+    read_gates,
+    steady_tokens_per_s,
+    write_gates,
+)
 from runyard.serve.drift import DriftReference
 from runyard.serve.engine import Generator
 from runyard.serve.export import export_model, load_export
@@ -64,6 +77,34 @@ def default_run_dir(spec: JobSpec, root: Path | None = None) -> Path:
 
 def stage_dir(run_dir: Path, stage: str) -> Path:
     return run_dir / "stages" / stage
+
+
+class StageResultMissing(RunyardError):
+    """A stage passed its gates, but the checkpoint at its final step is not there or not intact."""
+
+
+def final_checkpoint(sdir: Path, steps: int) -> checkpoint.CheckpointRef:
+    """The stage's result: its checkpoint at the final step `steps`, verified against its checksums.
+    Raises StageResultMissing when the newest good checkpoint is an earlier one (or there is none)."""
+    ref = checkpoint.latest_good(sdir / "checkpoints")
+    if ref is None or ref.step != steps:
+        found = "no intact checkpoint" if ref is None else f"the newest intact checkpoint is step {ref.step}"
+        raise StageResultMissing(f"stage {sdir.name}: its final checkpoint (step {steps}) is missing or damaged; "
+                                 f"{found}")
+    return ref
+
+
+def _final_checkpoint_intact(sdir: Path, steps: int, ctx: parallel.DistContext) -> bool:
+    """Rank 0 verifies the final checkpoint; every rank gets the answer (they retrain together)."""
+    problem = None
+    if ctx.is_main:
+        try:
+            final_checkpoint(sdir, steps)
+        except StageResultMissing as exc:
+            problem = str(exc)
+            log.warning("%s: retraining the stage from its last good checkpoint to step %d, so that what "
+                        "comes after it starts from its real result", problem, steps)
+    return parallel.broadcast_object(problem, ctx) is None
 
 
 def open_run_dir(spec: JobSpec, run_dir: Path) -> None:
@@ -120,18 +161,16 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
     return prepared
 
 
-def _stage_summary(name: str, result: StageResult | None, record: dict, metrics_rows: list[dict]) -> dict:
+def _stage_summary(name: str, record: dict, metrics_rows: list[dict]) -> dict:
     losses = [r["loss"] for r in metrics_rows if "loss" in r]
     held = [r["heldout_loss"] for r in metrics_rows if r.get("heldout_loss") is not None]
-    tok = [r["tokens_per_s"] for r in metrics_rows if "tokens_per_s" in r]
     return {
         "name": name,
         "steps": metrics_rows[-1]["step"] if metrics_rows else 0,
         "final_loss": losses[-1] if losses else float("nan"),
         "heldout_loss": held[-1] if held else None,
-        "tokens_per_s": result.tokens_per_s if result else (sum(tok) / len(tok) if tok else 0.0),
+        "tokens_per_s": steady_tokens_per_s(metrics_rows),
         "gates_passed": record["passed"],
-        "resumed_from": result.resumed_from if result else None,
     }
 
 
@@ -144,30 +183,30 @@ def run_stages(
     only_stage: str | None,
     show_progress: bool,
 ) -> tuple[list[dict], StageResult | None]:
-    """Train each stage in order; a stage whose gates passed before is skipped, a failed one stops all."""
+    """Train each stage in order; a stage whose gates passed before is skipped (once its final checkpoint
+    is verified: a damaged one is retrained first), a failed one stops all."""
     names = [s.name for s in spec.stages]
     summaries, last = [], None
     for name in names:
         sdir = stage_dir(run_dir, name)
+        stage = resolved_stage(spec, name)
         record = read_gates(sdir)
         if record is not None and not record["passed"]:
             raise GateFailed(f"stage {name} failed its gates earlier: {format_failures(record)}")
-        if record is None:
-            if only_stage is not None and name != only_stage:
+        restore = record is not None and not _final_checkpoint_intact(sdir, stage.train.steps, ctx)
+        if record is None or restore:
+            if only_stage is not None and name != only_stage and not restore:
                 raise GateFailed(f"stage {only_stage} needs stage {name} to pass first; it has not run yet")
-            stage = resolved_stage(spec, name)
             last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress)
             record = {"passed": True}
             if ctx.is_main:
-                results = evaluate_gates(
-                    stage.gates, last.losses, last.heldout_loss, last.tokens_per_s, last.checkpoint, last.model
-                )
+                rows = MetricsLog(sdir / "metrics.jsonl").read()
+                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.model)
                 record = write_gates(sdir, name, results)
             record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:
                 raise GateFailed(f"stage {name} failed its gates: {format_failures(record)}; later stages not started")
-        trained_now = last if last is not None and last.name == name else None
-        summaries.append(_stage_summary(name, trained_now, record, MetricsLog(sdir / "metrics.jsonl").read()))
+        summaries.append(_stage_summary(name, record, MetricsLog(sdir / "metrics.jsonl").read()))
         if name == only_stage:
             break
     return summaries, last
@@ -181,9 +220,7 @@ def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: 
     # for the other ranks.
     config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
     model = family.build(config).to(ctx.device)
-    ref = checkpoint.latest_good(stage_dir(run_dir, stage.name) / "checkpoints")
-    if ref is None:
-        raise RunyardError(f"stage {stage.name} passed but has no readable checkpoint in {run_dir}")
+    ref = final_checkpoint(stage_dir(run_dir, stage.name), stage.train.steps)  # never older weights
     model.load_state_dict(checkpoint.read_model_weights(ref.path))
     return model, config
 
@@ -247,31 +284,36 @@ def execute_run(
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     ctx = parallel.setup(spec.resources.device)
     try:
-        _configure_threads(spec)
-        if ctx.is_main:
-            open_run_dir(spec, run_dir)
-            record_session(run_dir, spec, argv)
-            mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
-            mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
-            check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
-        parallel.barrier(ctx)
-        stop = StopRequest()
-        with stop_on_signals(stop):
-            prepared = prepare(spec, run_dir, ctx, show_progress)
-            check_spec_against_data(spec, prepared)
-            summaries, last = run_stages(spec, run_dir, prepared, ctx, stop, only_stage, show_progress)
-        is_last = only_stage is None or only_stage == spec.stages[-1].name
-        if not is_last or not ctx.is_main or not evaluate:
-            return RunSummary(run_dir, summaries)
-        if last is not None and last.name == spec.stages[-1].name:
-            model, config = last.model, last.config
-        else:
-            model, config = load_final_stage(spec, run_dir, prepared, ctx)
-        summary = evaluate_and_export(spec, run_dir, prepared, model, config, summaries, ctx)
-        mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=summary.fit_to_ship)
-        return summary
+        with rundir.writing(run_dir, ctx.rank):
+            return _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate)
     finally:
         parallel.teardown()
+
+
+def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate) -> RunSummary:
+    _configure_threads(spec)
+    if ctx.is_main:
+        open_run_dir(spec, run_dir)
+        record_session(run_dir, spec, argv)
+        mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
+        mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
+        check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
+    parallel.barrier(ctx)
+    stop = StopRequest()
+    with stop_on_signals(stop):
+        prepared = prepare(spec, run_dir, ctx, show_progress)
+        check_spec_against_data(spec, prepared)
+        summaries, last = run_stages(spec, run_dir, prepared, ctx, stop, only_stage, show_progress)
+    is_last = only_stage is None or only_stage == spec.stages[-1].name
+    if not is_last or not ctx.is_main or not evaluate:
+        return RunSummary(run_dir, summaries)
+    if last is not None and last.name == spec.stages[-1].name:
+        model, config = last.model, last.config
+    else:
+        model, config = load_final_stage(spec, run_dir, prepared, ctx)
+    summary = evaluate_and_export(spec, run_dir, prepared, model, config, summaries, ctx)
+    mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=summary.fit_to_ship)
+    return summary
 
 
 def _configure_threads(spec: JobSpec) -> None:

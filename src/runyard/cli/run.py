@@ -9,9 +9,14 @@ import os
 import sys
 from pathlib import Path
 
+from runyard import rundir
 from runyard.errors import RunyardError
 from runyard.train.launch import run_worker
 
+ONE_WRITER = (
+    " One writer per run directory: while a run, train or resume writes it, another is refused with the "
+    "writer's pid and host (the lock dies with its holder); generate, serve and show say when a run is live."
+)
 RUN_DIR_HELP = "run directory (default: runs/<spec name>, or $RUNYARD_RUNS_DIR/<spec name>)"
 
 
@@ -49,7 +54,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
             "and export. Same options as `run`.",
         ),
     ):
-        p = verbs.add_parser(verb, help=help_text, description=description)
+        p = verbs.add_parser(verb, help=help_text, description=description + ONE_WRITER)
         p.add_argument("spec", type=Path, help="job spec (YAML)")
         p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
         p.add_argument("--stage", default=None, help=f"{verb} only this stage (earlier stages must have passed)")
@@ -61,7 +66,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         "resume",
         help="continue a stopped run from its last good checkpoint",
         description="Continue the run in RUN_DIR with the spec stored there, from the newest checkpoint "
-        "that passes its checksums. Passed stages are not trained again.",
+        "that passes its checksums. Passed stages are not trained again (a passed stage whose final "
+        "checkpoint is damaged is retrained from its last good checkpoint first)." + ONE_WRITER,
     )
     p.add_argument("run_dir", type=Path, help="the run directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
@@ -261,6 +267,7 @@ def cmd_generate(args) -> int:
     ]
     if problems:
         raise SpecError("generate command line", problems)
+    say_if_live(args.run_dir)
     model, _cfg, tokenizer = load_export(_export_dir(args.run_dir))
     text = Generator(model, tokenizer).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
@@ -273,9 +280,18 @@ def _export_dir(path: Path) -> Path:
     return path / "export" if (path / "export").is_dir() else path
 
 
+def say_if_live(path: Path) -> None:
+    """Readers read only committed results; when a writer holds the run, say so (on stderr)."""
+    run_dir = path.parent if path.name == "export" else path
+    message = rundir.live_message(run_dir)
+    if message:
+        print(f"runyard: {message}", file=sys.stderr)
+
+
 def cmd_serve(args) -> int:
     from runyard.serve.server import serve_export
 
+    say_if_live(args.run_dir)
     serve_export(_export_dir(args.run_dir), host=args.host, port=args.port, device=args.device)
     return 0
 
@@ -290,6 +306,7 @@ def cmd_show(args) -> int:
     if not (run_dir / SPEC_FILE).is_file():
         raise RunyardError(f"{run_dir} is not a run directory: it has no {SPEC_FILE}")
     spec = load_spec(run_dir / SPEC_FILE)
+    say_if_live(run_dir)
     manifest = read_manifest(run_dir)
     stages = []
     for s in spec.stages:
@@ -305,6 +322,8 @@ def cmd_show(args) -> int:
         "finished_at": manifest.get("finished_at"),
         "git_commit": (manifest.get("code") or {}).get("git_commit"),
         "sessions": len(manifest.get("sessions", [])),
+        "live": (holder := rundir.live_holder(run_dir)) is not None,
+        "writer": holder.describe() if holder else None,
         "stages": stages,
         "fit_to_ship": report["fit_to_ship"] if report else None,
         "heldout_perplexity": report["metrics"]["heldout_perplexity"] if report else None,

@@ -250,6 +250,11 @@ class ControlLoop:
         if relaunch:  # the intent (next attempt, no backoff pending) is written before launching
             job = self.store.update(job.id, attempt=job.attempt + 1, restart_count=job.attempt, next_start_at=None)
         try:
+            # Nothing of an earlier attempt may run beside this one (a worker that outlived its launcher
+            # would write the same run directory; a data worker would hold the data cache's lock).
+            leftovers = self.backend.kill_leftovers(job)
+            if leftovers:
+                log.warning("job %s: ended %s left by an earlier attempt", job.id, ", ".join(leftovers))
             launched = self.backend.launch(job, self.job_env(job))
         except Exception as exc:  # could not start at all: the provider's problem
             log.exception("launch of job %s failed", job.id)

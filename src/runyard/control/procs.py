@@ -8,10 +8,14 @@ recorded their pids.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
+import time
 from pathlib import Path
+
+from runyard.lifetime import processes_with_env
 
 MARKER = "RUNYARD_CONTROL_JOB"
 
@@ -53,20 +57,7 @@ def marker(instance: str, job_id: int, attempt: int) -> str:
 
 def processes_of_job(instance: str, job_id: int) -> list[int]:
     """Live pids whose environment says they belong to `job_id` of this instance (any attempt)."""
-    wanted = f"{MARKER}={instance}:{job_id}:".encode()
-    found = []
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{entry.name}/environ").read_bytes()
-        except OSError:
-            continue
-        if any(item.startswith(wanted) for item in env.split(b"\0")):
-            pid = int(entry.name)
-            if start_time(pid) is not None:
-                found.append(pid)
-    return found
+    return processes_with_env(MARKER, f"{instance}:{job_id}:")
 
 
 def kill_job_processes(instance: str, job_id: int, sig: int = signal.SIGKILL) -> int:
@@ -79,3 +70,23 @@ def kill_job_processes(instance: str, job_id: int, sig: int = signal.SIGKILL) ->
         except ProcessLookupError:
             pass
     return count
+
+
+class LeftoversAlive(RuntimeError):
+    """Processes of an earlier attempt survived SIGKILL (e.g. stuck in the kernel): do not start yet."""
+
+
+def kill_leftovers(instance: str, job_id: int, timeout_s: float = 10.0) -> list[int]:
+    """SIGKILL every process left by earlier attempts of a job and wait (bounded) until they are gone,
+    so that the next attempt never runs beside them (two writers in one run directory, a data lock
+    still held). Returns the pids that were killed; raises LeftoversAlive if some would not die."""
+    killed = processes_of_job(instance, job_id)
+    deadline = time.monotonic() + timeout_s
+    while left := processes_of_job(instance, job_id):
+        if time.monotonic() > deadline:
+            raise LeftoversAlive(f"job {job_id}: processes of an earlier attempt would not die: {left}")
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(0.05)
+    return killed

@@ -3,8 +3,9 @@
 It runs the job's command as its child, and when the child ends writes how it ended (exit code or
 signal) atomically to a status file. Because the shim leads its own session, it outlives a daemon
 killed with SIGKILL, and a restarted daemon still learns how the job ended although it is no
-longer the job's parent. Standard library and runyard.fsutil only: it starts fast and imports
-nothing heavy.
+longer the job's parent. The job's command dies with the shim (parent-death signal): a shim killed
+alone never leaves its job running unwatched. Standard library, runyard.fsutil and runyard.lifetime
+only: it starts fast and imports nothing heavy.
 
     python -m runyard.control.shim STATUS_FILE [--forward-signals] -- COMMAND [ARGS...]
 
@@ -23,6 +24,7 @@ import sys
 import time
 
 from runyard.fsutil import atomic_write_text
+from runyard.lifetime import die_with_parent
 
 
 def main(argv: list[str]) -> int:
@@ -42,8 +44,9 @@ def main(argv: list[str]) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     started = time.time()
+    shim = os.getpid()
     try:
-        child = subprocess.Popen(command)
+        child = subprocess.Popen(command, preexec_fn=lambda: die_with_parent(signal.SIGKILL, shim))
     except OSError as exc:
         print(f"runyard shim: cannot start {command[0]!r}: {exc}", file=sys.stderr, flush=True)
         atomic_write_text(status_file, json.dumps({"returncode": 127, "signal": None, "launch_error": str(exc)}))

@@ -18,11 +18,13 @@ array. Only the executor changes; the step functions stay as they are.
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
+import logging
+import multiprocessing
 import os
 import shutil
+import signal
 import time
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
@@ -46,6 +48,10 @@ from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
 from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
 from runyard.errors import DataError
 from runyard.fsutil import atomic_write_json, sha256_file
+from runyard.lifetime import die_with_parent
+from runyard.locking import LockHolder, ProcessLock
+
+log = logging.getLogger(__name__)
 
 PIPELINE_VERSION = 1  # bump when a step's output changes for the same inputs
 _NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region", "chunk_bytes"}
@@ -118,14 +124,47 @@ def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> st
 
 @contextmanager
 def _locked(directory: Path):
-    """One preparer per dataset directory (e.g. several ranks started at once): the others wait."""
-    directory.mkdir(parents=True, exist_ok=True)
-    with open(directory / ".lock", "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
+    """One preparer per dataset directory (e.g. several ranks started at once): the others wait.
+    The lock dies with its holder and is never held by the holder's worker processes (runyard.locking),
+    so a killed preparer never leaves a later one waiting."""
+
+    def waiting(holder: LockHolder | None) -> None:
+        who = holder.describe() if holder else "another process"
+        log.info("waiting for the data cache %s: %s is preparing this dataset", directory, who)
+
+    lock = ProcessLock(directory / ".lock", purpose="preparing this dataset")
+    lock.acquire(blocking=True, on_wait=waiting)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+def _is_temp(name: str) -> bool:
+    # fsutil's `.NAME.tmp-PID` and the tokenizer's `.tokenizer.json.tmp`
+    return name.startswith(".") and (".tmp-" in name or name.endswith(".tmp"))
+
+
+def clean_interrupted(dataset_dir: Path, clean_step_dir: Path) -> list[Path]:
+    """Remove temporary files that interrupted writes left. Called under the dataset's lock, so every
+    temporary file in the dataset directory is stale; the clean step's directory is shared by all
+    datasets, so there only files whose writer (the PID in their name) is gone are removed."""
+    removed = []
+    for directory in (dataset_dir, dataset_dir / "work"):
+        if directory.is_dir():
+            for path in directory.iterdir():
+                if path.is_file() and _is_temp(path.name):
+                    path.unlink(missing_ok=True)
+                    removed.append(path)
+    if clean_step_dir.is_dir():
+        for path in clean_step_dir.iterdir():
+            pid = path.name.rpartition(".tmp-")[2]
+            if _is_temp(path.name) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+    if removed:
+        log.info("removed %d temporary file(s) left by an interrupted data preparation", len(removed))
+    return removed
 
 
 def load_prepared(dataset_dir: Path) -> PreparedData | None:
@@ -167,6 +206,7 @@ def prepare_data(
         prepared = load_prepared(dataset_dir)
         if prepared is None:
             check_cache_space(data_spec, files, root)
+            clean_interrupted(dataset_dir, root / "steps" / "clean")
             started = time.perf_counter()
             parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
             timings = {"clean_s": time.perf_counter() - started}
@@ -182,8 +222,6 @@ def prepare_data(
 def _worker_context():
     """fork where there is one (no re-import of the caller's __main__, no interpreter start-up per
     worker; the workers use only numpy and the standard library), else spawn."""
-    import multiprocessing
-
     return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
 
 
@@ -217,7 +255,9 @@ def _clean_all(
             done = (clean_part(parts[i], spec) for i in todo)
             pool = None
         else:
-            pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=_worker_context())
+            # Workers die with this process, however it dies: left alone they would wait for work forever.
+            pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=_worker_context(),
+                                       initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
             done = (f.result() for f in [pool.submit(clean_part, parts[i], spec) for i in todo])
         try:
             for i, result in zip(todo, done, strict=True):  # in order: independent of scheduling

@@ -1,8 +1,11 @@
 """Stage gates: the checks a stage must pass before a later stage may start.
 
-Each gate is evaluated from what the stage produced (its losses, held-out loss, throughput and final
-checkpoint) and recorded in `stages/<stage>/gates.json` with its measured value and its bound, so a
-person can see why a stage passed or stopped the run.
+Each gate is evaluated from what the stage recorded (its metrics.jsonl: losses, held-out loss,
+throughput) and its final checkpoint, and recorded in `stages/<stage>/gates.json` with its measured
+value and its bound, so a person can see why a stage passed or stopped the run. Reading the values
+from metrics.jsonl, not from the session that happens to finish the stage, makes a stage resumed
+after its last step (killed between the final checkpoint and gates.json, or stopped by SIGTERM in
+its last step) pass or fail exactly as the uninterrupted run would.
 """
 
 from __future__ import annotations
@@ -92,6 +95,24 @@ def evaluate_gates(
             ok, detail = checkpoint_roundtrip_exact(checkpoint_path, model)
             results.append(GateResult("checkpoint_roundtrip", ok, ok, True, detail))
     return results
+
+
+def steady_tokens_per_s(rows: list[dict]) -> float:
+    """Throughput over the steady state: the mean of the recorded steps' tokens/s after the first
+    fifth, whose steps carry warm-up costs (allocation, compile). 0.0 when nothing was recorded."""
+    values = [float(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]
+    steady = values[len(values) // 5 :] or values
+    return sum(steady) / len(steady) if steady else 0.0
+
+
+def evaluate_recorded_gates(
+    gates: GateSpec, rows: list[dict], checkpoint_path: Path | None, model: torch.nn.Module
+) -> list[GateResult]:
+    """The stage's gates from its metrics log `rows` (one per step, in order) and its final checkpoint."""
+    losses = [float(r["loss"]) for r in rows if "loss" in r]
+    held = [r["heldout_loss"] for r in rows if r.get("heldout_loss") is not None]
+    return evaluate_gates(gates, losses, held[-1] if held else None, steady_tokens_per_s(rows),
+                          checkpoint_path, model)
 
 
 def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:

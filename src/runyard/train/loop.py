@@ -169,8 +169,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, st
         last_heldout = saved.get("last_heldout_loss")
         log.info("stage %s: resuming from %s (step %d)", stage.name, restored.ref.path, step)
     if ctx.is_main:
-        if restored is not None:
-            recovery.on_resume(metrics.read(), step, ctx.world_size)
+        recovery.on_resume(metrics.read(), step, ctx.world_size)  # also a restart before the first checkpoint
         metrics.truncate_after(step)
     losses = [row["loss"] for row in metrics.read() if "loss" in row] if ctx.is_main else []
 

@@ -1,7 +1,8 @@
 """Recovery figures: what an interruption cost a run, recorded in `run_dir/recovery.json`.
 
-When a stage resumes from a checkpoint (after torchrun restarted its workers, or after `runyard resume`),
-the tracker notes the last step the metrics log reached before the interruption and, once the first
+When a stage starts again after an interruption (torchrun restarted its workers, `runyard resume`, the
+control plane's retry), from a checkpoint or, when the interruption came before the first one, from
+step 0, the tracker notes the last step the metrics log reached before the interruption and, once the first
 resumed step completes, writes one event:
 
 - `steps_lost`: steps done before the interruption that must be recomputed (last logged step minus
@@ -50,7 +51,9 @@ class RecoveryTracker:
         self.event: dict | None = None
 
     def on_resume(self, rows: list[dict], resumed_step: int, world_size: int) -> None:
-        if not self.enabled:
+        """Called at every start of the stage with its metrics log as found; a first start (no step
+        logged, no checkpoint) records nothing."""
+        if not self.enabled or (not rows and resumed_step == 0):
             return
         last = rows[-1] if rows else {}
         last_step = int(last.get("step", resumed_step))

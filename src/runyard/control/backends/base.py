@@ -58,6 +58,11 @@ class Backend(Protocol):
         """Stop it now (SIGKILL)."""
         ...
 
+    def kill_leftovers(self, job: Job) -> list[str]:
+        """Before an attempt starts: end whatever earlier attempts of the job left running (a worker
+        that outlived its launcher would train beside the new attempt). Returns what was ended."""
+        ...
+
     def adopt(self, job: Job) -> Launched | None:
         """After a daemon restart: find an attempt launched but never recorded, if it exists."""
         ...

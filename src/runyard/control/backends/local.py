@@ -3,6 +3,7 @@ process group, with its output appended to the job's log file.
 
 The process launched is the shim (`runyard.control.shim`), which runs the job's command and
 records how it ended in a status file, so a daemon restarted after SIGKILL still learns the outcome.
+Before each attempt, whatever an earlier attempt left running is killed (`kill_leftovers`).
 """
 
 from __future__ import annotations
@@ -51,6 +52,18 @@ class LocalBackend:
             )
         self._children[proc.pid] = proc
         return Launched(pid=proc.pid, pid_start_time=procs.start_time(proc.pid))
+
+    def kill_leftovers(self, job: Job) -> list[str]:
+        """SIGKILL every process an earlier attempt left (found by the job's environment marker, whatever
+        session or group it moved to), and wait until they are gone; noted in the job's log."""
+        killed = procs.kill_leftovers(self.instance, job.id)
+        if killed:
+            log_path = Path(job.log_path)
+            log_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(log_path, "a") as log:
+                log.write(f"=== runyard: ended {len(killed)} process(es) left by an earlier attempt: "
+                          f"{' '.join(map(str, killed))} ===\n")
+        return [str(pid) for pid in killed]
 
     def _reap(self, pid: int) -> int | None:
         proc = self._children.get(pid)

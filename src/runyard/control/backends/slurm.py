@@ -9,6 +9,7 @@
 - A job Slurm put back in its own queue (PENDING after RUNNING) is reported as Requeued: it runs
   again under the same Slurm id, and its restart count is RUNYARD_RESTART_COUNT + SLURM_RESTART_COUNT.
 - Cancel is `scancel`; preemption is `scancel --signal=TERM --full` (checkpoint, exit 4, queue again).
+- Before an attempt is submitted, Slurm jobs of earlier attempts still in Slurm's queue are cancelled.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import math
 import shlex
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from runyard.control.backends.base import Ended, Launched, Requeued, attempt_status_file
@@ -197,8 +199,25 @@ class SlurmBackend:
             _run(["scancel", "--signal=KILL", "--full", job.backend_id], check=False)
             _run(["scancel", job.backend_id], check=False)
 
+    def _slurm_ids(self, job: Job) -> list[str]:
+        proc = _run(["squeue", "-h", "-o", "%i %j", "--name", f"runyard-{job.id}-{job.name[:40]}"], check=False)
+        return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+
     def adopt(self, job: Job) -> Launched | None:
         """A launch whose sbatch id was never recorded: find it by its job name."""
-        proc = _run(["squeue", "-h", "-o", "%i %j", "--name", f"runyard-{job.id}-{job.name[:40]}"], check=False)
-        ids = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+        ids = self._slurm_ids(job)
         return Launched(backend_id=ids[-1]) if ids else None
+
+    def kill_leftovers(self, job: Job, timeout_s: float = 30.0) -> list[str]:
+        """Cancel every Slurm job of earlier attempts still known to Slurm (by name) and wait until Slurm
+        has let them go; Slurm ends every process of a job it cancels, on every node."""
+        ids = self._slurm_ids(job)
+        for slurm_id in ids:
+            _run(["scancel", "--signal=KILL", "--full", slurm_id], check=False)
+            _run(["scancel", slurm_id], check=False)
+        deadline = time.monotonic() + timeout_s
+        while ids and (left := [i for i in self._slurm_ids(job) if i in ids]):
+            if time.monotonic() > deadline:
+                raise SlurmError(f"job {job.id}: Slurm jobs {left} of an earlier attempt would not end")
+            time.sleep(0.5)
+        return ids
