@@ -11,7 +11,7 @@ from runyard import __version__
 from runyard.errors import EXIT_BAD_SPEC, RunyardError
 
 # Modules that add verbs, in the order they appear in `runyard --help`.
-VERB_MODULES = ["runyard.cli.run", "runyard.cli.data", "runyard.cli.control", "runyard.cli.market"]
+VERB_MODULES = ["runyard.cli.run", "runyard.cli.serve", "runyard.cli.data", "runyard.cli.control", "runyard.cli.market"]
 
 
 def build_parser() -> argparse.ArgumentParser:
