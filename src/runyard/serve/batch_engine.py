@@ -154,6 +154,13 @@ class BatchEngine:
     def running_count(self) -> int:
         return len(self.running)
 
+    def stats(self) -> dict[str, int]:
+        """Queue, batch and cancellation counts, and work done so far."""
+        with self._cond:
+            waiting, aborts = len(self._incoming) + len(self.waiting), len(self._aborts)
+        return {"waiting": waiting, "running": len(self.running), "aborts_pending": aborts, "kv_slots": self.n_slots,
+                "steps": self.steps, "generated_tokens": self.generated_tokens}
+
     def check_admission(self, n_sequences: int) -> None:
         """Raise QueueFull when `n_sequences` more would push the queue past its bound."""
         depth = self.queue_depth()
@@ -326,7 +333,8 @@ class BatchEngine:
         piece = seq.scanner.feed(seq.detok.step(token))
         if seq.scanner.stopped:
             self._finish(seq, "stop", piece, token, lp)
-        elif len(seq.output_ids) >= seq.params.max_tokens or seq.pos >= self.pool.max_len:
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.pos + 1 >= self.pool.max_len:
+            # prompt + completion fill the context (as OpenAI and vLLM count it)
             self._finish(seq, "length", piece + seq.scanner.flush(), token, lp)
         else:
             self._emit(seq, SeqEvent(seq.seq_id, token, piece, lp, None, len(seq.prompt_ids), len(seq.output_ids)))

@@ -122,8 +122,10 @@ class _Request:
                 yield index, event
         finally:
             for i in submitted:
-                if self.choices[i].finish_reason is None:
+                if self.choices[i].finish_reason is None:  # the client left before this choice ended
                     self.engine.abort(self.seq_id(i))
+                    self.choices[i].finish_reason = "abort"
+                    self.metrics.requests.labels("abort").inc()
 
     def _record(self, choice: _Choice, event: SeqEvent) -> None:
         now = time.perf_counter()

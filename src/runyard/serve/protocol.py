@@ -189,6 +189,9 @@ def parse_body(raw: bytes) -> Any:
         raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
 
 
+_TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}
+
+
 def _param(loc: tuple) -> str | None:
     """pydantic's error location as OpenAI writes a param: `messages[0].role`. Union members that
     pydantic names in the location (`str`, `list[int]`...) are left out: field names never hold brackets."""
@@ -196,7 +199,7 @@ def _param(loc: tuple) -> str | None:
     for part in loc:
         if isinstance(part, int):
             out += f"[{part}]"
-        elif not any(c in str(part) for c in "[]()"):
+        elif part not in _TYPE_TAGS and not any(c in str(part) for c in "[]()"):
             out += ("." if out else "") + str(part)
     return out or None
 
