@@ -17,7 +17,8 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -158,9 +159,21 @@ def create_app(
     chat_template: ChatTemplate | None = None,
     traffic: TrafficObserver | None = None,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    on_shutdown: Sequence[Callable[[], None]] = (),
 ) -> FastAPI:
-    """The FastAPI app serving `engine` under `model_name`."""
-    app = FastAPI(title="runyard", description="OpenAI-compatible completions and chat over a runyard export")
+    """The FastAPI app serving `engine` under `model_name`. `on_shutdown` runs when the server stops
+    (uvicorn re-raises SIGTERM once it has shut down, so code after `uvicorn.run` would never run)."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        try:
+            yield
+        finally:
+            for close in on_shutdown:
+                close()
+
+    app = FastAPI(title="runyard", description="OpenAI-compatible completions and chat over a runyard export",
+                  lifespan=lifespan)
     metrics = ServerMetrics()
     metrics.watch(engine.queue_depth, engine.running_count, lambda: engine.n_slots)
     if traffic is not None:

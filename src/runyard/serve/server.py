@@ -119,6 +119,7 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
             chat_template=load_chat_template(export_dir),
             traffic=watch,
             max_body_bytes=options.max_body_bytes,
+            on_shutdown=[thing.close for thing in reversed(closers)],
         )
     except BaseException:
         for thing in closers:
@@ -132,9 +133,10 @@ def serve_export(export_dir: Path, options: ServeOptions | None = None) -> None:
     options = options or ServeOptions()
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ServeError(f"--device {options.device}: no CUDA device is available")
-    app, closers = build_app(export_dir, options)
+    app, closers = build_app(export_dir, options)  # the app's shutdown closes them
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level="info")
-    finally:
-        for thing in reversed(closers):
+    except BaseException:
+        for thing in reversed(closers):  # uvicorn never started (port taken...): close them here
             thing.close()
+        raise
