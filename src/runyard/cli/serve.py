@@ -73,8 +73,6 @@ def _export_dir(path: Path) -> Path:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    if args.drift_sustain < 0:
-        raise argparse.ArgumentTypeError("--drift-sustain must be >= 0")
     serve_export(
         _export_dir(args.run_dir),
         ServeOptions(

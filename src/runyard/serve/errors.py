@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-from runyard.errors import RunyardError
+from runyard.errors import EXIT_BAD_SPEC, RunyardError
 
 
 class ServeError(RunyardError):
     """Base class of serving errors."""
+
+
+class ServeConfigError(ServeError):
+    """The serve command's options contradict each other or the export (exit 2, before loading)."""
+
+    exit_code = EXIT_BAD_SPEC
 
 
 class InvalidRequest(ServeError):

@@ -99,9 +99,11 @@ class _Request:
     def seq_id(self, index: int) -> str:
         return f"{self.id}-{index}"
 
-    async def events(self) -> AsyncIterator[tuple[int, SeqEvent]]:
-        """(choice index, event) as the engine produces them. Leaving early (the client went away)
-        cancels the choices still running."""
+    async def events(self) -> AsyncIterator[list[tuple[int, SeqEvent]]]:
+        """Lists of (choice index, event) as the engine produces them: every event already waiting
+        comes in one list, so a stream that falls behind the engine sends fewer, larger chunks (as
+        vLLM's stream interval does) instead of falling further behind. Leaving early (the client
+        went away) cancels the choices still running."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[int, SeqEvent]] = asyncio.Queue()
 
@@ -116,11 +118,14 @@ class _Request:
                 self.metrics.prompt_tokens.inc(len(choice.prompt_ids))
             remaining = len(self.choices)
             while remaining:
-                index, event = await queue.get()
-                self._record(self.choices[index], event)
-                if event.finish_reason is not None:
-                    remaining -= 1
-                yield index, event
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
+                for index, event in batch:
+                    self._record(self.choices[index], event)
+                    if event.finish_reason is not None:
+                        remaining -= 1
+                yield batch
         finally:
             for i in submitted:
                 if self.choices[i].finish_reason is None:  # the client left before this choice ended
@@ -323,8 +328,9 @@ def create_app(
         events = flight.events()
 
         async def consume() -> None:
-            async for index, event in events:
-                on_event(index, event)
+            async for batch in events:
+                for index, event in batch:
+                    on_event(index, event)
 
         task = asyncio.create_task(consume())
         try:
@@ -361,13 +367,26 @@ def create_app(
 
         if req.stream:
             async def stream() -> AsyncIterator[str]:
-                async for index, event in flight.events():
-                    choice = flight.choices[index]
-                    lp = None
-                    if want_logprobs and event.logprobs is not None:
-                        lp = choice.logprobs.add(event.logprobs, len(choice.text) - len(event.text))
-                    if event.text or lp is not None or event.finish_reason is not None:
-                        yield sse(chunk(index, event.text, lp, event.finish_reason))
+                async for batch in flight.events():
+                    out = []
+                    for index, events in _by_choice(batch):
+                        choice = flight.choices[index]
+                        text = "".join(e.text for e in events)
+                        lp = None
+                        if want_logprobs:
+                            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                            offset = len(choice.text) - len(text)
+                            for e in events:
+                                if e.logprobs is not None:
+                                    for key, values in choice.logprobs.add(e.logprobs, offset).items():
+                                        lp[key] += values
+                                offset += len(e.text)
+                            lp = lp if lp["tokens"] else None
+                        reason = events[-1].finish_reason
+                        if text or lp is not None or reason is not None:
+                            out.append(sse(chunk(index, text, lp, reason)))
+                    if out:
+                        yield "".join(out)
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield sse({"id": flight.id, "object": "text_completion", "created": flight.created,
                                "model": model_name, "choices": [], "usage": flight.usage()})
@@ -411,13 +430,21 @@ def create_app(
             async def stream() -> AsyncIterator[str]:
                 for i in range(len(flight.choices)):
                     yield sse(chunk(i, {"role": "assistant", "content": ""}, None, None))
-                async for index, event in flight.events():
-                    choice = flight.choices[index]
-                    lp = choice.logprobs.add(event.logprobs) if want_logprobs and event.logprobs is not None else None
-                    if event.text or lp is not None:
-                        yield sse(chunk(index, {"content": event.text}, lp, None))
-                    if event.finish_reason is not None:
-                        yield sse(chunk(index, {}, None, event.finish_reason))
+                async for batch in flight.events():
+                    out = []
+                    for index, events in _by_choice(batch):
+                        choice = flight.choices[index]
+                        text = "".join(e.text for e in events)
+                        lp = None
+                        if want_logprobs:
+                            content = [choice.logprobs.add(e.logprobs)["content"][0] for e in events if e.logprobs is not None]
+                            lp = {"content": content} if content else None
+                        if text or lp is not None:
+                            out.append(sse(chunk(index, {"content": text}, lp, None)))
+                        if events[-1].finish_reason is not None:
+                            out.append(sse(chunk(index, {}, None, events[-1].finish_reason)))
+                    if out:
+                        yield "".join(out)
                 if req.stream_options is not None and req.stream_options.include_usage:
                     yield sse({"id": flight.id, "object": "chat.completion.chunk", "created": flight.created,
                                "model": model_name, "choices": [], "usage": flight.usage()})
@@ -480,6 +507,14 @@ def create_app(
         return {"enabled": True, **traffic.status()}
 
     return app
+
+
+def _by_choice(batch: list[tuple[int, SeqEvent]]) -> list[tuple[int, list[SeqEvent]]]:
+    """A batch of events grouped by choice, choices in order of their first event."""
+    groups: dict[int, list[SeqEvent]] = {}
+    for index, event in batch:
+        groups.setdefault(index, []).append(event)
+    return list(groups.items())
 
 
 class _TooLarge(Exception):

@@ -18,11 +18,11 @@ from fastapi import FastAPI
 from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
 from runyard.serve.chat import load_chat_template
 from runyard.serve.drift import DriftMonitor, DriftReference
-from runyard.serve.errors import ServeError
+from runyard.serve.errors import ServeConfigError
 from runyard.serve.export import ExportError, load_export, read_export_config
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
-from runyard.serve.retrain import Retrainer
+from runyard.serve.retrain import Retrainer, read_spec_mapping
 from runyard.serve.scheduler import SchedulerConfig
 from runyard.serve.vllm_engine import VllmEngine
 from runyard.serve.watch import TrafficWatch
@@ -60,12 +60,26 @@ def model_name_for(export_dir: Path) -> str:
     return str(name or Path(export_dir).resolve().parent.name)
 
 
+def check_options(export_dir: Path, options: ServeOptions) -> None:
+    """Refuse contradictory options before anything is loaded."""
+    if options.engine not in ("runyard", "vllm"):
+        raise ServeConfigError(f"unknown engine {options.engine!r}: expected 'runyard' or 'vllm'")
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ServeConfigError(f"--device {options.device}: no CUDA device is available")
+    if (options.retrain_spec is None) != (options.control_url is None):
+        raise ServeConfigError("--retrain-spec and --control go together: the spec to retrain and where to submit it")
+    if options.retrain_spec is not None and options.log_requests is None:
+        raise ServeConfigError("--retrain-spec needs --log-requests DIR: the retraining data includes the logged traffic")
+    if options.retrain_spec is not None and DriftReference.load(export_dir) is None:
+        raise ServeConfigError(f"{export_dir} has no drift reference, so drift cannot trigger retraining")
+    if options.drift_sustain_requests < 0 or options.drift_check_every < 1:
+        raise ServeConfigError("--drift-sustain must be >= 0 and --drift-check-every >= 1")
+
+
 def build_engine(export_dir: Path, options: ServeOptions):
     """The engine for `options.engine` over `export_dir`."""
     if options.engine == "vllm":
         return VllmEngine(export_dir, tensor_parallel_size=options.tensor_parallel_size, max_queue=options.max_queue)
-    if options.engine != "runyard":
-        raise ServeError(f"unknown engine {options.engine!r}: expected 'runyard' or 'vllm'")
     model, _cfg, tokenizer = load_export(export_dir, device=options.device)
     engine = BatchEngine(
         model,
@@ -85,16 +99,9 @@ def build_watch(export_dir: Path, options: ServeOptions) -> TrafficWatch | None:
     the options ask."""
     reference = DriftReference.load(export_dir)
     monitor = DriftMonitor(reference) if reference is not None else None
-    log_dir = options.log_requests
-    if options.retrain_spec is not None and log_dir is None:
-        raise ServeError("--retrain-spec needs --log-requests DIR: the retraining data includes the logged traffic")
-    if (options.retrain_spec is None) != (options.control_url is None):
-        raise ServeError("--retrain-spec and --control go together: the spec to retrain and where to submit it")
-    request_log = RequestLog(log_dir) if log_dir is not None else None
+    request_log = RequestLog(options.log_requests) if options.log_requests is not None else None
     retrainer = None
     if options.retrain_spec is not None:
-        if monitor is None:
-            raise ServeError(f"{export_dir} has no drift reference, so drift cannot trigger retraining")
         retrainer = Retrainer(options.retrain_spec, options.control_url, export_dir, request_log)
     if monitor is None and request_log is None:
         return None
@@ -107,6 +114,9 @@ def build_watch(export_dir: Path, options: ServeOptions) -> TrafficWatch | None:
 def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
     """The app for an export, and the things to close when it stops (engine, watch)."""
     export_dir = Path(export_dir)
+    check_options(export_dir, options)
+    if options.retrain_spec is not None:
+        read_spec_mapping(options.retrain_spec)  # a bad spec is refused now, not at the first drift event
     engine = build_engine(export_dir, options)
     closers = [engine]
     try:
@@ -131,8 +141,6 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
 def serve_export(export_dir: Path, options: ServeOptions | None = None) -> None:
     """Load an export and serve it until interrupted."""
     options = options or ServeOptions()
-    if options.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ServeError(f"--device {options.device}: no CUDA device is available")
     app, closers = build_app(export_dir, options)  # the app's shutdown closes them
     try:
         uvicorn.run(app, host=options.host, port=options.port, log_level="info")

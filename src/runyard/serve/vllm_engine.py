@@ -24,7 +24,7 @@ from tokenizers import Tokenizer
 
 from runyard.serve.batch_engine import SeqEvent, Sink
 from runyard.serve.engine import find_eos_id
-from runyard.serve.errors import InvalidRequest, QueueFull, ServeError
+from runyard.serve.errors import InvalidRequest, QueueFull, ServeConfigError
 from runyard.serve.sampling import SamplingParams, TokenLogprobs
 
 log = logging.getLogger("runyard.serve")
@@ -36,14 +36,14 @@ def check_hf_directory(export_dir: Path) -> dict[str, Any]:
     try:
         config = json.loads(config_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
-        raise ServeError(f"vLLM needs a Hugging Face model directory; cannot read {config_path}: {exc}") from None
+        raise ServeConfigError(f"vLLM needs a Hugging Face model directory; cannot read {config_path}: {exc}") from None
     if not isinstance(config, dict) or not config.get("architectures"):
-        raise ServeError(
+        raise ServeConfigError(
             f"vLLM needs a Hugging Face model directory, and {config_path} names no 'architectures' "
             "(this is runyard's own export format; serve it with --engine runyard)"
         )
     if not (Path(export_dir) / "tokenizer.json").is_file():
-        raise ServeError(f"{export_dir} has no tokenizer.json")
+        raise ServeConfigError(f"{export_dir} has no tokenizer.json")
     return config
 
 
@@ -56,11 +56,11 @@ class VllmEngine:
     ):
         config = check_hf_directory(export_dir)
         if not torch.cuda.is_available():
-            raise ServeError("--engine vllm needs a CUDA GPU, and none is available")
+            raise ServeConfigError("--engine vllm needs a CUDA GPU, and none is available")
         try:
             import vllm  # optional extra: imported only when this engine is chosen
         except ImportError:
-            raise ServeError("--engine vllm needs the vllm package (pip install vllm)") from None
+            raise ServeConfigError("--engine vllm needs the vllm package (pip install vllm)") from None
         self._vllm = vllm
         self.tokenizer = Tokenizer.from_file(str(Path(export_dir) / "tokenizer.json"))
         self.context_length = int(config.get("max_position_embeddings") or 2048)
