@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import glob
 import json
 import os
@@ -64,7 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=2048)
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
-    p.add_argument("--requests", type=int, default=64, help="requests per configuration (at least the clients)")
+    p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (at least 16 in all)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for both sides")
     p.add_argument("--seed", type=int, default=0)
@@ -112,6 +113,12 @@ def make_workload(tok: Tokenizer, texts: list[str], n: int, seed: int) -> list[t
 # -- runyard: a real server process and streaming HTTP clients ---------------------------------------
 
 
+def _die_with_parent() -> None:
+    """In the server's process: Linux sends it SIGTERM when this benchmark dies, however it dies."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class RunyardServer:
     def __init__(self, export_dir: Path, threads: int, max_batch: int, extra: tuple[str, ...] = ()):
         self.port = free_port()
@@ -120,7 +127,7 @@ class RunyardServer:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runyard", "serve", str(export_dir), "--port", str(self.port),
              "--max-batch", str(max_batch), "--max-queue", "4096", *extra],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + 120
         while True:
@@ -144,23 +151,31 @@ class RunyardServer:
             self.proc.wait()
 
 
-async def _stream_one(client: httpx.AsyncClient, prompt: list[int], n: int, result: Result) -> None:
-    body = {"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def _stream_one(url: str, prompt: list[int], n: int, result: Result) -> None:
+    """One streaming completion over a plain HTTP/1.1 connection, read line by line. (A lean client:
+    on a two-core machine a heavy one would take CPU from the server it is measuring.)"""
+    host, port = url.removeprefix("http://").split(":")
+    body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
+                       "stream_options": {"include_usage": True}}).encode()
     sent = time.perf_counter()
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    await writer.drain()
     first = last = None
     tokens = 0
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            chunk = json.loads(line[6:])
-            if chunk.get("usage"):
-                tokens = chunk["usage"]["completion_tokens"]
-                continue
-            last = time.perf_counter()
-            first = first or last
+    status = (await reader.readline()).split()[1]
+    if status != b"200":
+        raise RuntimeError(f"runyard answered {status.decode()}: {(await reader.read()).decode()[:500]}")
+    async for line in reader:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        if b'"usage"' in line and b'"choices":[]' in line.replace(b" ", b""):
+            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+            continue
+        last = time.perf_counter()
+        first = first or last
+    writer.close()
     result.output_tokens += tokens
     result.ttft_s.append(first - sent)
     result.tpot_s.append((last - first) / max(1, tokens - 1))
@@ -173,16 +188,15 @@ def run_runyard(url: str, workload: list[tuple[list[int], int]], clients: int) -
         jobs: asyncio.Queue = asyncio.Queue()
         for item in workload:
             jobs.put_nowait(item)
-        limits = httpx.Limits(max_connections=clients + 4)
-        async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-            async def worker() -> None:
-                while not jobs.empty():
-                    prompt, n = jobs.get_nowait()
-                    await _stream_one(client, prompt, n, result)
 
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(clients)))
-            result.wall_s = time.perf_counter() - start
+        async def worker() -> None:
+            while not jobs.empty():
+                prompt, n = jobs.get_nowait()
+                await _stream_one(url, prompt, n, result)
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(clients)))
+        result.wall_s = time.perf_counter() - start
         return result
 
     return asyncio.run(main())
@@ -237,7 +251,7 @@ def run_hf(model, workload: list[tuple[list[int], int]], clients: int, static: b
             result.output_tokens += len(times)
             done.set()
 
-    threads = [threading.Thread(target=client) for _ in range(clients)]
+    threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
     start = time.perf_counter()
     for t in threads:
         t.start()
@@ -294,6 +308,7 @@ def summary(runs: list[Result]) -> dict[str, tuple[float, float, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
     import transformers  # optional extra (bench): the peer
 
     torch.set_num_threads(args.threads)
@@ -324,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             for r in range(args.repeats):
                 for clients in args.clients:
-                    workload = make_workload(tok, texts, max(args.requests, clients), args.seed + clients)
+                    workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
                     modes = ["runyard", "hf one at a time", "hf static batch"]
                     modes = modes[r % 3 :] + modes[: r % 3]  # interleaved: each round starts elsewhere
                     for mode in modes:
@@ -376,7 +391,7 @@ def measure_vllm(hf, tok: Tokenizer, args: argparse.Namespace) -> None:
         try:
             _tok, texts = tok, make_tokenizer(args.vocab)[1]
             for clients in args.clients:
-                runs = [run_runyard(server.url, make_workload(tok, texts, max(args.requests, clients), args.seed + clients),
+                runs = [run_runyard(server.url, make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients),
                                     clients) for _ in range(args.repeats)]
                 s = summary(runs)
                 print(f"vllm (GPU) {clients:>2} clients: " + ", ".join(f"{k} {m:.1f}" for k, (m, _lo, _hi) in s.items()))

@@ -10,6 +10,8 @@ import time
 import httpx
 import pytest
 
+from runyard.serve.metrics import RATE_WINDOW_S, ServerMetrics
+
 from .api_fixtures import live_server
 
 HOSTILE = [
@@ -164,6 +166,14 @@ def test_metrics_report_queue_batch_latency_and_throughput(live):
     tokens = m["runyard_generation_tokens_total"]
     assert 3 <= tokens <= 24
     assert m["runyard_inter_token_latency_seconds_count"] == tokens - 3  # gaps between each request's tokens
-    assert m["runyard_generation_tokens_per_second"] > 0
+    assert m["runyard_generation_tokens_per_second"] >= 0  # over the last 10 s (see the unit test below)
     assert m['runyard_request_errors_total{status="400"}'] == 1
     assert sum(v for k, v in m.items() if k.startswith("runyard_requests_total{")) == 3
+
+
+def test_tokens_per_second_is_over_the_recent_window():
+    metrics = ServerMetrics()
+    metrics.tokens(50)
+    metrics.tokens(30)
+    assert metrics._rate() == 80 / RATE_WINDOW_S
+    assert b"runyard_generation_tokens_per_second 8.0" in metrics.render()

@@ -14,9 +14,12 @@ Every refusal is a 4xx in OpenAI's error shape naming the field; the server itse
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import threading
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -85,6 +88,43 @@ class _Choice:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
+class _LoopDispatcher:
+    """Hands events from the engine thread to the event loop with one wake-up per burst rather than
+    one per token: a step's events for every running request land together."""
+
+    _by_loop: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # one per event loop
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[tuple[asyncio.Queue, Any]] = []
+        self._scheduled = False
+
+    @classmethod
+    def for_running_loop(cls) -> _LoopDispatcher:
+        loop = asyncio.get_running_loop()
+        dispatcher = cls._by_loop.get(loop)
+        if dispatcher is None:
+            dispatcher = cls._by_loop[loop] = cls(loop)
+        return dispatcher
+
+    def post(self, queue: asyncio.Queue, item: Any) -> None:
+        """Called from any thread."""
+        with self._lock:
+            self._pending.append((queue, item))
+            if self._scheduled:
+                return
+            self._scheduled = True
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is listening any more
+            self.loop.call_soon_threadsafe(self._drain)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending, self._scheduled = self._pending, [], False
+        for queue, item in pending:
+            queue.put_nowait(item)
+
+
 class _Request:
     """One HTTP request's choices in flight, and its metrics."""
 
@@ -104,11 +144,11 @@ class _Request:
         comes in one list, so a stream that falls behind the engine sends fewer, larger chunks (as
         vLLM's stream interval does) instead of falling further behind. Leaving early (the client
         went away) cancels the choices still running."""
-        loop = asyncio.get_running_loop()
+        dispatcher = _LoopDispatcher.for_running_loop()
         queue: asyncio.Queue[tuple[int, SeqEvent]] = asyncio.Queue()
 
         def sink_for(index: int) -> Sink:
-            return lambda event: loop.call_soon_threadsafe(queue.put_nowait, (index, event))
+            return lambda event: dispatcher.post(queue, (index, event))
 
         submitted = []
         try:
