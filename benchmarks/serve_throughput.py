@@ -6,8 +6,11 @@ max 256), sent by 1, 8 and 32 concurrent clients, each client
 sending its next request when the last one is done (a closed loop). The tokenizer has no
 end-of-text token, so every request generates exactly its output length on both sides.
 
-- runyard: `runyard serve` on the export, in its own process, clients streaming over HTTP (SSE);
-  time to first token and time per output token are measured at the client, so they include HTTP.
+- runyard engine: the continuous-batching engine in this process, driven by client threads exactly
+  as HF is below (no HTTP on either side): the like-for-like comparison.
+- runyard http: `runyard serve` on the export, in its own process, clients streaming over HTTP (SSE);
+  time to first token and time per output token are measured at the client, so they include HTTP
+  (on a two-core machine, the server's event loop and the clients share the cores with the engine).
 - HF one at a time: `LlamaForCausalLM.generate` with its KV cache, one request after another in
   arrival order (what a server without batching does).
 - HF statically batched: whatever requests are waiting (up to 32) form one batch, left-padded, and
@@ -50,7 +53,9 @@ from train_throughput import build_hf, copy_weights_to_hf
 from runyard.http_thread import free_port
 from runyard.model.config import default_ffn_hidden
 from runyard.model.transformer import ModelConfig, Transformer
+from runyard.serve.batch_engine import BatchEngine, SeqEvent
 from runyard.serve.export import export_model
+from runyard.serve.sampling import SamplingParams
 
 # Long-tailed, as real completions are (most short, a few long): the waste static batching pays for.
 OUTPUT_LENGTHS = (16, 16, 16, 32, 32, 64, 128, 256)
@@ -124,15 +129,18 @@ class RunyardServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        # A file, not a pipe nobody reads: a full pipe would stall the server. Closed in close().
+        self.log = tempfile.TemporaryFile()  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "runyard", "serve", str(export_dir), "--port", str(self.port),
              "--max-batch", str(max_batch), "--max-queue", "4096", *extra],
-            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=_die_with_parent,
+            env=env, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=_die_with_parent,
         )
         deadline = time.monotonic() + 120
         while True:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"runyard serve exited: {self.proc.stderr.read().decode()[-2000:]}")
+                self.log.seek(0)
+                raise RuntimeError(f"runyard serve exited: {self.log.read().decode()[-2000:]}")
             try:
                 if httpx.get(self.url + "/healthz", timeout=2).status_code == 200:
                     return
@@ -149,6 +157,7 @@ class RunyardServer:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+        self.log.close()
 
 
 async def _stream_one(url: str, prompt: list[int], n: int, result: Result) -> None:
@@ -200,6 +209,46 @@ def run_runyard(url: str, workload: list[tuple[list[int], int]], clients: int) -
         return result
 
     return asyncio.run(main())
+
+
+def run_engine(engine: BatchEngine, workload: list[tuple[list[int], int]], clients: int) -> Result:
+    """runyard's engine in this process, driven by client threads like HF's (no HTTP on either side)."""
+    result = Result()
+    pending = list(workload)
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        while True:
+            with lock:
+                if not pending:
+                    return
+                prompt, n = pending.pop(0)
+            done = threading.Event()
+            times: list[float] = []
+
+            def sink(event: SeqEvent, times: list[float] = times, done: threading.Event = done) -> None:
+                if event.token_id is not None:
+                    times.append(time.perf_counter())
+                if event.finish_reason is not None:
+                    done.set()
+
+            sent = time.perf_counter()
+            engine.submit(f"c{k}-{len(pending)}", prompt, SamplingParams(max_tokens=n, temperature=0), sink)
+            done.wait()
+            with lock:
+                result.ttft_s.append(times[0] - sent)
+                result.tpot_s.append((times[-1] - times[0]) / max(1, len(times) - 1))
+                result.latency_s.append(times[-1] - sent)
+                result.output_tokens += len(times)
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    result.wall_s = time.perf_counter() - start
+    return result
 
 
 # -- HF transformers generate, one at a time or statically batched -----------------------------------
@@ -336,24 +385,28 @@ def main(argv: list[str] | None = None) -> int:
         export = export_model(ours, cfg, tok_path, Path(tmp) / "export")
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
+        engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
         try:
             for r in range(args.repeats):
                 for clients in args.clients:
                     workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
-                    modes = ["runyard", "hf one at a time", "hf static batch"]
-                    modes = modes[r % 3 :] + modes[: r % 3]  # interleaved: each round starts elsewhere
+                    modes = ["runyard http", "runyard engine", "hf one at a time", "hf static batch"]
+                    modes = modes[r % 4 :] + modes[: r % 4]  # interleaved: each round starts elsewhere
                     for mode in modes:
-                        if mode == "runyard":
+                        if mode == "runyard http":
                             res = run_runyard(server.url, workload, clients)
+                        elif mode == "runyard engine":
+                            res = run_engine(engine, workload, clients)
                         else:
                             res = run_hf(hf, workload, clients, static=mode.endswith("batch"), pad_id=0)
                         results.setdefault((mode, clients), []).append(res)
                         print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s", flush=True)
         finally:
+            engine.close()
             server.close()
 
     print()
-    header = f"{'engine':<18}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(results[('runyard', args.clients[0])]))
+    header = f"{'engine':<18}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(next(iter(results.values()))))
     print(header)
     table = {}
     for (mode, clients), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
@@ -361,17 +414,24 @@ def main(argv: list[str] | None = None) -> int:
         table[(mode, clients)] = s
         cells = "".join(f"{f'{m:.1f} ({lo:.1f}..{hi:.1f})':>24}" for m, lo, hi in s.values())
         print(f"{mode:<18}{clients:>8}{cells}")
-    print("(median over rounds, min..max in brackets; runyard measured over HTTP at the client, HF in-process)")
+    print("(median over rounds, min..max in brackets; 'runyard http': `runyard serve` measured at streaming HTTP "
+          "clients; 'runyard engine' and HF: in this process, no HTTP)")
 
     top, one = max(args.clients), min(args.clients)
-    ratio = table[("runyard", top)]["tokens/s"][0] / table[("hf static batch", top)]["tokens/s"][0]
-    print(f"RATIO serve_tokens_per_s_{top}_clients {ratio:.2f} (HF generate statically batched, target >= 3.0)")
-    ratio = table[("runyard", one)]["latency p50 ms"][0] / table[("hf one at a time", one)]["latency p50 ms"][0]
-    print(f"RATIO serve_request_latency_{one}_client {ratio:.2f} (HF generate, target <= 1.1)")
-    ratio = table[("runyard", one)]["tpot p50 ms"][0] / table[("hf one at a time", one)]["tpot p50 ms"][0]
-    print(f"RATIO serve_inter_token_latency_{one}_client {ratio:.2f} (HF generate, target <= 1.1)")
-    ratio = table[("runyard", top)]["tokens/s"][0] / table[("hf one at a time", top)]["tokens/s"][0]
-    print(f"RATIO serve_tokens_per_s_{top}_clients_vs_sequential {ratio:.2f} (HF generate one at a time, no target)")
+
+    def ratio(mode: str, peer: str, clients: int, figure: str) -> float:
+        return table[(mode, clients)][figure][0] / table[(peer, clients)][figure][0]
+
+    for mode in ("runyard engine", "runyard http"):
+        tag = mode.split()[1]
+        print(f"RATIO serve_{tag}_tokens_per_s_{top}_clients {ratio(mode, 'hf static batch', top, 'tokens/s'):.2f} "
+              "(HF generate statically batched, target >= 3.0)")
+        print(f"RATIO serve_{tag}_request_latency_{one}_client {ratio(mode, 'hf one at a time', one, 'latency p50 ms'):.2f} "
+              "(HF generate, target <= 1.1)")
+        print(f"RATIO serve_{tag}_time_per_output_token_{one}_client "
+              f"{ratio(mode, 'hf one at a time', one, 'tpot p50 ms'):.2f} (HF generate, target <= 1.1)")
+        print(f"RATIO serve_{tag}_ttft_p50_{top}_clients {ratio(mode, 'hf static batch', top, 'ttft p50 ms'):.2f} "
+              "(HF generate statically batched, lower is better, no target)")
     if vllm_available():
         measure_vllm(hf, tok, args)
     else:

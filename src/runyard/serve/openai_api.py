@@ -37,6 +37,7 @@ from runyard.serve.metrics import ServerMetrics
 from runyard.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
 from runyard.serve.responses import (
     ChatLogprobs,
+    ChunkWriter,
     CompletionLogprobs,
     TokenText,
     error_response,
@@ -399,11 +400,10 @@ def create_app(
         for c in flight.choices:
             c.logprobs = CompletionLogprobs(token_text) if want_logprobs else None
 
-        def chunk(index: int, text: str, logprobs: Any, reason: str | None) -> dict[str, Any]:
-            return {
-                "id": flight.id, "object": "text_completion", "created": flight.created, "model": model_name,
-                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}],
-            }
+        writer = ChunkWriter(flight.id, "text_completion", flight.created, model_name)
+
+        def chunk(index: int, text: str, logprobs: Any, reason: str | None) -> str:
+            return writer(index, {"text": text, "logprobs": logprobs, "finish_reason": reason})
 
         if req.stream:
             async def stream() -> AsyncIterator[str]:
@@ -460,11 +460,10 @@ def create_app(
         for c in flight.choices:
             c.logprobs = ChatLogprobs(token_text) if want_logprobs else None
 
-        def chunk(index: int, delta: dict[str, Any], logprobs: Any, reason: str | None) -> dict[str, Any]:
-            return {
-                "id": flight.id, "object": "chat.completion.chunk", "created": flight.created, "model": model_name,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}],
-            }
+        writer = ChunkWriter(flight.id, "chat.completion.chunk", flight.created, model_name)
+
+        def chunk(index: int, delta: dict[str, Any], logprobs: Any, reason: str | None) -> str:
+            return writer(index, {"delta": delta, "logprobs": logprobs, "finish_reason": reason})
 
         if req.stream:
             async def stream() -> AsyncIterator[str]:

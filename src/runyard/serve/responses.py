@@ -28,6 +28,19 @@ def sse(payload: dict[str, Any] | str) -> str:
     return f"data: {data}\n\n"
 
 
+class ChunkWriter:
+    """A request's streaming chunks as JSON text, with the part that never changes (id, object,
+    created, model) serialised once: a chunk per token per stream is the server's hottest path."""
+
+    def __init__(self, chunk_id: str, object_name: str, created: int, model: str):
+        fixed = json.dumps({"id": chunk_id, "object": object_name, "created": created, "model": model})
+        self.head = fixed[:-1] + ',"choices":[{"index":'  # the object left open for the choice
+
+    def __call__(self, index: int, fields: dict[str, Any]) -> str:
+        """`{..., "choices": [{"index": index, **fields}]}` as text."""
+        return f"{self.head}{index},{json.dumps(fields, ensure_ascii=False)[1:]}]}}"
+
+
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,
