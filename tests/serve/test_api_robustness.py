@@ -177,3 +177,15 @@ def test_tokens_per_second_is_over_the_recent_window():
     metrics.tokens(30)
     assert metrics._rate() == 80 / RATE_WINDOW_S
     assert b"runyard_generation_tokens_per_second 8.0" in metrics.render()
+
+
+def test_a_failed_engine_fails_health_and_refuses_with_503(tokenizer, make_model):
+    model = make_model(tokenizer)
+    with live_server(model, tokenizer) as live:
+        model.tok_emb.weight.data = model.tok_emb.weight.data[:10]  # break the model: the next step raises
+        r = live.http.post("/v1/completions", json={"prompt": "def ", "max_tokens": 3})
+        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+        health = live.http.get("/healthz")
+        assert health.status_code == 503 and health.json()["status"] == "failed" and health.json()["error"]
+        r = live.http.post("/v1/completions", json={"prompt": "def ", "max_tokens": 3})
+        assert r.status_code == 503

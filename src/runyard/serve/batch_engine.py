@@ -154,6 +154,11 @@ class BatchEngine:
     def running_count(self) -> int:
         return len(self.running)
 
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped, if a step failed (it then refuses new sequences)."""
+        return self._failed
+
     def stats(self) -> dict[str, int]:
         """Queue, batch and cancellation counts, and work done so far."""
         with self._cond:
@@ -288,6 +293,7 @@ class BatchEngine:
     @torch.inference_mode()
     def _prefill(self, seqs: list[_Sequence]) -> None:
         first = len(self.running)
+        self.running.extend(seqs)  # before the forward: if it fails, the failure handler ends them too
         lengths = [len(s.prompt_ids) for s in seqs]
         idx = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
         for i, s in enumerate(seqs):
@@ -299,7 +305,6 @@ class BatchEngine:
         for s, n in zip(seqs, lengths, strict=True):
             s.pos = n
             s.started = time.perf_counter()
-            self.running.append(s)
         self._sample(seqs, logits)
 
     @torch.inference_mode()

@@ -386,9 +386,13 @@ def create_app(
         }]}
 
     @app.get("/healthz")
-    async def healthz() -> dict[str, Any]:
-        return {"status": "ok", "model": model_name, "queue_depth": engine.queue_depth(),
-                "running": engine.running_count(), "kv_slots": engine.n_slots}
+    async def healthz() -> JSONResponse:
+        failure = getattr(engine, "failure", None)  # a load balancer takes a failed replica out
+        return JSONResponse(
+            {"status": "failed" if failure else "ok", "model": model_name, "queue_depth": engine.queue_depth(),
+             "running": engine.running_count(), "kv_slots": engine.n_slots, "error": failure},
+            status_code=503 if failure else 200,
+        )
 
     @app.get("/metrics")
     async def prometheus() -> Response:
