@@ -433,13 +433,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"RATIO serve_{tag}_ttft_p50_{top}_clients {ratio(mode, 'hf static batch', top, 'ttft p50 ms'):.2f} "
               "(HF generate statically batched, lower is better, no target)")
     if vllm_available():
-        measure_vllm(hf, tok, args)
+        measure_vllm(hf, tok, texts, args)
     else:
         print("vLLM: not measured (needs a CUDA GPU and the vllm package)")
     return 0
 
 
-def measure_vllm(hf, tok: Tokenizer, args: argparse.Namespace) -> None:
+def measure_vllm(hf, tok: Tokenizer, texts: list[str], args: argparse.Namespace) -> None:
     """The same clients against `runyard serve --engine vllm` on the same weights as a Hugging Face
     directory (bf16 on the GPU, so its figures stand beside the CPU ones, not against them)."""
     with tempfile.TemporaryDirectory(prefix="serve-bench-hf-") as tmp:
@@ -449,7 +449,6 @@ def measure_vllm(hf, tok: Tokenizer, args: argparse.Namespace) -> None:
         (Path(tmp) / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
         server = RunyardServer(Path(tmp), args.threads, max(args.clients), extra=("--engine", "vllm"))
         try:
-            _tok, texts = tok, make_tokenizer(args.vocab)[1]
             for clients in args.clients:
                 runs = [run_runyard(server.url, make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients),
                                     clients) for _ in range(args.repeats)]
