@@ -46,7 +46,7 @@ from runyard.plan.stages import (
     steady_tokens_per_s,
     write_gates,
 )
-from runyard.serve.drift import DriftReference
+from runyard.serve.drift import build_reference
 from runyard.serve.engine import Generator
 from runyard.serve.export import export_model, load_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
@@ -137,6 +137,7 @@ def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None
         **{f"{s.name}.init": derive_seed(spec.seed, "init", s.name) for s in spec.stages},
         **{f"{s.name}.data": derive_seed(spec.seed, "data", s.name) for s in spec.stages},
         **evaluation_seeds(spec.seed),
+        "drift_reference": derive_seed(spec.seed, "drift"),
     }
     mf.write_manifest(run_dir, manifest)
 
@@ -252,8 +253,8 @@ def evaluate_and_export(
     export_model(model, config, prepared.tokenizer_path, export_dir,
                  extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
                  family=last_stage.model.family)
-    # The training token distribution, for drift monitoring of live requests (serve/drift.py).
-    DriftReference([int(c) for c in counts]).save(export_dir)
+    # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py).
+    build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift")).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
     generator = Generator(exported, tokenizer, device=str(device))
     samples = []

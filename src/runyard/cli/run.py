@@ -1,4 +1,4 @@
-"""Verbs of a run's life: run, train, resume, plan, generate, serve, show."""
+"""Verbs of a run's life: run, train, resume, plan, generate, show (serve: cli/serve.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from runyard import rundir
+from runyard.cli.readers import export_dir_of, say_if_live
 from runyard.errors import RunyardError
 from runyard.train.launch import run_worker
 
@@ -101,19 +102,6 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.set_defaults(handler=cmd_generate)
-
-    p = verbs.add_parser(
-        "serve",
-        help="serve a run's exported model over an OpenAI-compatible HTTP API",
-        description="Load RUN_DIR/export and serve POST /v1/completions (streaming with stream=true), "
-        "GET /healthz, GET /metrics (Prometheus: latency percentiles, drift) and GET /v1/drift (how far "
-        "live prompts have moved from the training distribution).",
-    )
-    p.add_argument("run_dir", type=Path, help="run directory (or its export/ directory)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
-    p.add_argument("--device", default="cpu", help="torch device to serve on (default cpu)")
-    p.set_defaults(handler=cmd_serve)
 
     p = verbs.add_parser(
         "show",
@@ -268,31 +256,11 @@ def cmd_generate(args) -> int:
     if problems:
         raise SpecError("generate command line", problems)
     say_if_live(args.run_dir)
-    model, _cfg, tokenizer = load_export(_export_dir(args.run_dir))
+    model, _cfg, tokenizer = load_export(export_dir_of(args.run_dir))
     text = Generator(model, tokenizer).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
     print(args.prompt + text)
-    return 0
-
-
-def _export_dir(path: Path) -> Path:
-    return path / "export" if (path / "export").is_dir() else path
-
-
-def say_if_live(path: Path) -> None:
-    """Readers read only committed results; when a writer holds the run, say so (on stderr)."""
-    run_dir = path.parent if path.name == "export" else path
-    message = rundir.live_message(run_dir)
-    if message:
-        print(f"runyard: {message}", file=sys.stderr)
-
-
-def cmd_serve(args) -> int:
-    from runyard.serve.server import serve_export
-
-    say_if_live(args.run_dir)
-    serve_export(_export_dir(args.run_dir), host=args.host, port=args.port, device=args.device)
     return 0
 
 

@@ -20,10 +20,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from runyard.model.config import ModelConfig, default_ffn_hidden
-from runyard.model.kv_cache import KVCache
+from runyard.model.kv_cache import KVCache, KVPool, PoolDecode, PoolPrefill
 from runyard.model.ops import rms_norm, rotary_qk, rotary_tables, swiglu
 
-__all__ = ["KVCache", "ModelConfig", "Transformer", "default_ffn_hidden"]
+__all__ = ["KVCache", "KVPool", "ModelConfig", "Transformer", "default_ffn_hidden"]
+
+KVView = KVCache | PoolPrefill | PoolDecode  # what attention layers accept as `kv_cache`
 
 INIT_STD = 0.02
 
@@ -51,7 +53,7 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: KVCache | None = None,
+        kv_cache: KVView | None = None,
         layer: int = 0,
         start_pos: int = 0,
     ) -> torch.Tensor:
@@ -66,13 +68,7 @@ class Attention(nn.Module):
         mask, causal = None, True
         if kv_cache is not None:
             k, v = kv_cache.update(layer, start_pos, k, v)
-            if T == 1:
-                causal = False  # one new query may see every cached position
-            elif start_pos > 0:
-                # Query i sits at position start_pos + i and sees keys up to it.
-                causal = False
-                keys = torch.arange(start_pos + T, device=x.device)
-                mask = keys[None, :] <= (start_pos + torch.arange(T, device=x.device))[:, None]
+            mask, causal = kv_cache.attention_mask(T, start_pos, x.device)
         # enable_gqa lets each K/V head serve its group of query heads without materialising copies.
         y = F.scaled_dot_product_attention(
             q,
@@ -144,19 +140,36 @@ class Transformer(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
-    def forward(self, idx: torch.Tensor, kv_cache: KVCache | None = None, start_pos: int = 0) -> torch.Tensor:
+    def forward(
+        self,
+        idx: torch.Tensor,
+        kv_cache: KVView | None = None,
+        start_pos: int = 0,
+        positions: torch.Tensor | None = None,
+        logits_at: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Logits for every position. With `kv_cache`, `idx` holds the tokens at positions
-        start_pos.. start_pos+T-1; their keys and values are appended to the cache."""
+        start_pos.. start_pos+T-1; their keys and values are appended to the cache.
+
+        Serving options: `positions` [B, T] gives each row its own positions (for a `KVPool` decode
+        view, where every sequence is at a different point); `logits_at` [B] computes the logits at one
+        position per row only, returning [B, vocab] (a prefill needs only each prompt's last one)."""
         T = idx.shape[1]
-        if start_pos + T > self.cfg.context_length:
-            raise ValueError(
-                f"sequence reaches position {start_pos + T}, beyond context_length {self.cfg.context_length}"
-            )
-        cos = self.rope_cos[start_pos : start_pos + T]
-        sin = self.rope_sin[start_pos : start_pos + T]
+        if positions is None:
+            if start_pos + T > self.cfg.context_length:
+                raise ValueError(
+                    f"sequence reaches position {start_pos + T}, beyond context_length {self.cfg.context_length}"
+                )
+            cos = self.rope_cos[start_pos : start_pos + T]
+            sin = self.rope_sin[start_pos : start_pos + T]
+        else:
+            # [B, T, 1, head_dim/2]: broadcasts over heads as the shared [T, 1, head_dim/2] tables do.
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         x = self.drop(self.tok_emb(idx))
         for i, block in enumerate(self.blocks):
             x = block(x, cos, sin, kv_cache, i, start_pos)
+        if logits_at is not None:
+            x = x[torch.arange(x.shape[0], device=x.device), logits_at]
         return self.lm_head(self.norm(x))
 
     def new_kv_cache(self, batch_size: int = 1, max_len: int | None = None) -> KVCache:
@@ -169,6 +182,19 @@ class Transformer(nn.Module):
             max_len=max_len or self.cfg.context_length,
             head_dim=self.cfg.head_dim,
             dtype=p.dtype,
+            device=p.device,
+        )
+
+    def new_kv_pool(self, n_slots: int, max_len: int | None = None, dtype: torch.dtype | None = None) -> KVPool:
+        """A serving pool of `n_slots` sequences of up to `max_len` positions (default: the context)."""
+        p = self.tok_emb.weight
+        return KVPool(
+            n_layers=self.cfg.n_layers,
+            n_slots=n_slots,
+            n_kv_heads=self.cfg.n_kv_heads,
+            max_len=max_len or self.cfg.context_length,
+            head_dim=self.cfg.head_dim,
+            dtype=dtype or p.dtype,
             device=p.device,
         )
 

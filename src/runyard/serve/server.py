@@ -1,272 +1,156 @@
-"""An OpenAI-compatible HTTP API over a `Generator`.
+"""`runyard serve`: load an export, build the engine and everything around it, serve until stopped.
 
-- `POST /v1/completions`: OpenAI's completions request and response shapes (`prompt`, `max_tokens`,
-  `temperature`, `top_p`, `stop`, `seed`, `stream`; plus `top_k`). With `"stream": true` the
-  completion arrives as server-sent events, one `data: {chunk}` per text piece, then `data: [DONE]`.
-- `GET /healthz`: liveness and the model's name.
-- `GET /metrics`: Prometheus text: request, error and token counters, and latency quantiles
-  (whole request, time to first token, per output token) over the most recent requests.
-
-One model serves one request at a time (a lock): generation already uses every core, and a CPU
-model interleaving requests would only slow each one down.
+The engine is runyard's own (`BatchEngine`: continuous batching on CPU or GPU) or, with
+`engine="vllm"`, vLLM over the same export directory (a GPU and the `vllm` package needed); either
+way the routes, the metrics and the drift watch are the same (serve/openai_api.py).
 """
 
 from __future__ import annotations
 
-import json
-import threading
-import time
-import uuid
-from collections import deque
-from collections.abc import Iterator
-from dataclasses import asdict
+import logging
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+import torch
+import uvicorn
+from fastapi import FastAPI
 
+from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
+from runyard.serve.chat import load_chat_template
 from runyard.serve.drift import DriftMonitor, DriftReference
-from runyard.serve.engine import Generator
+from runyard.serve.errors import ServeConfigError
+from runyard.serve.export import ExportError, load_export, read_export_config
+from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
+from runyard.serve.request_log import RequestLog
+from runyard.serve.retrain import Retrainer, read_spec_mapping
+from runyard.serve.scheduler import SchedulerConfig
+from runyard.serve.vllm_engine import VllmEngine
+from runyard.serve.watch import TrafficWatch
 
-WINDOW = 1000  # latency quantiles are over this many most recent requests
-
-
-class CompletionRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # OpenAI clients send fields we do not use (user, ...)
-
-    model: str | None = None
-    prompt: str
-    max_tokens: int = Field(default=16, ge=0, le=4096)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=1)
-    n: int = Field(default=1, ge=1, le=1, description="one completion per request")
-    stop: str | list[str] | None = Field(default=None, validate_default=True)
-    seed: int = Field(default=0, ge=0)
-    stream: bool = False
-
-    @field_validator("stop")
-    @classmethod
-    def _stops(cls, v: str | list[str] | None) -> list[str]:
-        stops = [v] if isinstance(v, str) else list(v or [])
-        if len(stops) > 4 or any(not s for s in stops):
-            raise ValueError("stop is up to 4 non-empty strings")
-        return stops
+log = logging.getLogger("runyard.serve")
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
-class LatencyMetrics:
-    """Counters and recent latencies, safe to update from several threads."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self.requests = 0
-        self.errors = 0
-        self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.request_s: deque[float] = deque(maxlen=WINDOW)
-        self.first_token_s: deque[float] = deque(maxlen=WINDOW)
-        self.per_token_s: deque[float] = deque(maxlen=WINDOW)
-
-    def record(self, prompt_tokens: int, completion_tokens: int, total_s: float, first_token_s: float | None):
-        with self._lock:
-            self.requests += 1
-            self.prompt_tokens += prompt_tokens
-            self.completion_tokens += completion_tokens
-            self.request_s.append(total_s)
-            if first_token_s is not None:
-                self.first_token_s.append(first_token_s)
-            if completion_tokens:
-                self.per_token_s.append(total_s / completion_tokens)
-
-    def record_error(self) -> None:
-        with self._lock:
-            self.errors += 1
-
-    def prometheus(self) -> str:
-        with self._lock:
-            lines = []
-            for name, value, help_ in (
-                ("runyard_requests_total", self.requests, "completed completion requests"),
-                ("runyard_request_errors_total", self.errors, "rejected or failed requests"),
-                ("runyard_prompt_tokens_total", self.prompt_tokens, "prompt tokens processed"),
-                ("runyard_completion_tokens_total", self.completion_tokens, "tokens generated"),
-            ):
-                lines += [f"# HELP {name} {help_}", f"# TYPE {name} counter", f"{name} {value}"]
-            for name, values, help_ in (
-                ("runyard_request_seconds", self.request_s, "whole-request latency"),
-                ("runyard_time_to_first_token_seconds", self.first_token_s, "prefill and first token"),
-                ("runyard_time_per_output_token_seconds", self.per_token_s, "request time per token"),
-            ):
-                lines += [f"# HELP {name} {help_} (last {WINDOW} requests)", f"# TYPE {name} summary"]
-                ordered = sorted(values)
-                for q in (0.5, 0.9, 0.99):
-                    value = ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else float("nan")
-                    lines.append(f'{name}{{quantile="{q}"}} {value:.6f}')
-                lines += [f"{name}_sum {sum(ordered):.6f}", f"{name}_count {len(ordered)}"]
-        return "\n".join(lines) + "\n"
+@dataclass(frozen=True)
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    device: str = "cpu"
+    engine: str = "runyard"  # or "vllm"
+    model_name: str | None = None
+    kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES
+    max_batch: int = 64
+    max_queue: int = 256
+    max_prefill_tokens: int = 4096
+    compile: bool = False
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    log_requests: Path | None = None
+    retrain_spec: Path | None = None
+    control_url: str | None = None
+    drift_check_every: int = 5
+    drift_sustain_requests: int = 20
+    tensor_parallel_size: int = 1
 
 
-def _error(status: int, message: str, param: str | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": "invalid_request_error", "param": param, "code": None}}
-    return JSONResponse(body, status_code=status)
+def model_name_for(export_dir: Path) -> str:
+    """The name an export is served under: its run's name, else its parent directory's."""
+    try:
+        name = read_export_config(export_dir).get("extra", {}).get("run_name")
+    except ExportError:
+        name = None
+    return str(name or Path(export_dir).resolve().parent.name)
 
 
-class _StopScanner:
-    """Cuts streamed text at the first stop string, holding back a tail that could begin one."""
-
-    def __init__(self, stops: list[str]):
-        self.stops, self.pending, self.stopped = stops, "", False
-
-    def feed(self, piece: str) -> str:
-        self.pending += piece
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
-            self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
-            return out
-        hold = max(
-            (k for s in self.stops for k in range(1, len(s)) if self.pending.endswith(s[:k])), default=0
-        )
-        out = self.pending[: len(self.pending) - hold]
-        self.pending = self.pending[len(out) :]
-        return out
-
-    def flush(self) -> str:
-        out, self.pending = self.pending, ""
-        return out
+def check_options(export_dir: Path, options: ServeOptions) -> None:
+    """Refuse contradictory options before anything is loaded."""
+    if options.engine not in ("runyard", "vllm"):
+        raise ServeConfigError(f"unknown engine {options.engine!r}: expected 'runyard' or 'vllm'")
+    if options.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ServeConfigError(f"--device {options.device}: no CUDA device is available")
+    if (options.retrain_spec is None) != (options.control_url is None):
+        raise ServeConfigError("--retrain-spec and --control go together: the spec to retrain and where to submit it")
+    if options.retrain_spec is not None and options.log_requests is None:
+        raise ServeConfigError("--retrain-spec needs --log-requests DIR: the retraining data includes the logged traffic")
+    if options.retrain_spec is not None and DriftReference.load(export_dir) is None:
+        raise ServeConfigError(f"{export_dir} has no drift reference, so drift cannot trigger retraining")
+    if options.drift_sustain_requests < 0 or options.drift_check_every < 1:
+        raise ServeConfigError("--drift-sustain must be >= 0 and --drift-check-every >= 1")
 
 
-def create_app(generator: Generator, model_name: str = "runyard", drift: DriftMonitor | None = None) -> FastAPI:
-    """The HTTP app serving `generator` under `model_name`; with `drift`, every prompt is observed and
-    `/v1/drift` reports how far live inputs have moved from the training distribution."""
-    app = FastAPI(title="runyard", description="OpenAI-compatible completions over a runyard export")
-    metrics = LatencyMetrics()
-    lock = threading.Lock()
-    app.state.metrics = metrics
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        metrics.record_error()
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first["loc"] if p != "body") or None
-        return _error(400, f"{param}: {first['msg']}", param)
-
-    @app.get("/healthz")
-    def healthz() -> dict:
-        return {"status": "ok", "model": model_name}
-
-    @app.get("/metrics", response_class=PlainTextResponse)
-    def prometheus_metrics() -> str:
-        text = metrics.prometheus()
-        if drift is not None:
-            report = drift.report()
-            for name, value in (("token_js", report.token_js), ("length_psi", report.length_psi)):
-                if value is not None:
-                    text += f"runyard_drift_{name} {value}\n"
-            text += f"runyard_drift_alert {int(report.drifting)}\n"
-        return text
-
-    @app.get("/v1/drift")
-    def drift_report() -> dict:
-        if drift is None:
-            return {"enabled": False}
-        return {"enabled": True, **asdict(drift.report())}
-
-    def run(req: CompletionRequest) -> Iterator[tuple[str, str | None, int, int]]:
-        """Yield (text piece, finish reason or None, prompt tokens, completion tokens so far)."""
-        prompt_ids = generator.encode(req.prompt)
-        ctx = generator.model.cfg.context_length
-        prompt_ids = prompt_ids[-ctx:]  # longer prompts keep their most recent tokens
-        if drift is not None:
-            drift.observe(prompt_ids)
-        with lock:
-            started = time.perf_counter()
-            first_token_s = None
-            count = 0
-
-            def counted():
-                nonlocal count, first_token_s
-                for token in generator.iter_ids(
-                    prompt_ids,
-                    max_tokens=req.max_tokens,
-                    temperature=req.temperature,
-                    top_k=req.top_k,
-                    top_p=req.top_p if req.top_p < 1.0 else None,
-                    seed=req.seed,
-                ):
-                    if first_token_s is None:
-                        first_token_s = time.perf_counter() - started
-                    count += 1
-                    yield token
-
-            scanner = _StopScanner(req.stop)
-            for piece in generator.decode_stream(prompt_ids, counted()):
-                text = scanner.feed(piece)
-                if text:
-                    yield text, None, len(prompt_ids), count
-                if scanner.stopped:
-                    break
-            if not scanner.stopped and (tail := scanner.flush()):
-                yield tail, None, len(prompt_ids), count
-            reason = "stop" if scanner.stopped or count < req.max_tokens else "length"
-            metrics.record(len(prompt_ids), count, time.perf_counter() - started, first_token_s)
-            yield "", reason, len(prompt_ids), count
-
-    @app.post("/v1/completions")
-    def completions(req: CompletionRequest):
-        if req.model is not None and req.model != model_name:
-            metrics.record_error()
-            return _error(
-                404, f"model {req.model!r} is not served here; this server has {model_name!r}", "model"
-            )
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-
-        def chunk(text: str, reason: str | None) -> dict:
-            return {
-                "id": completion_id,
-                "object": "text_completion",
-                "created": created,
-                "model": model_name,
-                "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": reason}],
-            }
-
-        if req.stream:
-
-            def events() -> Iterator[str]:
-                for text, reason, _, _ in run(req):
-                    yield f"data: {json.dumps(chunk(text, reason))}\n\n"
-                yield "data: [DONE]\n\n"
-
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        steps = list(run(req))
-        _, reason, n_prompt, n_completion = steps[-1]
-        body = chunk("".join(text for text, *_ in steps), reason)
-        body["usage"] = {
-            "prompt_tokens": n_prompt,
-            "completion_tokens": n_completion,
-            "total_tokens": n_prompt + n_completion,
-        }
-        return body
-
-    return app
-
-
-def serve_export(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, device: str = "cpu") -> None:
-    """Load an export and serve it until interrupted."""
-    import uvicorn
-
-    from runyard.serve.export import load_export, read_export_config
-
-    model, _, tokenizer = load_export(export_dir, device=device)
-    name = (
-        read_export_config(export_dir).get("extra", {}).get("run_name")
-        or Path(export_dir).resolve().parent.name
+def build_engine(export_dir: Path, options: ServeOptions):
+    """The engine for `options.engine` over `export_dir`."""
+    if options.engine == "vllm":
+        return VllmEngine(export_dir, tensor_parallel_size=options.tensor_parallel_size, max_queue=options.max_queue)
+    model, _cfg, tokenizer = load_export(export_dir, device=options.device)
+    engine = BatchEngine(
+        model,
+        tokenizer,
+        device=options.device,
+        kv_cache_bytes=options.kv_cache_bytes,
+        max_batch=options.max_batch,
+        max_queue=options.max_queue,
+        scheduler=SchedulerConfig(max_prefill_tokens=options.max_prefill_tokens),
+        compile=options.compile,
     )
-    reference = DriftReference.load(Path(export_dir))
+    return engine.start()
+
+
+def build_watch(export_dir: Path, options: ServeOptions) -> TrafficWatch | None:
+    """Drift monitoring (when the export has a drift reference), request logging and retraining, as
+    the options ask."""
+    reference = DriftReference.load(export_dir)
     monitor = DriftMonitor(reference) if reference is not None else None
-    app = create_app(Generator(model, tokenizer, device=device), str(name), drift=monitor)
-    uvicorn.run(app, host=host, port=port)
+    request_log = RequestLog(options.log_requests) if options.log_requests is not None else None
+    retrainer = None
+    if options.retrain_spec is not None:
+        retrainer = Retrainer(options.retrain_spec, options.control_url, export_dir, request_log)
+    if monitor is None and request_log is None:
+        return None
+    return TrafficWatch(
+        monitor, request_log, retrainer,
+        check_every=options.drift_check_every, sustain_requests=options.drift_sustain_requests,
+    )
+
+
+def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
+    """The app for an export, and the things to close when it stops (engine, watch)."""
+    export_dir = Path(export_dir)
+    check_options(export_dir, options)
+    if options.retrain_spec is not None:
+        read_spec_mapping(options.retrain_spec)  # a bad spec is refused now, not at the first drift event
+    engine = build_engine(export_dir, options)
+    closers = [engine]
+    try:
+        watch = build_watch(export_dir, options)
+        if watch is not None:
+            closers.append(watch)
+        app = create_app(
+            engine,
+            options.model_name or model_name_for(export_dir),
+            chat_template=load_chat_template(export_dir),
+            traffic=watch,
+            max_body_bytes=options.max_body_bytes,
+            on_shutdown=[thing.close for thing in reversed(closers)],
+        )
+    except BaseException:
+        for thing in closers:
+            thing.close()
+        raise
+    return app, closers
+
+
+def serve_export(export_dir: Path, options: ServeOptions | None = None) -> None:
+    """Load an export and serve it until interrupted."""
+    options = options or ServeOptions()
+    # The engine thread and the event loop hand the GIL to each other for every token; Python's
+    # default 5 ms switch interval would add up to that to each hand-off.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+    app, closers = build_app(export_dir, options)  # the app's shutdown closes them
+    try:
+        # No access log: a line per request costs more than a small model's token, and the metrics count them.
+        uvicorn.run(app, host=options.host, port=options.port, log_level="info", access_log=False)
+    except BaseException:
+        for thing in reversed(closers):  # uvicorn never started (port taken...): close them here
+            thing.close()
+        raise

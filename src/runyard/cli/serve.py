@@ -1,0 +1,95 @@
+"""The `serve` verb: serve a run's exported model over OpenAI's API."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from runyard.cli.readers import export_dir_of, say_if_live
+from runyard.serve.server import ServeOptions, serve_export
+
+DESCRIPTION = """\
+Serve RUN_DIR/export to many clients at once: OpenAI's POST /v1/completions and
+/v1/chat/completions (streaming with "stream": true; the chat template comes from the export's
+tokenizer_config.json), GET /v1/models, /healthz, /metrics (Prometheus) and /v1/drift.
+
+Requests are batched continuously within a fixed KV cache budget; past --max-queue waiting sequences
+a request gets 429 with Retry-After. Live prompts are compared with the training distribution; with
+--log-requests they are also kept (PII-scrubbed) as a JSONL dataset, and with --retrain-spec and
+--control a sustained drift submits one retraining job, whose data includes that traffic, to the
+control plane. --engine vllm hands the export to vLLM instead (a GPU and a Hugging Face export needed).
+"""
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number 0..65535, got {value}")
+    return value
+
+
+def register(verbs: argparse._SubParsersAction) -> None:
+    p = verbs.add_parser(
+        "serve",
+        help="serve a run's exported model over an OpenAI-compatible HTTP API",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("run_dir", type=Path, help="run directory (or its export/ directory)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s)")
+    p.add_argument("--port", type=_port, default=8000, help="port (default %(default)s)")
+    p.add_argument("--device", default="cpu", help="torch device (default cpu; bf16 on cuda)")
+    p.add_argument("--engine", choices=["runyard", "vllm"], default="runyard", help="serving engine (default runyard)")
+    p.add_argument("--model-name", default=None, help="name clients use for the model (default: the run's name)")
+    g = p.add_argument_group("batching and memory")
+    g.add_argument("--kv-cache-mb", type=_positive, default=512, help="KV cache budget in MiB (default 512)")
+    g.add_argument("--max-batch", type=_positive, default=64, help="most sequences decoded together (default 64)")
+    g.add_argument("--max-queue", type=_positive, default=256, help="waiting sequences before 429 (default 256)")
+    g.add_argument("--max-prefill-tokens", type=_positive, default=4096,
+                   help="padded prompt tokens prefilled in one step (default 4096)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (slow first requests)")
+    g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
+    d = p.add_argument_group("traffic, drift and retraining")
+    d.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
+                   help="keep every prompt, PII-scrubbed, as JSONL segments in DIR (a data-stage source)")
+    d.add_argument("--drift-sustain", type=int, default=20, metavar="N",
+                   help="drift must stay past its threshold for N requests to be an event (default 20)")
+    d.add_argument("--drift-check-every", type=_positive, default=5, metavar="N",
+                   help="judge drift every N requests (default 5)")
+    d.add_argument("--retrain-spec", type=Path, default=None, metavar="SPEC",
+                   help="on a drift event, submit SPEC plus the logged traffic as a retraining job")
+    d.add_argument("--control", default=None, metavar="URL", help="the control plane to submit retraining to")
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    say_if_live(args.run_dir)
+    serve_export(
+        export_dir_of(args.run_dir),
+        ServeOptions(
+            host=args.host,
+            port=args.port,
+            device=args.device,
+            engine=args.engine,
+            model_name=args.model_name,
+            kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+            max_batch=args.max_batch,
+            max_queue=args.max_queue,
+            max_prefill_tokens=args.max_prefill_tokens,
+            compile=args.compile,
+            log_requests=args.log_requests,
+            retrain_spec=args.retrain_spec,
+            control_url=args.control,
+            drift_check_every=args.drift_check_every,
+            drift_sustain_requests=args.drift_sustain,
+            tensor_parallel_size=args.tensor_parallel_size,
+        ),
+    )
+    return 0

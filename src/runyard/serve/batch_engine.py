@@ -1,0 +1,405 @@
+"""The serving engine: many requests through one model by continuous batching.
+
+One loop, one step at a time (vLLM's shape): drain new requests and cancellations, ask the scheduler
+(serve/scheduler.py, a pure function of the queue and the free KV slots) which waiting sequences join,
+prefill those together in one padded forward, then run one decode forward over every running
+sequence, each at its own position. Sequences join and leave the decode batch at every step; a
+finished or cancelled one frees its KV slot at once (the last running sequence moves into it, so the
+batch stays one contiguous view of the pool).
+
+KV memory is a fixed budget allocated once (`KVPool`): `kv_cache_bytes` divided by what a sequence of
+the full context needs gives the slots. Slots rather than paged blocks: on the CPU there is no paged
+attention kernel, so blocks would have to be gathered into contiguous keys and values at every layer
+of every step; a slot per sequence is read in place (the README and the serving note give the numbers).
+
+The loop runs in its own thread (`start`); each sequence reports through its `sink` callback (called
+from the engine thread) one `SeqEvent` per token. Without the thread, `step` and `generate` drive it
+directly (tests, benchmarks).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from tokenizers import Tokenizer
+
+from runyard.model.kv_cache import KVPool
+from runyard.model.transformer import Transformer
+from runyard.serve.detokenize import IncrementalDetokenizer, StopScanner
+from runyard.serve.engine import find_eos_id
+from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
+from runyard.serve.sampling import SamplingParams, TokenLogprobs, new_generator, sample_batch
+from runyard.serve.scheduler import SchedulerConfig, WaitingSequence, schedule
+
+log = logging.getLogger("runyard.serve")
+
+DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SeqEvent:
+    """What one step produced for one sequence: the token (None when it ended without one), the text it
+    released (possibly empty: a partial character, or text held back as a possible stop string), and
+    the finish reason on its last event ('stop', 'length', 'abort' or 'error')."""
+
+    seq_id: str
+    token_id: int | None
+    text: str
+    logprobs: TokenLogprobs | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+
+
+Sink = Callable[[SeqEvent], None]
+
+
+@dataclass
+class _Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Sink
+    generator: torch.Generator
+    detok: IncrementalDetokenizer
+    scanner: StopScanner
+    output_ids: list[int] = field(default_factory=list)
+    pos: int = 0  # tokens in the KV cache: where the next fed token is written
+    last_token: int = -1
+    finish_reason: str | None = None
+    started: float | None = None  # when its prefill ran
+
+
+@dataclass
+class Completion:
+    """A finished sequence, as `generate` returns it."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+    logprobs: list[TokenLogprobs]
+
+
+class BatchEngine:
+    """Continuous batching over a `Transformer` and its tokenizer."""
+
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        *,
+        device: str | torch.device = "cpu",
+        kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES,
+        max_batch: int = 64,
+        max_queue: int = 256,
+        scheduler: SchedulerConfig | None = None,
+        dtype: torch.dtype | None = None,
+        compile: bool = False,
+        eos_ids: set[int] | None = None,
+    ):
+        self.device = torch.device(device)
+        self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.tokenizer = tokenizer
+        cfg = model.cfg
+        self.context_length, self.vocab_size = cfg.context_length, cfg.vocab_size
+        per_slot = KVPool.bytes_per_slot(cfg.n_layers, cfg.n_kv_heads, cfg.context_length, cfg.head_dim, self.dtype)
+        n_slots = min(max_batch, kv_cache_bytes // per_slot)
+        if n_slots < 1:
+            raise EngineUnavailable(
+                f"a KV cache budget of {kv_cache_bytes} bytes holds no sequence: one of the full context "
+                f"({cfg.context_length} positions) needs {per_slot} bytes"
+            )
+        self.pool = model.new_kv_pool(n_slots, dtype=self.dtype)
+        self.max_queue = max_queue
+        self.scheduler = scheduler or SchedulerConfig()
+        # torch.compile is optional: it pays off on GPUs, and its first calls take a while.
+        self.forward = torch.compile(self.model, dynamic=True) if compile else self.model
+        default_eos = find_eos_id(tokenizer)
+        self.eos_ids = frozenset(eos_ids if eos_ids is not None else ({default_eos} - {None}))
+
+        self.waiting: deque[_Sequence] = deque()
+        self.running: list[_Sequence] = []  # running[i] sits in KV slot i
+        self._incoming: list[_Sequence] = []
+        self._aborts: set[str] = set()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._failed: str | None = None
+        self._mean_seq_s = 1.0  # recent sequence duration, for Retry-After
+        self.steps = 0
+        self.generated_tokens = 0
+
+    # -- what the HTTP layer calls (any thread) ---------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    @property
+    def n_slots(self) -> int:
+        return self.pool.n_slots
+
+    def queue_depth(self) -> int:
+        """Sequences waiting for a slot (submitted but not yet prefilled)."""
+        with self._cond:
+            return len(self._incoming) + len(self.waiting)
+
+    def running_count(self) -> int:
+        return len(self.running)
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine stopped, if a step failed (it then refuses new sequences)."""
+        return self._failed
+
+    def stats(self) -> dict[str, int]:
+        """Queue, batch and cancellation counts, and work done so far."""
+        with self._cond:
+            waiting, aborts = len(self._incoming) + len(self.waiting), len(self._aborts)
+        return {"waiting": waiting, "running": len(self.running), "aborts_pending": aborts, "kv_slots": self.n_slots,
+                "steps": self.steps, "generated_tokens": self.generated_tokens}
+
+    def check_admission(self, n_sequences: int) -> None:
+        """Raise QueueFull when `n_sequences` more would push the queue past its bound."""
+        depth = self.queue_depth()
+        if depth + n_sequences > self.max_queue:
+            # Roughly when a slot's worth of the queue will have drained.
+            waves = (depth + n_sequences) / max(1, self.n_slots)
+            raise QueueFull(depth, self.max_queue, max(1, round(waves * self._mean_seq_s)))
+
+    def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
+        """Queue one sequence. Its events go to `sink` from the engine thread."""
+        if self._failed is not None:
+            raise EngineUnavailable(f"the engine stopped after an error: {self._failed}")
+        if not prompt_ids:
+            if not self.eos_ids:
+                raise InvalidRequest("the prompt encodes to no tokens and the model has no end-of-text token", "prompt")
+            prompt_ids = [min(self.eos_ids)]  # start as if at a document boundary
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
+        if len(prompt_ids) >= self.context_length:
+            raise InvalidRequest(
+                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context_length}, "
+                "which must hold the prompt and at least one new token",
+                "prompt",
+            )
+        seq = _Sequence(
+            seq_id=seq_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            sink=sink,
+            generator=new_generator(params.seed),
+            detok=IncrementalDetokenizer(self.tokenizer, prompt_ids),
+            scanner=StopScanner(params.stop),
+        )
+        with self._cond:
+            self._incoming.append(seq)
+            self._cond.notify()
+
+    def abort(self, seq_id: str) -> None:
+        """Cancel a sequence (its client went away): it leaves the batch, and frees its slot, at the
+        next step."""
+        with self._cond:
+            self._aborts.add(seq_id)
+            self._cond.notify()
+
+    def start(self) -> BatchEngine:
+        """Run the step loop in a background thread until `close`."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="runyard-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def close(self) -> None:
+        """Stop the loop; every sequence still queued or running ends with finish reason 'abort'."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+            self._thread = None
+        for seq in itertools.chain(self._take_incoming(), self.waiting, self.running):
+            self._finish(seq, "abort", "")
+        self.waiting.clear()
+        self.running.clear()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._stopping or self._incoming or self._aborts or self.waiting or self.running):
+                    self._cond.wait()
+                if self._stopping:
+                    return
+            try:
+                self.step()
+            except Exception as exc:  # a bug or out-of-memory: end every sequence rather than hang them
+                log.exception("engine step failed; ending all sequences")
+                self._failed = f"{type(exc).__name__}: {exc}"
+                for seq in itertools.chain(self._take_incoming(), self.waiting, self.running):
+                    self._finish(seq, "error", "")
+                self.waiting.clear()
+                self.running.clear()
+                return
+
+    def _take_incoming(self) -> list[_Sequence]:
+        with self._cond:
+            incoming, self._incoming = self._incoming, []
+            return incoming
+
+    def step(self) -> bool:
+        """One step: cancellations, admissions (a batched prefill), one decode over the running batch.
+        Returns whether there is still work queued or running."""
+        self.waiting.extend(self._take_incoming())
+        with self._cond:
+            aborts, self._aborts = self._aborts, set()
+        if aborts:
+            self._apply_aborts(aborts)
+        free = self.n_slots - len(self.running)
+        head = list(itertools.islice(self.waiting, min(free, self.scheduler.max_prefill_seqs)))
+        admit = schedule([WaitingSequence(s.seq_id, len(s.prompt_ids)) for s in head], free, self.scheduler)
+        if admit:
+            joining = [self.waiting.popleft() for _ in admit]
+            self._prefill(joining)
+            self._release_finished()
+            # The newcomers' first tokens came from the prefill; they decode with the rest below.
+        if self.running:
+            self._decode()
+            self._release_finished()
+        self.steps += 1
+        return bool(self.waiting or self.running)
+
+    def _apply_aborts(self, aborts: set[str]) -> None:
+        kept = deque()
+        for seq in self.waiting:
+            if seq.seq_id in aborts:
+                self._finish(seq, "abort", "")
+            else:
+                kept.append(seq)
+        self.waiting = kept
+        for seq in self.running:
+            if seq.seq_id in aborts and seq.finish_reason is None:
+                self._finish(seq, "abort", "")
+        self._release_finished()
+
+    @torch.inference_mode()
+    def _prefill(self, seqs: list[_Sequence]) -> None:
+        first = len(self.running)
+        self.running.extend(seqs)  # before the forward: if it fails, the failure handler ends them too
+        lengths = [len(s.prompt_ids) for s in seqs]
+        idx = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
+        for i, s in enumerate(seqs):
+            idx[i, : lengths[i]] = torch.tensor(s.prompt_ids)
+        last = torch.tensor(lengths) - 1
+        logits = self.forward(
+            idx.to(self.device), kv_cache=self.pool.prefill(first, len(seqs)), logits_at=last.to(self.device)
+        )
+        for s, n in zip(seqs, lengths, strict=True):
+            s.pos = n
+            s.started = time.perf_counter()
+        self._sample(seqs, logits)
+
+    @torch.inference_mode()
+    def _decode(self) -> None:
+        seqs = self.running
+        positions_list = [s.pos for s in seqs]
+        positions = torch.tensor(positions_list, device=self.device)
+        idx = torch.tensor([[s.last_token] for s in seqs], device=self.device)
+        logits = self.forward(
+            idx,
+            kv_cache=self.pool.decode(positions, length=max(positions_list) + 1),
+            positions=positions[:, None],
+            logits_at=torch.zeros(len(seqs), dtype=torch.long, device=self.device),
+        )
+        for s in seqs:
+            s.pos += 1
+        self._sample(seqs, logits)
+
+    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+        tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
+            self._accept(seq, token, lp)
+
+    def _accept(self, seq: _Sequence, token: int, lp: TokenLogprobs | None) -> None:
+        if token in self.eos_ids or token in seq.params.stop_token_ids:
+            self._finish(seq, "stop", seq.scanner.flush())  # the end-of-text token itself is not shown
+            return
+        seq.output_ids.append(token)
+        seq.last_token = token
+        self.generated_tokens += 1
+        piece = seq.scanner.feed(seq.detok.step(token))
+        if seq.scanner.stopped:
+            self._finish(seq, "stop", piece, token, lp)
+        elif len(seq.output_ids) >= seq.params.max_tokens or seq.pos + 1 >= self.pool.max_len:
+            # prompt + completion fill the context (as OpenAI and vLLM count it)
+            self._finish(seq, "length", piece + seq.scanner.flush(), token, lp)
+        else:
+            self._emit(seq, SeqEvent(seq.seq_id, token, piece, lp, None, len(seq.prompt_ids), len(seq.output_ids)))
+
+    def _finish(
+        self, seq: _Sequence, reason: str, text: str, token: int | None = None, lp: TokenLogprobs | None = None
+    ) -> None:
+        seq.finish_reason = reason
+        if seq.started is not None and reason in ("stop", "length"):
+            self._mean_seq_s = 0.9 * self._mean_seq_s + 0.1 * (time.perf_counter() - seq.started)
+        self._emit(seq, SeqEvent(seq.seq_id, token, text, lp, reason, len(seq.prompt_ids), len(seq.output_ids)))
+
+    @staticmethod
+    def _emit(seq: _Sequence, event: SeqEvent) -> None:
+        try:
+            seq.sink(event)
+        except Exception:  # a consumer's bug must not stop the batch
+            log.exception("sink of sequence %s failed", seq.seq_id)
+
+    def _release_finished(self) -> None:
+        """Drop finished sequences from the batch; the last running sequence moves into each freed slot."""
+        done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
+        for i in reversed(done):
+            last = len(self.running) - 1
+            if i != last:
+                self.pool.move(last, i, self.running[last].pos)
+                self.running[i] = self.running[last]
+            self.running.pop()
+
+    # -- synchronous use --------------------------------------------------------------------------
+
+    def generate(
+        self, prompts: list[list[int]], params: list[SamplingParams], *, start_at_step: list[int] | None = None
+    ) -> list[Completion]:
+        """Run `prompts` to completion on the calling thread (the loop thread must not be running).
+        `start_at_step[i]` holds prompt i back until that many steps have run (to test joins mid-batch)."""
+        if self._thread is not None:
+            raise RuntimeError("generate() drives the engine itself; it cannot run beside start()")
+        results: dict[str, Completion] = {}
+
+        def sink_for(seq_id: str) -> Sink:
+            def sink(event: SeqEvent) -> None:
+                done = results.setdefault(seq_id, Completion([], "", "", []))
+                if event.token_id is not None:
+                    done.token_ids.append(event.token_id)
+                done.text += event.text
+                if event.logprobs is not None:
+                    done.logprobs.append(event.logprobs)
+                if event.finish_reason is not None:
+                    done.finish_reason = event.finish_reason
+
+            return sink
+
+        starts = start_at_step or [0] * len(prompts)
+        pending = sorted(range(len(prompts)), key=lambda i: starts[i])
+        step = 0
+        while pending or self.waiting or self.running or self._incoming:
+            while pending and starts[pending[0]] <= step:
+                i = pending.pop(0)
+                self.submit(f"gen-{i}", prompts[i], params[i], sink_for(f"gen-{i}"))
+            self.step()
+            step += 1
+        return [results[f"gen-{i}"] for i in range(len(prompts))]

@@ -1,0 +1,49 @@
+"""Errors of the serving side. The HTTP layer turns each into OpenAI's error shape with its status."""
+
+from __future__ import annotations
+
+from runyard.errors import EXIT_BAD_SPEC, RunyardError
+
+
+class ServeError(RunyardError):
+    """Base class of serving errors."""
+
+
+class ServeConfigError(ServeError):
+    """The serve command's options contradict each other or the export (exit 2, before loading)."""
+
+    exit_code = EXIT_BAD_SPEC
+
+
+class InvalidRequest(ServeError):
+    """A request the server will not run: `param` names the offending field (OpenAI's `param`)."""
+
+    status = 400
+    kind = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.code = message, param, code
+
+
+class ModelNotFound(InvalidRequest):
+    status = 404
+
+    def __init__(self, message: str):
+        super().__init__(message, param="model", code="model_not_found")
+
+
+class QueueFull(ServeError):
+    """Admission control: the queue is at its bound; the client should retry after `retry_after_s`."""
+
+    def __init__(self, depth: int, bound: int, retry_after_s: int):
+        super().__init__(f"the server's queue is full ({depth} sequences waiting, bound {bound}); retry later")
+        self.retry_after_s = retry_after_s
+
+
+class EngineUnavailable(ServeError):
+    """The engine is stopped or failed; requests cannot be served."""
+
+
+class RetrainError(ServeError):
+    """A retraining submission could not be prepared or sent."""

@@ -1,0 +1,100 @@
+"""Retraining on drift: a job spec for the control plane whose data includes the logged traffic.
+
+The server is started with the spec to retrain from (`--retrain-spec`, usually the spec the served
+model was trained with) and the control plane's URL (`--control`). On a drift event, the retrainer
+writes a derived spec beside the request log: the same spec under a new name, its `data.sources`
+plus the request log's directory (a JSONL source), and, when the spec schema has `model.init`
+(issue 11's weights-in), `model.init: {from: export, path: EXPORT}` so the new run starts from the
+served weights. Without that field the job trains as its spec says (from scratch). The derived spec is
+validated like any spec, then submitted through `runyard.control.client` as `runyard submit` would.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from runyard.control.client import ControlClient
+from runyard.control.daemon import ControlError
+from runyard.control.jobs import requests_for_spec
+from runyard.errors import SpecError
+from runyard.fsutil import atomic_write_text
+from runyard.serve.errors import RetrainError
+from runyard.serve.request_log import RequestLog
+from runyard.spec import ModelSpec, load_spec
+
+log = logging.getLogger("runyard.serve")
+
+SPECS_DIR = "retrain-specs"
+
+
+def spec_supports_init() -> bool:
+    """Whether this runyard's job spec can start a model from existing weights (`model.init`)."""
+    return "init" in ModelSpec.model_fields
+
+
+def read_spec_mapping(path: Path) -> dict[str, Any]:
+    """The YAML mapping of a spec, checked to be a valid spec now (not at the first drift event)."""
+    load_spec(path)  # SpecError names the field
+    raw = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    return raw
+
+
+def derive_spec(
+    base: dict[str, Any], name: str, traffic_source: dict[str, Any], export_dir: Path, base_dir: Path
+) -> dict[str, Any]:
+    """The retraining spec: `base` renamed, with the traffic as one more source, relative source
+    paths made absolute against `base_dir` (the job runs elsewhere), and `model.init` from the export
+    when the schema has it."""
+    spec = copy.deepcopy(base)
+    spec["name"] = name
+    data = spec.setdefault("data", {})
+    sources = []
+    for source in data.get("sources", []):
+        source = dict(source)
+        path = str(source.get("path", ""))
+        is_url = "://" in path and not path.startswith("file://")
+        if path and not is_url and "{stdlib}" not in path and not Path(path).is_absolute():
+            source["path"] = str((base_dir / path).resolve())
+        sources.append(source)
+    data["sources"] = [*sources, traffic_source]
+    if spec_supports_init():
+        spec.setdefault("model", {})["init"] = {"from": "export", "path": str(Path(export_dir).resolve())}
+    return spec
+
+
+class Retrainer:
+    """Submits one retraining job to a control plane when asked."""
+
+    def __init__(self, spec_path: Path, control_url: str, export_dir: Path, request_log: RequestLog):
+        self.spec_path = Path(spec_path)
+        self.base = read_spec_mapping(self.spec_path)
+        self.control = ControlClient(control_url)
+        self.export_dir = Path(export_dir)
+        self.request_log = request_log
+        self.specs_dir = request_log.directory.parent / SPECS_DIR
+
+    def submit(self) -> dict[str, Any]:
+        """Write the derived spec and submit it; returns {'spec', 'jobs', 'init_from_export'}.
+        Raises RetrainError naming what failed."""
+        self.request_log.seal()  # the job reads complete segments only
+        name = f"{self.base.get('name', 'model')}-retrain-{time.strftime('%Y%m%dT%H%M%S')}"
+        raw = derive_spec(self.base, name, self.request_log.source(), self.export_dir, Path.cwd())
+        self.specs_dir.mkdir(parents=True, exist_ok=True)
+        path = self.specs_dir / f"{name}.yaml"
+        atomic_write_text(path, yaml.safe_dump(raw, sort_keys=False))
+        try:
+            spec = load_spec(path)
+            jobs = self.control.submit(requests_for_spec(path, spec))
+        except SpecError as exc:
+            raise RetrainError(f"the retraining spec {path} is invalid: {exc}") from None
+        except ControlError as exc:
+            raise RetrainError(str(exc)) from None
+        ids = [int(job["id"]) for job in jobs]
+        log.warning("drift: submitted retraining job(s) %s from %s", ids, path)
+        return {"spec": str(path), "jobs": ids, "init_from_export": spec_supports_init()}

@@ -1,0 +1,173 @@
+"""What the server does with every admitted prompt besides answering it: log it (opt-in, scrubbed),
+feed the drift monitor, and act on sustained drift.
+
+Work happens on one background thread, so a request only enqueues its prompt. Every `check_every`
+prompts the monitor is judged; drift that stays past its threshold on every judgement across
+`sustain_requests` prompts is a **drift event**: logged, listed in `/v1/drift`, and, when a
+retrainer is configured, answered by one retraining job on the control plane (at most
+`max_retrains` per server; later events are recorded but submit nothing). Drift that clears re-arms
+the event.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import asdict
+from typing import Any
+
+from runyard.serve.drift import DriftMonitor, DriftReport
+from runyard.serve.errors import RetrainError
+from runyard.serve.request_log import RequestLog
+from runyard.serve.retrain import Retrainer
+
+log = logging.getLogger("runyard.serve")
+
+MAX_PENDING = 10_000  # prompts waiting for the watcher; past this they are counted and dropped
+
+
+class TrafficWatch:
+    def __init__(
+        self,
+        monitor: DriftMonitor | None = None,
+        request_log: RequestLog | None = None,
+        retrainer: Retrainer | None = None,
+        *,
+        check_every: int = 5,
+        sustain_requests: int = 20,
+        max_retrains: int = 1,
+    ):
+        if check_every < 1 or sustain_requests < 0:
+            raise ValueError("check_every must be >= 1 and sustain_requests >= 0")
+        self.monitor, self.request_log, self.retrainer = monitor, request_log, retrainer
+        self.check_every, self.sustain_requests, self.max_retrains = check_every, sustain_requests, max_retrains
+        self.events: list[dict[str, Any]] = []
+        self.retrains = 0
+        self.dropped = 0
+        self._seen = 0
+        self._last: DriftReport | None = None
+        self._drift_since: int | None = None
+        self._in_event = False
+        self._queue: queue.Queue[tuple[str, list[int]] | None] = queue.Queue(maxsize=MAX_PENDING)
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="runyard-watch", daemon=True)
+        self._thread.start()
+
+    def observe(self, text: str, prompt_ids: list[int]) -> None:
+        """Called on the request path: O(1), never blocks."""
+        try:
+            self._queue.put_nowait((text, list(prompt_ids)))
+        except queue.Full:
+            with self._lock:
+                self.dropped += 1
+
+    def flush(self, timeout_s: float = 30.0) -> None:
+        """Wait until every prompt observed so far has been handled."""
+        deadline = time.monotonic() + timeout_s
+        while self._queue.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+        if self.request_log is not None:
+            self.request_log.close()
+
+    def status(self) -> dict[str, Any]:
+        """The latest judgement (worst window first), the event rule, and the events so far."""
+        with self._lock:
+            report, events = self._last, list(self.events)
+            out: dict[str, Any] = {
+                "requests_seen": self._seen,
+                "pending": self._queue.unfinished_tasks,
+                "dropped": self.dropped,
+                "drifting": bool(report and report.drifting),
+                "token_js": None,
+                "token_js_threshold": None,
+                "length_psi": None,
+                "length_psi_threshold": None,
+                "windows": [],
+                "event_rule": {"check_every": self.check_every, "sustain_requests": self.sustain_requests},
+                "drift_since_request": self._drift_since,
+                "events": events,
+                "logged_requests": self.request_log.records if self.request_log else None,
+                "retraining": self.retrainer is not None,
+            }
+        if report is not None:
+            worst = report.worst
+            if worst is not None:
+                out["token_js"], out["token_js_threshold"] = worst.token_js, worst.token_js_threshold
+            out["length_psi"], out["length_psi_threshold"] = report.length_psi, report.length_psi_threshold
+            out["windows"] = [asdict(w) for w in report.windows]
+        return out
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                self._handle(*item)
+            except Exception:  # one bad prompt or a full disk must not stop the watcher
+                log.exception("drift watcher failed on a prompt")
+            finally:
+                self._queue.task_done()
+
+    def _handle(self, text: str, prompt_ids: list[int]) -> None:
+        if self.request_log is not None:
+            self.request_log.append(text)
+        with self._lock:
+            self._seen += 1
+            seen = self._seen
+        if self.monitor is None:
+            return
+        self.monitor.observe(prompt_ids)
+        if seen % self.check_every:
+            return
+        report = self.monitor.report()
+        event = None
+        with self._lock:
+            self._last = report
+            if not report.drifting:
+                self._drift_since, self._in_event = None, False
+            else:
+                if self._drift_since is None:
+                    self._drift_since = seen
+                if not self._in_event and seen - self._drift_since >= self.sustain_requests:
+                    self._in_event = True
+                    event = self._event(report, seen)
+                    self.events.append(event)
+        if event is not None:
+            self._act(event)
+
+    def _event(self, report: DriftReport, seen: int) -> dict[str, Any]:
+        worst = report.worst
+        return {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "requests_seen": seen,
+            "drift_since_request": self._drift_since,
+            "token_js": worst.token_js if worst else None,
+            "token_js_threshold": worst.token_js_threshold if worst else None,
+            "window_requests": worst.requests if worst else None,
+            "length_psi": report.length_psi,
+            "length_psi_threshold": report.length_psi_threshold,
+            "retrain": None,
+        }
+
+    def _act(self, event: dict[str, Any]) -> None:
+        log.warning(
+            "drift event: recent prompts past the drift threshold since request %s (token JS %s > %s over %s requests)",
+            event["drift_since_request"], event["token_js"], event["token_js_threshold"], event["window_requests"],
+        )
+        if self.retrainer is None or self.retrains >= self.max_retrains:
+            return
+        self.retrains += 1
+        try:
+            result = self.retrainer.submit()
+        except RetrainError as exc:
+            log.error("drift: retraining not submitted: %s", exc)
+            result = {"error": str(exc)}
+        with self._lock:
+            event["retrain"] = result
