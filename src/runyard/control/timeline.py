@@ -17,6 +17,13 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
 INF = math.inf
+_BANDS = 64  # duration bands: [2**k, 2**(k+1)) seconds, shorter ones in band 0, no limit in the last
+
+
+def _band(duration: float) -> int:
+    if duration == INF:
+        return _BANDS
+    return min(_BANDS - 1, max(0, int(duration).bit_length() - 1))
 
 
 class FreeTimeline:
@@ -48,11 +55,14 @@ class FreeTimeline:
             self.free[-1] += count
             if self.slots is not None:
                 self.slots[-1] += 1
-        # Free room only shrinks while jobs are taken out, so the earliest start found for
-        # (devices, duration) only moves later: the next search for the same shape starts there, and
-        # any search for `devices` starts no earlier than the first segment with that many free.
-        # Both are cleared by `give`. They keep a pass over a long queue close to linear.
+        # Free room only shrinks while jobs are taken out, so an earliest start found for `devices`
+        # and a duration stays a lower bound for the same devices and any duration at least as long
+        # (a window that fits a longer job fits a shorter one). Searches start from the best such
+        # bound: the same shape's last answer, or the latest answer for a duration in a shorter
+        # power-of-two band, or the first segment with that many devices free. Cleared by `give`.
+        # They spare a pass over a long queue a rescan of the whole timeline for every job.
         self._found: dict[tuple[int, float], float] = {}
+        self._band_found: dict[int, list[float]] = {}  # devices -> latest start found per duration band
         self._first_room: dict[int, float] = {}
 
     def fits(self, start: float, end: float, devices: int) -> bool:
@@ -72,14 +82,20 @@ class FreeTimeline:
         times, free, slots = self.times, self.free, self.slots
         n = len(times)
         shape = (devices, duration)
-        i = bisect_left(times, max(self._found.get(shape, self.now), self._first_room.get(devices, self.now)))
-        first_room = None
+        band = _band(duration)
+        bands = self._band_found.setdefault(devices, [self.now] * (_BANDS + 1))
+        room_from = self._first_room.get(devices, self.now)
+        begin = max(self._found.get(shape, self.now), max(bands[:band], default=self.now), room_from)
+        i = bisect_left(times, begin)
+        # Only a scan that begins at the first-room bound sees where room for `devices` now begins.
+        track_room = begin == room_from
         while i < n:
             if free[i] < devices or (slots is not None and slots[i] < 1):
                 i += 1
                 continue
-            if first_room is None:
-                first_room = self._first_room[devices] = times[i]
+            if track_room:
+                self._first_room[devices] = times[i]
+                track_room = False
             end = times[i] + duration
             j = i + 1
             while j < n and times[j] < end:
@@ -88,10 +104,11 @@ class FreeTimeline:
                 j += 1
             else:
                 self._found[shape] = times[i]
+                bands[band] = max(bands[band], times[i])
                 return times[i]
             i = j + 1  # every start up to segment j overlaps the segment that is too full
-        self._found[shape] = INF
-        if first_room is None:
+        self._found[shape] = bands[band] = INF
+        if track_room:
             self._first_room[devices] = INF
         return INF
 
@@ -103,6 +120,7 @@ class FreeTimeline:
         """Give `devices` devices and one slot back over [start, end) (a job told to stop early)."""
         self._add(start, end, devices, 1)
         self._found.clear()  # room appeared: earlier starts are possible again
+        self._band_found.clear()
         self._first_room.clear()
 
     def _split(self, at: float) -> int:
