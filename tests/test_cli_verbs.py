@@ -1,0 +1,84 @@
+"""The CLI's verb table: `runyard --help` lists every verb without importing its module, a command imports
+only its own verb's module, and the table says exactly what the modules register."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+from runyard.cli import VERBS, MissingExtra, build_parser, import_verb_module, verb_of
+
+
+def registered_by(module_name: str) -> list[tuple[str, str]]:
+    parser = argparse.ArgumentParser()
+    verbs = parser.add_subparsers()
+    importlib.import_module(module_name).register(verbs)
+    return [(action.dest, action.help) for action in verbs._choices_actions]
+
+
+def test_the_table_is_what_the_modules_register_in_their_order():
+    for library in ("fastapi", "sqlalchemy", "httpx"):  # every role's stack (absent in the trainer's venv)
+        pytest.importorskip(library)
+    modules = list(dict.fromkeys(module for module, _, _ in VERBS.values()))
+    expected = [pair for module in modules for pair in registered_by(module)]
+    assert [(verb, help_text) for verb, (_, _, help_text) in VERBS.items()] == expected
+
+
+def test_top_level_help_lists_every_verb_and_imports_none_of_their_modules():
+    probe = (
+        "import sys\n"
+        "from runyard.cli import VERBS, build_parser\n"
+        "text = build_parser(['--help']).format_help()\n"
+        "missing = [v for v in VERBS if v not in text]\n"
+        "loaded = sorted({m for m, _, _ in VERBS.values()} & set(sys.modules))\n"
+        "heavy = sorted({'torch', 'fastapi', 'sqlalchemy', 'uvicorn'} & set(sys.modules))\n"
+        "print(missing, loaded, heavy)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[] [] []"
+
+
+@pytest.mark.parametrize("verb, absent", [
+    ("spec", ["torch", "fastapi", "sqlalchemy"]),
+    ("train", ["fastapi", "sqlalchemy", "uvicorn", "httpx", "alembic"]),
+    ("market", ["torch"]),
+])
+def test_a_command_loads_only_its_own_stack(verb, absent):
+    if verb == "market":
+        pytest.importorskip("sqlalchemy")
+    probe = (
+        "import sys\n"
+        f"from runyard.cli import build_parser\n"
+        f"build_parser([{verb!r}, '--help'])\n"
+        f"print(sorted(set({absent!r}) & set(sys.modules)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_the_verb_is_the_first_word_that_is_not_an_option():
+    assert verb_of(["--version"]) is None
+    assert verb_of(["-h", "train", "spec.yaml"]) == "train"
+    assert verb_of(["plan", "--json", "x"]) == "plan"
+
+
+def test_the_named_verb_parses_for_real():
+    args = build_parser(["show", "some/run"]).parse_args(["show", "some/run"])
+    assert callable(args.handler)
+
+
+def test_a_missing_extra_names_the_extra(monkeypatch):
+    real_import = importlib.import_module
+
+    def without_fastapi(name, *rest):
+        if name == "runyard.cli.serve":
+            raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+        return real_import(name, *rest)
+
+    monkeypatch.setattr(importlib, "import_module", without_fastapi)
+    with pytest.raises(MissingExtra, match=r"`runyard serve` needs the 'serve' extra, and fastapi is not installed"):
+        import_verb_module("serve")
