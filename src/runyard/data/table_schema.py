@@ -61,7 +61,6 @@ class TableSchema:
     def json_schema(self) -> dict[str, Any]:
         """One row of a predict request as JSON Schema (for the OpenAPI document and clients)."""
         props: dict[str, Any] = {}
-        required = []
         for f in self.features:
             if f.kind == "numeric":
                 prop: dict[str, Any] = {"type": ["number", "null"] if f.missing_allowed else "number"}
@@ -69,9 +68,8 @@ class TableSchema:
                 prop = {"type": ["string", "number", "boolean", "null"] if f.missing_allowed else ["string", "number", "boolean"],
                         "description": f"one of {len(f.categories)} categories seen in training"}
             props[f.name] = prop
-            if not f.missing_allowed:
-                required.append(f.name)
-        return {"type": "object", "properties": props, "required": required}
+        # Every feature is sent (null where the policy allows a missing value); no other key.
+        return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
 
 
 def encode_numeric(values: np.ndarray, feature: Feature) -> np.ndarray:
@@ -111,7 +109,7 @@ def encode_records(records: list[Any], schema: TableSchema) -> tuple[np.ndarray,
     """Validate request rows (JSON objects keyed by feature name) and encode them.
 
     Returns (matrix, problems, unseen): each problem names the row, the feature and what was wrong
-    (missing, wrong type, unknown feature); `unseen` lists categorical values training never saw
+    (absent, null where the policy refuses missing values, wrong type, unknown feature); `unseen` lists categorical values training never saw
     (encoded as missing, and shown in drift). The matrix is only meaningful without problems."""
     problems: list[dict[str, Any]] = []
     unseen: list[dict[str, Any]] = []
@@ -124,12 +122,14 @@ def encode_records(records: list[Any], schema: TableSchema) -> tuple[np.ndarray,
         for name in sorted(set(record) - known):
             problems.append({"row": r, "feature": name, "problem": "not a feature of this model"})
         for j, f in enumerate(schema.features):
-            value = record.get(f.name)
+            if f.name not in record:  # absent is an error even where null is allowed: a forgotten feature
+                problems.append({"row": r, "feature": f.name, "problem": "missing: every feature must be sent"
+                                 + (" (null for an unknown value)" if f.missing_allowed else
+                                    f" with a value (the model was trained with missing values policy {f.missing!r})")})
+                continue
+            value = record[f.name]
             if value is None:
-                if f.name not in record and not f.missing_allowed:
-                    problems.append({"row": r, "feature": f.name, "problem": "missing (required: the model was trained "
-                                     f"with missing values policy {f.missing!r})"})
-                elif not f.missing_allowed:
+                if not f.missing_allowed:
                     problems.append({"row": r, "feature": f.name, "problem": f"null is not allowed (policy {f.missing!r})"})
                 elif f.kind == "numeric":
                     matrix[r, j] = f.median if f.missing == "median" and f.median is not None else math.nan
