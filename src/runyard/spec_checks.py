@@ -33,7 +33,7 @@ SKLEARN_SETS_BY_TASK: dict[str, tuple[str, ...]] = {
     IMAGE_TASK: ("digits",),
 }
 
-# Fields only a language model reads; setting one in another task's spec is an error.
+# Fields only a language model reads; one set away from its default in another task's spec is an error.
 _LANGUAGE_ONLY = {
     "data": ("tokenizer", "shard_tokens", "normalize", "filters", "pii", "dedup", "chunk_bytes"),
     "model": ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "context_length",
@@ -46,7 +46,13 @@ _LOOP_SECTIONS = ("optim", "schedule", "train")
 
 
 def _set(section: Any) -> set[str]:
-    return set(getattr(section, "model_fields_set", ()))
+    """The fields of `section` whose values differ from their defaults. Not pydantic's fields_set: a
+    run directory's stored spec states every default explicitly, and must load as the original did."""
+    out = set()
+    for name, info in type(section).model_fields.items():
+        if getattr(section, name) != info.get_default(call_default_factory=True):
+            out.add(name)
+    return out
 
 
 def task_problems(spec: Any) -> list[tuple[tuple[Any, ...], Any, str]]:
@@ -70,7 +76,7 @@ def task_problems(spec: Any) -> list[tuple[tuple[Any, ...], Any, str]]:
     for section, names in _LANGUAGE_ONLY.items():
         for name in sorted(_set(getattr(spec, section)) & set(names)):
             problems.append(((section, name), getattr(getattr(spec, section), name),
-                             f"a language-model field; task {task} does not use it (remove it)"))
+                             f"a language-model field; task {task} does not use it (remove it, or leave its default)"))
     for i, stage in enumerate(spec.stages):
         for name in sorted(set(stage.model) & set(_LANGUAGE_ONLY["model"])):
             problems.append((("stages", i, "model", name), stage.model[name],

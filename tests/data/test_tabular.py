@@ -10,8 +10,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from runyard.data.row_split import TEST, TRAIN, VALID
-from runyard.data.tabular import prepare_table
 from runyard.data.table_schema import MISSING_CATEGORY
+from runyard.data.tabular import prepare_table
 from runyard.errors import DataError
 from runyard.spec import parse_spec
 

@@ -7,7 +7,12 @@ import math
 import numpy as np
 import pytest
 
-from runyard.evaluate.prediction import calibration, evaluate_classification, evaluate_regression, prediction_verdict
+from runyard.evaluate.prediction import (
+    calibration,
+    evaluate_classification,
+    evaluate_regression,
+    prediction_verdict,
+)
 from runyard.spec_tasks import PredictionEvalSpec
 
 

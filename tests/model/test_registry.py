@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from runyard.errors import RunyardError
-from runyard.model import DEFAULT_FAMILY, family_names, get_family
+from runyard.model import DEFAULT_FAMILY, family_names, get_family, registry
 from runyard.model.config import ModelConfig
-from runyard.model import registry
 from runyard.model.registry import ExportError, FamilyUnavailable, ModelFamily, UnknownFamily, register
 from runyard.spec import ModelSpec, OptimSpec, parse_spec
 from runyard.spec_sections import Family

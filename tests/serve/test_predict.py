@@ -21,7 +21,13 @@ from runyard.model import get_family
 from runyard.model.registry import ExportError
 from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.predict import create_predict_app
-from runyard.serve.predict_export import KIND_IMAGE, KIND_TABLE, export_predictor, image_drift_features, load_predictor
+from runyard.serve.predict_export import (
+    KIND_IMAGE,
+    KIND_TABLE,
+    export_predictor,
+    image_drift_features,
+    load_predictor,
+)
 from runyard.spec import parse_spec
 from runyard.train.tabular_stage import table_facts
 
