@@ -6,8 +6,9 @@ loader draws the batches, and every step sets the learning rate, runs forward/ba
 AdamW, logs a metrics row; a checkpoint is written at the last step and the held-out sample scored then.
 The peer is the loop a person writes by hand: the same SmallCNN (same config and initial weights), the
 same AdamW groups and learning-rate schedule, the same clipping, fed the very batches runyard's loader
-yields (drawn before timing), and at the end the same held-out batches scored and a checkpoint saved
-(`torch.save` of the model and optimizer state). Target: runyard's images/s at least 0.95x the peer's.
+yields (their image ids drawn before timing, each batch gathered from the training split in memory),
+and at the end the same held-out batches scored and a checkpoint saved (`torch.save` of the model and
+optimizer state). Target: runyard's images/s at least 0.95x the peer's.
 
 Data: the example's 8x8 digits (scikit-learn's, bundled) and generated 32x32 RGB images (CIFAR-sized,
 no download), so both a per-step-overhead-bound and a compute-bound case are measured.
@@ -84,7 +85,14 @@ def compare(report: Report, name: str, spec, workdir: Path, repeats: int) -> Non
     config = family.config_from_spec(stage.model, **batches.data_facts(prepared))
     steps, batch = stage.train.steps, stage.train.batch_size
     loader = ImageLoader(prepared, "train", batch, derive_seed(spec.seed, "data", stage.name))
-    fixed = [loader.next_batch() for _ in range(steps)]  # the same batches runyard's loader yields
+    # The same batches runyard's loader yields: their image ids are drawn before timing, and the peer
+    # gathers each batch from the training split held in memory inside its timed loop, as a plain loop does.
+    step_ids = []
+    for _ in range(steps):
+        step_ids.append(loader.image_ids(loader.position))
+        loader.position += loader.global_batch
+    train_x, train_y = (torch.from_numpy(np.array(a)) for a in prepared.arrays("train"))  # read into memory
+    train_x, train_y = train_x.float(), train_y.long()
     heldout = image_eval_sample(prepared, "validation", batch, spec.eval.batches * batch,
                                 evaluation_seeds(spec.seed)["eval.heldout"])
     stage_dir = workdir / f"{name}-stage"
@@ -99,7 +107,9 @@ def compare(report: Report, name: str, spec, workdir: Path, repeats: int) -> Non
         o = stage.optim
         optimizer = torch.optim.AdamW(family.optimizer_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
         model.train()
-        for step, (x, y) in enumerate(fixed):
+        for step, ids in enumerate(step_ids):
+            index = torch.from_numpy(ids)
+            x, y = train_x[index], train_y[index]
             for group in optimizer.param_groups:
                 group["lr"] = lr_at(step, o.lr, stage.schedule, steps)
             loss = F.cross_entropy(model(x), y)
