@@ -125,3 +125,29 @@ def test_the_digits_cnn_trains_through_the_loop_and_beats_its_baseline(tmp_path)
     # Resumed after the fact: the passed stage is not trained again and the same model is evaluated.
     again = execute_run(spec, tmp_path / "run", show_progress=False)
     assert again.prediction["metrics"] == p["metrics"]
+
+
+def test_the_cnn_on_two_processes_follows_the_one_process_curve(tmp_path):
+    """Several processes through the same loop: 2 ranks x 32 images take the very 64 images one rank
+    takes per step (the loader's contract), and DDP averages their gradients, so every step's loss
+    matches the one-process run's. Batch norm is off: its statistics are per rank by design."""
+    raw = yaml.safe_load((EXAMPLES / "digits-cnn.yaml").read_text())
+    raw["train"] = {"steps": 12, "batch_size": 64}
+    raw["model"]["cnn"]["batch_norm"] = False
+    raw["checkpoint"]["interval"] = 6
+    raw["eval"]["interval"] = 6
+    raw["stages"][0]["gates"] = {"min_loss_drop": None}
+
+    def curve(name: str, batch: int, *nproc: str) -> list[tuple[int, float]]:
+        spec = tmp_path / f"{name}.yaml"
+        spec.write_text(yaml.safe_dump({**raw, "train": {"steps": 12, "batch_size": batch}}))
+        runyard("run", str(spec), "--run-dir", str(tmp_path / name), "--no-progress", *nproc, check=True, timeout=600)
+        rows = [json.loads(line) for line in (tmp_path / name / "stages" / "main" / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows]
+
+    one, two = curve("one", 64), curve("two", 32, "--nproc", "2")
+    assert [s for s, _ in one] == [s for s, _ in two] == list(range(1, 13))
+    for (step, a), (_, b) in zip(one, two, strict=True):
+        assert a == pytest.approx(b, rel=1e-4), f"step {step}: one process {a}, two processes {b}"
+    manifest = json.loads((tmp_path / "two" / "manifest.json").read_text())
+    assert manifest["sessions"][-1]["world_size"] == 2
