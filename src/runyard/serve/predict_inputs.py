@@ -18,10 +18,12 @@ from typing import Any
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
+from runyard.errors import RunyardError
+
 MAX_ITEMS = 10_000  # rows or images in one request
 
 
-class InputProblems(Exception):
+class InputProblems(RunyardError):
     """The request's inputs do not fit the schema; `problems` name each one."""
 
     def __init__(self, message: str, problems: list[dict[str, Any]], param: str | None = None):
@@ -31,7 +33,7 @@ class InputProblems(Exception):
 
 def _items(body: Any, key: str) -> list[Any]:
     if not isinstance(body, dict):
-        raise InputProblems("the request body is a JSON object", [], None)
+        raise InputProblems("the request body must be a JSON object", [], None)
     items = body.get(key)
     if not isinstance(items, list) or not items:
         raise InputProblems(f"'{key}' must be a non-empty list", [], key)
@@ -88,7 +90,7 @@ def _pixel_array(value: Any, index: int, shape: list[int]) -> np.ndarray:
 def image_batch(body: Any, schema: dict[str, Any]) -> np.ndarray:
     """The request's images as [n, C, H, W] float32 in [0, 1]; InputProblems listing every bad image."""
     if not isinstance(body, dict):
-        raise InputProblems("the request body is a JSON object", [], None)
+        raise InputProblems("the request body must be a JSON object", [], None)
     keys = [k for k in ("images", "images_base64") if k in body]
     unknown = sorted(set(body) - {"images", "images_base64", "model"})
     if unknown or len(keys) != 1:
