@@ -69,6 +69,7 @@ class RunSummary:
     fit_to_ship: bool | None = None
     samples: list[dict] = field(default_factory=list)
     evaluated: bool = False
+    prediction: dict | None = None  # tabular and image tasks: the test split's metrics beside their baseline
 
 
 def default_run_dir(spec: JobSpec, root: Path | None = None) -> Path:
@@ -297,9 +298,12 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
         open_run_dir(spec, run_dir)
         record_session(run_dir, spec, argv)
         mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
-        mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
-        check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
+        if spec.task == "language_model":
+            mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
+            check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
     parallel.barrier(ctx)
+    if spec.task != "language_model":
+        return _execute_task(spec, run_dir, ctx, only_stage, show_progress, evaluate)
     stop = StopRequest()
     with stop_on_signals(stop):
         prepared = prepare(spec, run_dir, ctx, show_progress)
@@ -315,6 +319,18 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
     summary = evaluate_and_export(spec, run_dir, prepared, model, config, summaries, ctx)
     mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=summary.fit_to_ship)
     return summary
+
+
+def _execute_task(spec, run_dir, ctx, only_stage, show_progress, evaluate) -> RunSummary:
+    """A tabular or image run (runyard.run_predictive)."""
+    # The tabular and image tasks need the optional extra runyard[predict] (scikit-learn, LightGBM).
+    from runyard import run_predictive
+
+    stop = StopRequest()
+    with stop_on_signals(stop):
+        result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, only_stage, show_progress, evaluate)
+    return RunSummary(run_dir, result.stages, fit_to_ship=result.fit_to_ship, evaluated=result.evaluated,
+                      prediction=result.prediction)
 
 
 def _configure_threads(spec: JobSpec) -> None:

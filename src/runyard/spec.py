@@ -25,6 +25,7 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 from runyard import spec_paths
 from runyard.data.config import DataSpec
 from runyard.errors import SpecError
+from runyard.spec_checks import task_problems
 from runyard.spec_sections import (
     CheckpointSpec,
     EvalSpec,
@@ -65,9 +66,9 @@ log = logging.getLogger(__name__)
 # Where spec errors send the reader: docs/spec.md, whose anchors are field paths (reference_anchor).
 REFERENCE_DOC = "docs/spec.md"
 
-# The tasks a spec may name. Issue 13 adds tabular and image tasks here and their starting specs in
-# runyard.spec_template.
-Task = Literal["language_model"]
+# The tasks a spec may name; runyard.spec_template has a starting spec for each, runyard.tasks what each
+# reads, trains and serves.
+Task = Literal["language_model", "tabular_classification", "tabular_regression", "image_classification"]
 TASKS: tuple[str, ...] = get_args(Task)
 
 
@@ -76,8 +77,9 @@ class JobSpec(_Strict):
 
     task: Task = Field(
         default="language_model",
-        description="what the run trains: `language_model` (a decoder on text; tabular and image tasks are "
-        "planned). `runyard spec init --task` writes a starting spec for a task",
+        description="what the run trains: `language_model` (a decoder on text), `tabular_classification` or "
+        "`tabular_regression` (a table's target column from its other columns: gradient-boosted trees or a linear "
+        "model), `image_classification` (a small CNN). `runyard spec init --task` writes a starting spec for a task",
     )
     name: str = Field(
         description="the run's name (1-100 letters, digits, '_', '.' or '-'); the run directory is "
@@ -114,6 +116,15 @@ class JobSpec(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}", v):
             raise ValueError("a run name is 1-100 letters, digits, '_', '.' or '-' (it names a directory)")
         return v
+
+    @model_validator(mode="after")
+    def _task_fits(self) -> JobSpec:
+        problems = task_problems(self)
+        if problems:
+            raise _FieldErrors(problems)
+        if self.model.family is None and self.task == "language_model":
+            self.model.family = "decoder"  # the one language-model family; other tasks' come from the data
+        return self
 
     @model_validator(mode="after")
     def _stages_resolve(self) -> JobSpec:
@@ -154,6 +165,14 @@ _SECTION_TYPES: dict[str, type[BaseModel]] = {
 }
 
 
+class _FieldErrors(ValueError):
+    """Problems found by a whole-spec check, each at its own field path (not the spec's top level)."""
+
+    def __init__(self, problems: list[tuple[tuple[Any, ...], Any, str]]):
+        self.problems = problems
+        super().__init__("; ".join(message for _loc, _value, message in problems))
+
+
 class _StageOverrideError(ValueError):
     def __init__(self, index: int, section: str, exc: ValidationError):
         self.index, self.section, self.exc = index, section, exc
@@ -161,8 +180,14 @@ class _StageOverrideError(ValueError):
 
 
 def _merge(spec: JobSpec, stage: StageSpec, section: str) -> BaseModel:
+    """The top-level section with the stage's overrides: field by field, and inside a sub-section
+    (`model.cnn`) field by field too."""
     base = getattr(spec, section).model_dump()
-    base.update(getattr(stage, section))
+    for key, value in getattr(stage, section).items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            base[key] = {**base[key], **value}
+        else:
+            base[key] = value
     return _SECTION_TYPES[section].model_validate(base)
 
 
@@ -233,6 +258,12 @@ def _problems(exc: ValidationError, raw: Any, prefix: tuple[Any, ...] = ()) -> l
     for err in exc.errors():
         loc = prefix + tuple(err["loc"])
         ctx_exc = (err.get("ctx") or {}).get("error")
+        if isinstance(ctx_exc, _FieldErrors):
+            for field_loc, value, message in ctx_exc.problems:
+                found, written = spec_paths.lookup(raw, prefix + field_loc)
+                problems.append((_loc_to_path(prefix + field_loc), written if found else value,
+                                 f"{message} {reference_hint(prefix + field_loc)}"))
+            continue
         if isinstance(ctx_exc, _StageOverrideError):
             # An override that makes a stage invalid: report it under stages[i].<section>.<field>.
             problems += _problems(ctx_exc.exc, raw, ("stages", ctx_exc.index, ctx_exc.section))

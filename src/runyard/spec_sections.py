@@ -13,6 +13,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from runyard.market.requirement import Requirement
+from runyard.spec_tasks import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
+
+# The model families a spec may name (runyard.model.registry registers each under the same name).
+Family = Literal["cnn", "decoder", "lightgbm", "linear"]
 
 
 class _Strict(BaseModel):
@@ -20,11 +24,16 @@ class _Strict(BaseModel):
 
 
 class ModelSpec(_Strict):
-    """The model: a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query attention)."""
+    """The model. Language models: a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query
+    attention), shaped by the fields below. Tabular tasks: `lightgbm` or `linear` (section `trees` or
+    `linear`); images: `cnn` (section `cnn`)."""
 
-    family: Literal["decoder"] = Field(
-        default="decoder",
-        description="the model family (runyard.model.registry); the fields below are the decoder's",
+    family: Family | None = Field(
+        default=None,
+        description="the model family: `decoder` (language_model), `lightgbm` or `linear` (tabular tasks), `cnn` "
+        "(image_classification). null: `decoder` for a language model, else the one the data recommends "
+        "(runyard.tasks.recommend_family: trees for tables of 100 rows or more, a linear model below; a CNN for "
+        "images), recorded in the manifest. The flat fields below are the decoder's",
     )
     vocab_size: int | None = Field(
         default=None,
@@ -66,6 +75,11 @@ class ModelSpec(_Strict):
     )
     rope_theta: float = Field(default=10000.0, gt=0, description="base of the rotary embedding frequencies")
     norm_eps: float = Field(default=1e-5, gt=0, description="epsilon added inside RMSNorm")
+    trees: TreesSpec | None = Field(default=None, description="family `lightgbm`: the boosting settings (null: the defaults)")
+    linear: LinearSpec | None = Field(
+        default=None, description="family `linear` (and the trees' baseline): the linear model's settings (null: the defaults)"
+    )
+    cnn: CnnSpec | None = Field(default=None, description="family `cnn`: the network's shape (null: the defaults)")
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
@@ -155,6 +169,11 @@ class GateSpec(_Strict):
     min_tokens_per_s: float | None = Field(
         default=None, gt=0, description="floor on steady-state training throughput, tokens per second over all processes"
     )
+    min_samples_per_s: float | None = Field(
+        default=None,
+        gt=0,
+        description="image_classification: floor on steady-state training throughput, images per second over all processes",
+    )
 
 
 class StageSpec(_Strict):
@@ -234,6 +253,11 @@ class EvalSpec(_Strict):
     sample_tokens: int = Field(default=48, ge=1, description="tokens generated per sample")
     temperature: float = Field(default=0.8, ge=0, description="sampling temperature of the samples; 0 is greedy")
     top_k: int | None = Field(default=40, ge=1, description="sample among the k most likely tokens; null: among all")
+    prediction: PredictionEvalSpec | None = Field(
+        default=None,
+        description="tabular and image tasks: the metric bounds and baseline check of the fit-to-ship verdict (null: "
+        "the defaults, which require beating the baseline)",
+    )
 
 
 class CheckpointSpec(_Strict):

@@ -2,8 +2,9 @@
 own field descriptions so the comments say what the reference says.
 
 A template is a function of the run's name returning the values to write (a nested mapping in the
-spec's shape); `TEMPLATES` maps each task of `runyard.spec.TASKS` to one. Issue 13 adds the tabular and
-image tasks here. Every template loads as it is written (a test checks each one).
+spec's shape); `TEMPLATES` maps each task of `runyard.spec.TASKS` to one. The tabular and image templates
+read data sets scikit-learn ships (runyard[predict]), so they too run as written. Every template loads as
+it is written (a test checks each one).
 """
 
 from __future__ import annotations
@@ -73,7 +74,65 @@ def _language_model(name: str) -> dict[str, Any]:
     }
 
 
-TEMPLATES: dict[str, Callable[[str], dict[str, Any]]] = {"language_model": _language_model}
+def _tabular(task: str, dataset: str, target: str) -> Callable[[str], dict[str, Any]]:
+    def template(name: str) -> dict[str, Any]:
+        return {
+            "task": task,
+            "name": name,
+            "seed": 0,
+            "data": {
+                # A table scikit-learn ships; point it at your own CSV or Parquet files (format: csv).
+                "sources": [{"path": dataset, "format": "sklearn"}],
+                "heldout_fraction": 0.2,
+                "table": {
+                    "target": target,
+                    "drop": [],
+                    "categorical": [],
+                    "missing_numeric": "native",
+                    "missing_categorical": "category",
+                    "split_key": None,
+                    "validation_fraction": 0.15,
+                },
+            },
+            # family null: trees for 100 rows or more, a linear model below (recorded in the manifest).
+            "model": {"family": None, "trees": {"learning_rate": 0.05, "num_leaves": 15, "early_stopping_rounds": 50}},
+            "stages": [{"name": "main", "gates": {"min_loss_drop": 0.1}}],
+            "eval": {"prediction": {"must_beat_baseline": True, "baseline_margin": 0.1}},
+            "resources": {"device": "cpu", "threads": 2},
+        }
+
+    return template
+
+
+def _image_classification(name: str) -> dict[str, Any]:
+    return {
+        "task": "image_classification",
+        "name": name,
+        "seed": 0,
+        "data": {
+            # scikit-learn's 8x8 digits; point it at a folder with a subfolder of images per class
+            # (format: image_folder) or an .npz file.
+            "sources": [{"path": "digits", "format": "sklearn"}],
+            "heldout_fraction": 0.2,
+            "images": {"channels": None, "resize": None, "validation_fraction": 0.15},
+        },
+        "model": {"family": "cnn", "cnn": {"channels": [16, 32], "hidden": 64}},
+        "optim": {"lr": 0.003, "weight_decay": 0.01},
+        "schedule": {"warmup_steps": 10, "decay": "cosine"},
+        "train": {"steps": 150, "batch_size": 64},
+        "stages": [{"name": "main", "gates": {"min_loss_drop": 0.3}}],
+        "eval": {"interval": 25, "batches": 4, "prediction": {"min_accuracy": 0.9}},
+        "checkpoint": {"interval": 50, "keep_last": 2},
+        "resources": {"device": "auto", "nproc": 1},
+    }
+
+
+TEMPLATES: dict[str, Callable[[str], dict[str, Any]]] = {
+    "language_model": _language_model,
+    "tabular_classification": _tabular("tabular_classification", "breast_cancer", "diagnosis"),
+    "tabular_regression": _tabular("tabular_regression", "diabetes", "progression"),
+    "image_classification": _image_classification,
+}
 
 _HEADER = """\
 # A runyard job spec ({task}), written by `runyard spec init`. Fields left out take their defaults;

@@ -9,21 +9,33 @@ import pytest
 import torch
 
 from runyard.errors import RunyardError
-from runyard.model import DEFAULT_FAMILY, family_names, get_family
+from runyard.model import DEFAULT_FAMILY, family_names, get_family, registry
 from runyard.model.config import ModelConfig
-from runyard.model.registry import ExportError, ModelFamily, UnknownFamily, register
-from runyard.spec import ModelSpec, OptimSpec
+from runyard.model.registry import ExportError, FamilyUnavailable, ModelFamily, UnknownFamily, register
+from runyard.spec import ModelSpec, OptimSpec, parse_spec
+from runyard.spec_sections import Family
 
 
 def test_the_spec_offers_exactly_the_registered_families():
-    choices = typing.get_args(ModelSpec.model_fields["family"].annotation)
-    assert sorted(choices) == family_names() and ModelSpec().family == DEFAULT_FAMILY == "decoder"
+    choices = typing.get_args(Family)
+    assert sorted(choices) == family_names() == ["cnn", "decoder", "lightgbm", "linear"]
+    # Left out, the family is the decoder for a language model (and the data's choice for other tasks).
+    assert ModelSpec().family is None and DEFAULT_FAMILY == "decoder"
+    lm = parse_spec({"name": "x", "data": {"sources": [{"path": "a"}]}})
+    assert lm.model.family == "decoder"
 
 
 def test_an_unknown_family_is_a_clear_error():
-    with pytest.raises(UnknownFamily, match=r"no model family 'cnn'; runyard has \['decoder'\]") as info:
-        get_family("cnn")
+    with pytest.raises(UnknownFamily, match=r"no model family 'rnn'; runyard has \['cnn', 'decoder', 'lightgbm', 'linear'\]") as info:
+        get_family("rnn")
     assert isinstance(info.value, RunyardError)
+
+
+def test_a_lazy_family_is_imported_on_first_use_and_a_missing_extra_says_what_to_install(monkeypatch):
+    assert get_family("lightgbm").name == "lightgbm" and not get_family("lightgbm").trains_with_loop
+    monkeypatch.setitem(registry._LAZY, "ghost", ("runyard.model.no_such_module", "ghostly"))
+    with pytest.raises(FamilyUnavailable, match=r"needs the optional extra 'ghostly': pip install 'runyard\[ghostly\]'"):
+        get_family("ghost")
 
 
 def test_a_family_cannot_be_registered_twice():

@@ -198,6 +198,12 @@ def _print_summary(summary) -> None:
             f"  stage {s['name']}: {s['steps']} steps, final train loss {s['final_loss']:.3f}, "
             f"gates {'passed' if s['gates_passed'] else 'FAILED'}"
         )
+    if summary.prediction is not None:
+        p = summary.prediction
+        line = ", ".join(f"{k} {v:.4f} (baseline {p['baseline'][k]:.4f})" for k, v in p["metrics"].items()
+                         if v is not None and p["baseline"].get(k) is not None)
+        console.print(f"[bold]test split[/bold] ({p['rows']} rows): {line}")
+        console.print(f"fit to ship: {'yes' if summary.fit_to_ship else 'no'} (see eval/report.md)")
     if summary.metrics is not None:
         m = summary.metrics
         console.print(
@@ -294,9 +300,10 @@ def cmd_show(args) -> int:
         "writer": holder.describe() if holder else None,
         "stages": stages,
         "fit_to_ship": report["fit_to_ship"] if report else None,
-        "heldout_perplexity": report["metrics"]["heldout_perplexity"] if report else None,
-        "unigram_perplexity": report["metrics"]["unigram_perplexity"] if report else None,
-        "exported": (run_dir / "export" / "model.safetensors").is_file(),
+        "heldout_perplexity": report["metrics"]["heldout_perplexity"] if report and "metrics" in report else None,
+        "unigram_perplexity": report["metrics"]["unigram_perplexity"] if report and "metrics" in report else None,
+        "test_metrics": report["prediction"]["metrics"] if report and "prediction" in report else None,
+        "exported": (run_dir / "export" / "config.json").is_file(),
     }
     if args.json:
         print(json.dumps(summary, indent=2))

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 
 from runyard.cli.readers import export_dir_of, say_if_live
+from runyard.serve.predict import serve_predictor
+from runyard.serve.predict_export import is_predict_export
 from runyard.serve.server import ServeOptions, serve_export
 
 DESCRIPTION = """\
@@ -18,6 +20,11 @@ a request gets 429 with Retry-After. Live prompts are compared with the training
 --log-requests they are also kept (PII-scrubbed) as a JSONL dataset, and with --retrain-spec and
 --control a sustained drift submits one retraining job, whose data includes that traffic, to the
 control plane. --engine vllm hands the export to vLLM instead (a GPU and a Hugging Face export needed).
+
+A table or image model's export is served at POST /v1/predict instead ({"rows": [...]} or
+{"images": [...]}, validated against its feature schema: a missing or mistyped feature is a 422 naming
+it), with GET /v1/schema, /v1/drift (PSI per numeric feature, JS divergence per categorical one),
+/v1/models, /healthz and /metrics; the batching and traffic options do not apply to it.
 """
 
 
@@ -73,6 +80,10 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     say_if_live(args.run_dir)
+    export_dir = export_dir_of(args.run_dir)
+    if is_predict_export(export_dir):  # a table or image model: POST /v1/predict (serve/predict.py)
+        serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device)
+        return 0
     serve_export(
         export_dir_of(args.run_dir),
         ServeOptions(

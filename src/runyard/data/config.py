@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from runyard.data.task_config import ImagesSpec, TableSpec
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -23,10 +25,12 @@ class SourceSpec(_Strict):
         description="a local file, a glob (`**` recurses) or an fsspec URL; `{stdlib}` expands to the "
         "interpreter's standard library. `runyard plan` fails when it matches no file"
     )
-    format: Literal["text", "jsonl", "parquet"] = Field(
+    format: Literal["text", "jsonl", "parquet", "csv", "npz", "image_folder", "sklearn"] = Field(
         default="text",
-        description="`text` (each file is one document), `jsonl` (one document per line) or `parquet` "
-        "(one document per row)",
+        description="language models: `text` (each file is one document), `jsonl` (one document per line) or "
+        "`parquet` (one document per row). Tables: `csv` or `parquet` (one row per row). Images: `image_folder` "
+        "(path is a folder with a subfolder of PNG/JPEG files per class) or `npz`. Either: `sklearn` (path names "
+        "a data set scikit-learn ships: `breast_cancer`, `wine`, `iris`, `diabetes`, `digits`)",
     )
     text_field: str = Field(default="text", description="JSONL field / Parquet column holding the text")
     exclude: list[str] = Field(
@@ -193,7 +197,8 @@ class DataSpec(_Strict):
         default=0.05,
         gt=0.0,
         lt=0.5,
-        description="fraction of documents held out for evaluation, chosen by a seeded hash of each document",
+        description="fraction of documents held out for evaluation, chosen by a seeded hash of each document; "
+        "tables and images: the fraction of rows or images in the test split, scored once at the end",
     )
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="train or load the tokenizer")
     shard_tokens: int = Field(default=1 << 20, ge=1024, description="tokens per shard file")
@@ -214,4 +219,10 @@ class DataSpec(_Strict):
     store: StoreSpec | None = Field(default=None, description="cold store the shards are published to")
     cache_region: str | None = Field(
         default=None, description="region of the local cache; default env RUNYARD_REGION"
+    )
+    table: TableSpec | None = Field(
+        default=None, description="tabular tasks: the target column, feature types, missing values and the split"
+    )
+    images: ImagesSpec | None = Field(
+        default=None, description="the image task: channels, resizing, pixel scale and the split (null: the defaults)"
     )

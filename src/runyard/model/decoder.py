@@ -63,6 +63,9 @@ class DecoderFamily(ModelFamily):
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(model.blocks)
 
+    def targets_per_sample(self, config: ModelConfig) -> int:
+        return config.context_length  # next-token targets: one per position of a sequence
+
     def export_files(self, model: torch.nn.Module, config: ModelConfig, directory: Path) -> list[str]:
         if model.cfg != config:
             raise ExportError(f"the model was built with {model.cfg}, not the config given to export: {config}")

@@ -8,11 +8,16 @@ own library) implements the same config, sizing, export and load, and leaves the
 `NotTrainedByLoop`; the run dispatches on `trains_with_loop`.
 
 Adding a family: subclass `ModelFamily`, `register()` it where runyard.model imports families
-(model/__init__.py), and add its name to the spec's `model.family` choices (spec.py).
+(model/__init__.py), and add its name to the spec's `model.family` choices (spec_sections.py). A family
+whose module needs an optional extra (LightGBM, scikit-learn: `runyard[predict]`) is named with
+`register_lazy(name, module)` instead: its module is imported the first time `get_family` asks for it, so
+a language-model run never pays for (or needs) those libraries, and a missing extra is an error that says
+what to install.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +34,10 @@ class UnknownFamily(RunyardError):
 
 class ExportError(RunyardError):
     """An export directory is missing a file, fails its checksums, or does not match its config."""
+
+
+class FamilyUnavailable(RunyardError):
+    """A registered family's module cannot be imported here (its optional extra is not installed)."""
 
 
 class NotTrainedByLoop(RunyardError):
@@ -87,6 +96,11 @@ class ModelFamily(ABC):
         """The submodules FSDP shards one by one (the root is sharded after them)."""
         return []
 
+    def targets_per_sample(self, config: Any) -> int:
+        """Targets the loss scores per training sample (a language model: one per token of its context;
+        a classifier: one), so the loop normalises accumulated and multi-process losses the same way."""
+        return 1
+
     # -- export and load -------------------------------------------------------------------------------
     @abstractmethod
     def export_files(self, model: Any, config: Any, directory: Path) -> list[str]:
@@ -100,22 +114,40 @@ class ModelFamily(ABC):
 
 DEFAULT_FAMILY = "decoder"  # what a spec's `model.family` and an export without one mean
 _FAMILIES: dict[str, ModelFamily] = {}
+# name -> (module that registers it when imported, the extra that module needs)
+_LAZY: dict[str, tuple[str, str]] = {}
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    if family.name in _FAMILIES:
+    if family.name in _FAMILIES or (family.name in _LAZY and _LAZY[family.name][0] != type(family).__module__):
         raise ValueError(f"model family {family.name!r} is registered twice")
     _FAMILIES[family.name] = family
     return family
 
 
+def register_lazy(name: str, module: str, extra: str) -> None:
+    """Name a family whose `module` registers it on import; the module is imported on first use."""
+    if name in _FAMILIES or name in _LAZY:
+        raise ValueError(f"model family {name!r} is registered twice")
+    _LAZY[name] = (module, extra)
+
+
 def get_family(name: str) -> ModelFamily:
-    """The family registered under `name`; UnknownFamily naming the ones there are."""
+    """The family registered under `name`; UnknownFamily naming the ones there are, FamilyUnavailable
+    when its optional extra is not installed."""
+    if name not in _FAMILIES and name in _LAZY:
+        module, extra = _LAZY[name]
+        try:
+            importlib.import_module(module)
+        except ImportError as exc:
+            raise FamilyUnavailable(
+                f"model family {name!r} needs the optional extra {extra!r}: pip install 'runyard[{extra}]' ({exc})"
+            ) from None
     try:
         return _FAMILIES[name]
     except KeyError:
-        raise UnknownFamily(f"no model family {name!r}; runyard has {sorted(_FAMILIES)}") from None
+        raise UnknownFamily(f"no model family {name!r}; runyard has {family_names()}") from None
 
 
 def family_names() -> list[str]:
-    return sorted(_FAMILIES)
+    return sorted(set(_FAMILIES) | set(_LAZY))

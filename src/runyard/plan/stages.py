@@ -65,6 +65,7 @@ def evaluate_gates(
     tokens_per_s: float,
     checkpoint_path: Path | None,
     model: torch.nn.Module,
+    samples_per_s: float = 0.0,
 ) -> list[GateResult]:
     results: list[GateResult] = []
     if gates.require_finite:
@@ -88,6 +89,11 @@ def evaluate_gates(
         results.append(
             GateResult("throughput", ok, tokens_per_s, gates.min_tokens_per_s, "steady-state tokens/s")
         )
+    if gates.min_samples_per_s is not None:
+        ok = samples_per_s >= gates.min_samples_per_s
+        results.append(
+            GateResult("throughput", ok, samples_per_s, gates.min_samples_per_s, "steady-state images/s")
+        )
     if gates.checkpoint_roundtrip:
         if checkpoint_path is None:
             results.append(GateResult("checkpoint_roundtrip", False, False, True, "no checkpoint was written"))
@@ -97,10 +103,11 @@ def evaluate_gates(
     return results
 
 
-def steady_tokens_per_s(rows: list[dict]) -> float:
-    """Throughput over the steady state: the mean of the recorded steps' tokens/s after the first
-    fifth, whose steps carry warm-up costs (allocation, compile). 0.0 when nothing was recorded."""
-    values = [float(r["tokens_per_s"]) for r in rows if "tokens_per_s" in r]
+def steady_tokens_per_s(rows: list[dict], key: str = "tokens_per_s") -> float:
+    """Throughput over the steady state: the mean of the recorded steps' tokens/s (or `key`: an image
+    stage's samples_per_s) after the first fifth, whose steps carry warm-up costs (allocation, compile).
+    0.0 when nothing was recorded."""
+    values = [float(r[key]) for r in rows if key in r]
     steady = values[len(values) // 5 :] or values
     return sum(steady) / len(steady) if steady else 0.0
 
@@ -112,7 +119,7 @@ def evaluate_recorded_gates(
     losses = [float(r["loss"]) for r in rows if "loss" in r]
     held = [r["heldout_loss"] for r in rows if r.get("heldout_loss") is not None]
     return evaluate_gates(gates, losses, held[-1] if held else None, steady_tokens_per_s(rows),
-                          checkpoint_path, model)
+                          checkpoint_path, model, samples_per_s=steady_tokens_per_s(rows, "samples_per_s"))
 
 
 def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:

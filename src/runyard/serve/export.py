@@ -33,7 +33,7 @@ TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "config.json"
 
 __all__ = ["CONFIG_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "TOKENIZER_FILE", "ExportError", "export_model",
-           "load_export", "read_export_config"]
+           "load_export", "read_export_config", "verify_files"]
 
 
 def export_model(
@@ -124,6 +124,8 @@ def load_export(
     if not export_dir.is_dir():
         raise ExportError(f"export directory {export_dir} does not exist")
     config = read_export_config(export_dir)
+    if config.get("kind", "language_model") != "language_model":  # a table or image model (serve/predict_export.py)
+        raise ExportError(f"{export_dir} holds a {config['kind']} model: `runyard serve` offers it at POST /v1/predict")
     try:
         kind = get_family(config.get("family", DEFAULT_FAMILY))
     except UnknownFamily as exc:
@@ -133,11 +135,24 @@ def load_export(
     except (TypeError, ValueError) as exc:
         raise ExportError(f"{export_dir / CONFIG_FILE}: bad model config: {exc}") from None
 
+    verify_files(export_dir, config, required=(TOKENIZER_FILE,))
+
+    try:
+        tokenizer = Tokenizer.from_file(str(export_dir / TOKENIZER_FILE))
+    except Exception as exc:
+        raise ExportError(f"{export_dir / TOKENIZER_FILE} cannot be loaded: {exc}") from None
+    return kind.load_files(export_dir, cfg, device), cfg, tokenizer
+
+
+def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, ...] = ()) -> None:
+    """Check every file config.json lists against its sha256 (and that `required` ones are listed);
+    ExportError naming the file that is missing, outside the export or modified."""
     checksums = config.get("files")
     if not isinstance(checksums, dict):
         raise ExportError(f"{export_dir / CONFIG_FILE} has no 'files' checksum table")
-    if TOKENIZER_FILE not in checksums:
-        raise ExportError(f"{export_dir / CONFIG_FILE} records no checksum for {TOKENIZER_FILE}")
+    for name in required:
+        if name not in checksums:
+            raise ExportError(f"{export_dir / CONFIG_FILE} records no checksum for {name}")
     for name, expected in checksums.items():
         if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
             raise ExportError(f"{export_dir / CONFIG_FILE} names {name!r}, not a file of the export")
@@ -150,9 +165,3 @@ def load_export(
                 f"{path} fails its checksum (sha256 {actual[:16]}..., config.json records "
                 f"{str(expected)[:16]}...): the file was modified or truncated"
             )
-
-    try:
-        tokenizer = Tokenizer.from_file(str(export_dir / TOKENIZER_FILE))
-    except Exception as exc:
-        raise ExportError(f"{export_dir / TOKENIZER_FILE} cannot be loaded: {exc}") from None
-    return kind.load_files(export_dir, cfg, device), cfg, tokenizer

@@ -24,13 +24,15 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runyard.data.loader import TokenLoader, eval_sample
+from runyard.data.image_loader import ImageLoader
+from runyard.data.image_prep import PreparedImages
+from runyard.data.loader import TokenLoader
 from runyard.data.pipeline import PreparedData
 from runyard.errors import Preempted
 from runyard.evaluate.heldout import evaluation_seeds
 from runyard.model.registry import get_family
 from runyard.spec import JobSpec, ResolvedStage
-from runyard.train import checkpoint, parallel
+from runyard.train import batches, checkpoint, parallel
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
@@ -63,7 +65,7 @@ class TrainSetup:
     module: torch.nn.Module  # what forward runs on: the model, or its DDP/FSDP wrapper
     config: Any  # the model family's config
     optimizer: torch.optim.Optimizer
-    loader: TokenLoader
+    loader: TokenLoader | ImageLoader
 
     @property
     def state(self) -> checkpoint.TrainingState:
@@ -78,42 +80,37 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx: parallel.DistContext) -> TrainSetup:
+def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages,
+                ctx: parallel.DistContext) -> TrainSetup:
     family = get_family(stage.model.family)
     seed_everything(derive_seed(spec.seed, "init", stage.name))
-    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
+    config = family.config_from_spec(stage.model, **batches.data_facts(prepared))
     model = family.build(config).to(ctx.device)
     module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
     if spec.resources.compile and ctx.device.type == "cuda":
         module = torch.compile(module)
     o = stage.optim
     optimizer = torch.optim.AdamW(family.optimizer_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
-    loader = TokenLoader(
-        prepared.train_index,
-        seq_len=config.context_length,
-        batch_size=stage.train.batch_size,
-        seed=derive_seed(spec.seed, "data", stage.name),
-        rank=ctx.rank,
-        world_size=ctx.world_size,
-    )
+    loader = batches.train_loader(prepared, config, stage.train.batch_size, derive_seed(spec.seed, "data", stage.name), ctx)
     return TrainSetup(model, module, config, optimizer, loader)
 
 
 def forward_backward(
     module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float, device: torch.device, precision: str
 ) -> torch.Tensor:
-    """One micro-batch: the loss summed over its tokens times `loss_scale` (1 / tokens in the whole
-    accumulated batch), so gradients accumulated over micro-batches equal one large batch's."""
+    """One micro-batch: the loss summed over its targets (tokens, or one label per image) times
+    `loss_scale` (1 / targets in the whole accumulated batch), so gradients accumulated over micro-batches
+    equal one large batch's."""
     with autocast_for(device, precision):
         logits = module(x)
-    loss = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum") * loss_scale
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") * loss_scale
     loss.backward()
     return loss.detach()
 
 
 @torch.no_grad()
 def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precision: str) -> float:
-    """Mean token cross-entropy over fixed batches (dropout off)."""
+    """Mean cross-entropy per target (token, or image label) over fixed batches (dropout off)."""
     was_training = module.training
     module.eval()
     total, count = 0.0, 0
@@ -121,7 +118,7 @@ def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precis
         x, y = x.to(device), y.to(device)
         with autocast_for(device, precision):
             logits = module(x)
-        total += F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="sum").item()
+        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
         count += y.numel()
     module.train(was_training)
     return total / max(count, 1)
@@ -130,7 +127,7 @@ def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precis
 def train_stage(
     spec: JobSpec,
     stage: ResolvedStage,
-    prepared: PreparedData,
+    prepared: PreparedData | PreparedImages,
     stage_dir: Path,
     ctx: parallel.DistContext,
     stop: StopRequest | None = None,
@@ -144,7 +141,7 @@ def train_stage(
         checkpoint.wait_pending(raise_errors=False)
 
 
-def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, stage_dir: Path,
+def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages, stage_dir: Path,
                  ctx: parallel.DistContext, stop: StopRequest, show_progress: bool) -> StageResult:
     family = get_family(stage.model.family)
     setup = build_setup(spec, stage, prepared, ctx)
@@ -153,10 +150,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, st
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     train_cfg = stage.train
     total_steps = train_cfg.steps
-    seq_len = setup.config.context_length
     # Drawn across the whole held-out split, the same sample at every evaluation and after a resume.
-    heldout = eval_sample(prepared.heldout_index, seq_len, train_cfg.batch_size,
-                          spec.eval.batches * train_cfg.batch_size, evaluation_seeds(spec.seed)["eval.heldout"])
+    heldout = batches.heldout_sample(prepared, setup.config, train_cfg.batch_size,
+                                     spec.eval.batches * train_cfg.batch_size, evaluation_seeds(spec.seed)["eval.heldout"])
 
     step, best_loss, best_step, resumed_from, last_heldout = 0, math.inf, None, None, None
     restored = checkpoint.load(setup.state, ckpt_dir, ctx)
@@ -173,7 +169,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, st
         metrics.truncate_after(step)
     losses = [row["loss"] for row in metrics.read() if "loss" in row] if ctx.is_main else []
 
-    tokens_per_micro = train_cfg.batch_size * seq_len
+    # A "token" here is one target of the loss: a token of text, or an image's label (unit "sample").
+    unit = family.sizing(setup.config).unit
+    tokens_per_micro = train_cfg.batch_size * family.targets_per_sample(setup.config)
     # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
     grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx,
                                          restored.values if restored else None)
@@ -234,8 +232,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, st
                 "loss": loss_value,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
-                "tokens_per_s": tok_s,
-                "tokens": step * tokens_per_step,
+                f"{unit}s_per_s": tok_s,
+                f"{unit}s": step * tokens_per_step,
                 "time": time.time(),
             }
             step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
@@ -245,8 +243,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, st
                 last_heldout = parallel.all_reduce_mean(
                     evaluate_loss(setup.module, heldout.batches, device, precision), ctx
                 )
-                row.update(heldout_loss=last_heldout, heldout_tokens=heldout.tokens,
-                           heldout_documents=heldout.documents)
+                row.update({"heldout_loss": last_heldout, f"heldout_{unit}s": heldout.tokens,
+                            "heldout_documents": heldout.documents})
                 if last_heldout < best_loss:
                     best_loss, best_step = last_heldout, step
             losses.append(loss_value)
