@@ -31,6 +31,7 @@ from runyard.market import (
     statements,
     usage,
 )
+from runyard.market import disputes as dispute_ops
 from runyard.market.errors import (
     Conflict,
     InsufficientFunds,
@@ -430,10 +431,10 @@ def machine_for(url_factory, backend: str):
                 self.attempt(refusals, usage.acknowledge, self.market, self.who(tenant), record["id"], body, key)
             elif action == "dispute" and record["device_seconds"] > 0:
                 body = DisputeIn(reason="too much", claimed_device_seconds=half)
-                self.attempt(refusals, usage.dispute, self.market, self.who(tenant), record["id"], body, key)
+                self.attempt(refusals, dispute_ops.dispute, self.market, self.who(tenant), record["id"], body, key)
             elif action == "contest":
                 body = ContestIn(reason="no")
-                self.attempt(refusals, usage.contest, self.market, self.who(provider), record["id"], body, key)
+                self.attempt(refusals, dispute_ops.contest, self.market, self.who(provider), record["id"], body, key)
 
         @rule(data=st.data(), percent=st.sampled_from([0, 50, 97, 100, 150]))
         def measure(self, data, percent, record_id=None):
@@ -473,7 +474,7 @@ def machine_for(url_factory, backend: str):
                     else None
                 )
                 body = ResolveIn(outcome=outcome, device_seconds=value, reason="decided")
-                usage.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
+                dispute_ops.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
 
         # -- the invariants, after every step --------------------------------------------------------
 

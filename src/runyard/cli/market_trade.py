@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from runyard.cli.market_common import print_json, timestamp
 from runyard.errors import RunyardError
@@ -88,9 +89,33 @@ def _option(
         kwargs["type"] = timestamp if name.endswith(TIME_SUFFIXES) else int
         if name.endswith(TIME_SUFFIXES):
             kwargs["help"] += " (Unix seconds or ISO 8601)"
+    elif _structured(inner):
+        kwargs["type"] = structured_value
+        kwargs["metavar"] = "JSON|@FILE"
+        kwargs["help"] += " (JSON or YAML text, or @FILE)"
     elif inner is not str:
         raise TypeError(f"no command-line form for {name}: {annotation!r}")
     parser.add_argument(flag, required=required, **kwargs)
+
+
+def _structured(annotation: Any) -> bool:
+    """A nested object or list (a pydantic model, dict or list) rather than one plain value."""
+    if typing.get_origin(annotation) in (list, dict):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def structured_value(text: str) -> Any:
+    """The value of an option that takes an object or a list: JSON or YAML text, or @FILE holding it."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON or YAML: {exc}") from exc
 
 
 def _describe(op: Operation, name: str) -> str:
