@@ -30,6 +30,9 @@ its checkpoints, copied atomically and never through a link (see `runyard.contro
 `results_to` this agent cannot deliver to (another URL scheme, a directory holding other files)
 gets the lease rejected before any work.
 
+Standing leases (serving capacity, `runyard.market.standing`) carry a deployment instead of a job:
+the agent serves it through the lease and reports its availability (`runyard.control.agent_standing`).
+
 What it has done for each lease is kept in `<state dir>/agent/lease-<id>.json` (written
 atomically), so a restarted daemon neither accepts twice nor reports the same usage twice.
 """
@@ -49,6 +52,7 @@ from typing import Any
 import yaml
 
 from runyard.control import limits as job_limits
+from runyard.control.agent_standing import ENDED, Deployments
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.jobs import add_jobs, requests_for_spec
 from runyard.control.lease_job import (
@@ -83,6 +87,14 @@ class LeaseJobSettings:
     memory_per_device: int | None = None  # default: this machine's memory over its devices
     max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE)
     pass_env: list[str] = field(default_factory=list)  # daemon variables a lease job may see
+    # Deployments (standing leases): where their endpoints listen, the host named in their URLs
+    # (default: the one they listen on), and how they are watched.
+    endpoint_host: str = "127.0.0.1"
+    endpoint_public_host: str | None = None
+    probe_interval_s: float = 5.0
+    unhealthy_restart_s: float = 60.0  # failing probes this long, a live server is restarted
+    startup_grace_s: float = 300.0  # ... unless its attempt is younger than this (loading its model)
+    env_cache: str | None = None  # where environments from jobs' locks are built (default: STATE_DIR/envs)
 
 
 class MarketAgent:
@@ -105,6 +117,8 @@ class MarketAgent:
             self.settings.memory_per_device = total // max(1, len(loop.config.inventory))
         self.dir = state_dir / "agent"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.priority = LEASE_PRIORITY
+        self.deployments = Deployments(self)
         self._thread: threading.Thread | None = None
 
     # -- thread -----------------------------------------------------------------------------------
@@ -116,6 +130,7 @@ class MarketAgent:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+        self.deployments.stop_all()
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -130,15 +145,25 @@ class MarketAgent:
     def step(self) -> None:
         now = self.client.market_info()["now"]
         for lease in self.client.leases(state="offered"):
-            self._consider(lease)
+            if lease.get("form") == "standing":
+                if self._record(lease["id"]) is None:
+                    self.deployments.consider(lease)
+            else:
+                self._consider(lease)
         for lease in self.client.leases(state="accepted") + self.client.leases(state="running"):
             record = self._record(lease["id"])
-            if record is not None:
+            if record is not None and record.get("kind") == "deployment":
+                self.deployments.follow(lease, record, now)
+            elif record is not None:
                 self._follow(lease, record, now)
-        for state in ("terminated", "cancelled", "expired"):
+        for state in ENDED:
             for lease in self.client.leases(state=state):
                 record = self._record(lease["id"])
-                if record is not None and not record.get("finished"):
+                if record is None or record.get("finished"):
+                    continue
+                if record.get("kind") == "deployment":
+                    self.deployments.ended(lease, record)
+                elif state in ("terminated", "cancelled", "expired"):
                     self._stop_jobs(record, f"the lease was {state}")
                     self._finish(record)
 

@@ -14,7 +14,9 @@ rejected with a reason (and its escrow returned) instead of failing later inside
         sandbox.json               the sandbox policy (runyard.control.sandbox)
         failure.json               why the launcher could not run the job, when it could not
         passwd, group              the only users the sandbox knows
-        work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/
+        export/                    a deployment's export: its uploaded files, and its URLs fetched there
+        work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/,
+                                   and a deployment's socket `s.sock` (runyard.control.serve_relay)
 """
 
 from __future__ import annotations
@@ -73,6 +75,14 @@ class LeaseFolder:
     @property
     def work(self) -> Path:
         return self.root / "work"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def socket(self) -> Path:
+        return self.work / "s.sock"
 
     @property
     def run_dir(self) -> Path:

@@ -82,6 +82,7 @@ class SandboxPolicy:
     lease_id: int
     root: str  # the lease folder (read-only inside)
     data_urls: dict[str, str] = field(default_factory=dict)  # URL -> file name under root/urls
+    fetch: dict[str, str] = field(default_factory=dict)  # URL -> path under root (a deployment's export files)
     max_fetch_bytes: int = 1 << 30
     data_networks: list[str] = field(default_factory=list)  # CIDRs a data URL may reach besides public ones
     memory_bytes: int | None = None
@@ -224,9 +225,12 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     """Fetch the job's data, apply its limits, run `command` in the sandbox; returns its exit code."""
     (Path(policy.root) / "failure.json").unlink(missing_ok=True)
     forwarder = _Forwarder()
+    targets = {url: Path(policy.root) / "urls" / name for url, name in policy.data_urls.items()}
+    targets.update({url: Path(policy.root) / rel for url, rel in policy.fetch.items()})
     try:
-        fetch_all({url: Path(policy.root) / "urls" / name for url, name in policy.data_urls.items()},
-                  policy.max_fetch_bytes, allowed_networks(policy.data_networks))
+        for dest in targets.values():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        fetch_all(targets, policy.max_fetch_bytes, allowed_networks(policy.data_networks))
     except FetchError as exc:
         return _fail(policy, f"a data URL could not be fetched: {exc}")
     if forwarder.pending:  # asked to stop while fetching: the job never starts
