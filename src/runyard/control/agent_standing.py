@@ -32,12 +32,13 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from runyard.control.deployment import job_request, lay_out, report_windows, serve_command
+from runyard.control.deployment import SERVE_PORT, job_request, lay_out, report_windows, serve_command
 from runyard.control.endpoint import Endpoint, Window
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.server import capacity
 from runyard.control.states import FailureReason, JobState
+from runyard.http_thread import free_port
 from runyard.market.client import MarketClientError
 
 if TYPE_CHECKING:
@@ -112,7 +113,9 @@ class Deployments:
                       memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
                       max_file_bytes=self.settings.max_file_bytes, pass_env=list(self.settings.pass_env),
                       unconfined=self.settings.unconfined).save(folder.policy)
-        argv = wrap_argv(serve_command(folder, deployment, lease["devices"], gpu), folder.policy)
+        # Unconfined (no sandbox, no network namespace of its own), the server needs a port of this host.
+        port = free_port() if self.settings.unconfined else SERVE_PORT
+        argv = wrap_argv(serve_command(folder, deployment, gpu, port), folder.policy)
         record = {"kind": "deployment", "lease_id": lease_id, "demand_id": lease["demand_id"],
                   "tenant_id": lease["tenant_id"], "folder": str(folder.root),
                   "requests": [job_request(lease, argv, folder, agent.priority)], "job_ids": [], "seq": 0,
@@ -128,9 +131,17 @@ class Deployments:
         """The lease's endpoint, opened (again, on its port, after a restart) if it is not open."""
         lease_id = int(record["lease_id"])
         if lease_id not in self.endpoints:
-            made = Endpoint(LeaseFolder(Path(record["folder"])).socket, record["token_sha256"],
-                            host=self.settings.endpoint_host, port=record.get("endpoint_port"),
-                            probe_interval_s=self.settings.probe_interval_s).start()
+            made = None
+            for port in dict.fromkeys((record.get("endpoint_port"), None)):  # its own port again, else a new one
+                try:
+                    made = Endpoint(LeaseFolder(Path(record["folder"])).socket, record["token_sha256"],
+                                    host=self.settings.endpoint_host, port=port,
+                                    probe_interval_s=self.settings.probe_interval_s).start()
+                    break
+                except RuntimeError as exc:
+                    log.warning("lease %s: the endpoint could not open on port %s: %s", lease_id, port, exc)
+            if made is None:
+                raise RuntimeError(f"lease {lease_id}: no port for its endpoint on {self.settings.endpoint_host}")
             self.endpoints[lease_id] = made
             if record.get("endpoint_port") != made.port:
                 record["endpoint_port"] = made.port

@@ -58,17 +58,16 @@ def lay_out(folder: LeaseFolder, deployment: dict) -> dict[str, str]:
     return {url: f"export/{check_file_path(rel)}" for rel, url in urls.items()}
 
 
-def serve_command(folder: LeaseFolder, deployment: dict, devices: int, gpu: bool) -> list[str]:
-    """The command the deployment's job runs inside the sandbox (before the launcher wraps it)."""
+def serve_command(folder: LeaseFolder, deployment: dict, gpu: bool, port: int = SERVE_PORT) -> list[str]:
+    """The command the deployment's job runs inside the sandbox (before the launcher wraps it): the
+    relay, and `runyard serve` on `port` of the sandbox's loopback (runyard's engine, on one device)."""
     serve = [sys.executable, "-m", "runyard", "serve", str(folder.export), "--host", "127.0.0.1",
-             "--port", str(SERVE_PORT), "--device", "cuda" if gpu else "cpu"]
-    if gpu and devices > 1:
-        serve += ["--tensor-parallel-size", str(devices)]
+             "--port", str(port), "--device", "cuda" if gpu else "cpu"]
     for key, flag in SERVE_OPTIONS.items():
         value = (deployment.get("serve") or {}).get(key)
         if value is not None:
             serve += [flag, str(value)]
-    return [sys.executable, "-m", "runyard.control.serve_relay", str(folder.socket), str(SERVE_PORT), "--", *serve]
+    return [sys.executable, "-m", "runyard.control.serve_relay", str(folder.socket), str(port), "--", *serve]
 
 
 def job_request(lease: dict, argv: list[str], folder: LeaseFolder, priority: int) -> dict[str, Any]:
