@@ -123,6 +123,8 @@ class LeaseLine(Out):
     paid_provider: int
     fee: int
     refunded: int
+    credited: int = Field(description="credits a standing lease returned under its listing's rule")
+    form: Form
 
 
 class StatementAccount(Out):
