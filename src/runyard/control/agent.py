@@ -55,11 +55,13 @@ from runyard.control import limits as job_limits
 from runyard.control.agent_standing import ENDED, Deployments
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.jobs import add_jobs, requests_for_spec
+from runyard.control.lease_env import check_lock
 from runyard.control.lease_job import (
     LeaseFolder,
     copy_drop_folder,
     runnable_spec,
     url_files,
+    write_env_lock,
     write_files,
     write_runnable_spec,
 )
@@ -118,6 +120,7 @@ class MarketAgent:
         self.dir = state_dir / "agent"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.priority = LEASE_PRIORITY
+        self.env_cache = Path(self.settings.env_cache) if self.settings.env_cache else state_dir / "envs"
         self.deployments = Deployments(self)
         self._thread: threading.Thread | None = None
 
@@ -184,6 +187,9 @@ class MarketAgent:
             run_spec = runnable_spec(yaml.safe_load(folder.spec.read_text(encoding="utf-8")), folder, data_urls)
             write_runnable_spec(folder, run_spec)
             delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
+            locked = folder.env_lock.is_dir()
+            if locked:
+                check_lock(folder.env_lock)  # a lock this machine cannot install: refused before any work
         except (RunyardError, OSError, ValueError) as exc:
             # Nothing of a refused lease stays here: neither the tenant's spec nor its data.
             shutil.rmtree(self.dir / f"lease-{int(lease['id'])}", ignore_errors=True)
@@ -194,7 +200,9 @@ class MarketAgent:
                       data_networks=list(self.settings.data_networks),
                       memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
                       max_file_bytes=self.settings.max_file_bytes,
-                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined).save(folder.policy)
+                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
+                      env_lock=str(folder.env_lock) if locked else None,
+                      env_cache=str(self.env_cache)).save(folder.policy)
         requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
                                      tenant=f"tenant-{lease['tenant_id']}", run_dir=str(folder.run_dir),
                                      lease_id=str(lease["id"]))
@@ -331,6 +339,7 @@ class MarketAgent:
             write_files(folder, files)
             spec_text = attached["spec"] if isinstance(attached["spec"], str) else yaml.safe_dump(attached["spec"])
             atomic_write_text(folder.spec, spec_text)
+            write_env_lock(folder, attached.get("env_lock"))
             return folder, str(attached.get("results_to") or folder.root / "results"), data_urls
         # Fallback for demands that carry no job: the local drop directory, whose files are the job's data.
         drop = self.lease_jobs / f"demand-{int(lease['demand_id'])}"

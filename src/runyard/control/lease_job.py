@@ -15,6 +15,7 @@ rejected with a reason (and its escrow returned) instead of failing later inside
         failure.json               why the launcher could not run the job, when it could not
         passwd, group              the only users the sandbox knows
         export/                    a deployment's export: its uploaded files, and its URLs fetched there
+        env/                       the job's environment lock, when its demand carries one
         work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/,
                                    and a deployment's socket `s.sock` (runyard.control.serve_relay)
 """
@@ -33,7 +34,7 @@ import yaml
 
 from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_bytes, atomic_write_text
-from runyard.market.jobs import check_file_path
+from runyard.market.jobs import check_env_lock, check_file_path
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
 
@@ -75,6 +76,10 @@ class LeaseFolder:
     @property
     def work(self) -> Path:
         return self.root / "work"
+
+    @property
+    def env_lock(self) -> Path:
+        return self.root / "env"
 
     @property
     def export(self) -> Path:
@@ -187,6 +192,18 @@ def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[st
 
 def _listing(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+
+
+def write_env_lock(folder: LeaseFolder, lock: dict[str, str] | None) -> Path | None:
+    """Write the job's environment lock (as its demand carries it) into `folder.env_lock`, or remove an
+    earlier one; returns the folder, or None without a lock."""
+    shutil.rmtree(folder.env_lock, ignore_errors=True)
+    if not lock:
+        return None
+    check_env_lock(lock)  # never trust the wire
+    atomic_write_text(folder.env_lock / "requirements.txt", lock["requirements"])
+    atomic_write_text(folder.env_lock / "environment.json", lock["environment"])
+    return folder.env_lock
 
 
 def write_runnable_spec(folder: LeaseFolder, spec: dict[str, Any]) -> Path:
