@@ -9,7 +9,14 @@ import base64
 import pytest
 
 from runyard.control.agent_standing import failed_before_serving, log_reason, should_restart
-from runyard.control.deployment import RETRY_POLICY, SERVE_PORT, job_request, lay_out, report_windows, serve_command
+from runyard.control.deployment import (
+    RETRY_POLICY,
+    SERVE_PORT,
+    job_request,
+    lay_out,
+    report_windows,
+    serve_command,
+)
 from runyard.control.endpoint import Window
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.retry import RetryPolicy

@@ -94,6 +94,10 @@ def test_the_same_job_on_two_providers_in_its_own_environment_compares_bitwise(t
             report = json.loads((tmp_path / "comparison" / "report.json").read_text())
             assert report["verdict"] == "bitwise", report
             assert report["weights"]["equal"] and report["environment_differences"] == []
+            # The same inputs, seen as the same: each provider ran the tenant's spec as written (in the
+            # demand's files), so neither the spec's hash nor the data's keys name a provider's folders.
+            assert report["input_differences"] == [], report["input_differences"]
+            assert yaml.safe_load((a / "spec.yaml").read_text())["data"]["sources"][0]["path"] == "data/*.py"
             assert "BITWISE" in compared.stdout
 
             # A lock neither provider can install: refused before any work, the escrow returned.

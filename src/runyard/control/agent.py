@@ -202,7 +202,7 @@ class MarketAgent:
                       max_file_bytes=self.settings.max_file_bytes,
                       pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
                       env_lock=str(folder.env_lock) if locked else None,
-                      env_cache=str(self.env_cache)).save(folder.policy)
+                      env_cache=str(self.env_cache), cwd=str(folder.files)).save(folder.policy)
         requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
                                      tenant=f"tenant-{lease['tenant_id']}", run_dir=str(folder.run_dir),
                                      lease_id=str(lease["id"]))

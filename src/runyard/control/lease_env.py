@@ -123,6 +123,9 @@ def install(root: Path, lock_dir: Path) -> None:
     """Phase 2, run confined: the venv from `root/requirements.txt` and `root/archives` alone, verified
     against the lock, then `ready.json`."""
     started = time.monotonic()
+    # Neither pip nor the new environment may see the launcher's tree: on PYTHONPATH, its runyard (and
+    # its .egg-info) reads to pip as runyard already installed, and the lock's wheel is skipped.
+    os.environ.pop("PYTHONPATH", None)
     lock = read_lock(lock_dir)
     build = json.loads((root / "build.json").read_text())
     venv = root / "venv"
@@ -131,8 +134,6 @@ def install(root: Path, lock_dir: Path) -> None:
     _run([sys.executable, "-m", "pip", "--disable-pip-version-check", "--no-cache-dir", "--python", str(python),
           "install", "--no-index", "--no-deps", "--require-hashes", "--no-compile", "--find-links",
           str(root / "archives"), "-r", str(root / "requirements.txt")], "installing the lock")
-    # The new environment must import its own runyard (the wheel), not the launcher's tree.
-    os.environ.pop("PYTHONPATH", None)
     mismatches = verify_environment(python, lock)
     if mismatches:
         raise EnvironmentBuildFailed("the built environment differs from the lock:\n  " + "\n  ".join(mismatches))

@@ -8,8 +8,8 @@ rejected with a reason (and its escrow returned) instead of failing later inside
 
     <state>/agent/lease-<id>/      the agent's; read-only inside the sandbox
         spec.yaml                  the tenant's spec, as carried
-        spec.run.yaml              the spec the job runs: data paths made absolute, URLs -> local copies
-        files/                     the demand's uploaded files
+        spec.run.yaml              the spec the job runs: file paths as the tenant wrote them, URLs -> local copies
+        files/                     the demand's uploaded files; the job's working directory
         urls/                      the demand's data URLs, fetched before the job starts
         sandbox.json               the sandbox policy (runyard.control.sandbox)
         failure.json               why the launcher could not run the job, when it could not
@@ -149,9 +149,13 @@ def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]
     the demand carries.
 
     `data.sources[].path` and `data.tokenizer.path` may name a relative path (or glob) of the
-    demand's files, which must match at least one of them, or exactly one of its data URLs; both
-    become absolute paths in the lease's folder. `data.cache_dir` and `data.store` must be unset:
-    a lease job's cache lives in its own work area and it publishes nowhere.
+    demand's files, which must match at least one of them, or exactly one of its data URLs. A file's
+    path stays as the tenant wrote it: the job runs in `files/` (its sandbox policy's `cwd`), so the
+    spec it runs, its hash and its data fingerprints' keys are the tenant's own, and two providers'
+    deliveries (or a delivery and the tenant's local run) compare without a difference of paths. A
+    URL becomes its local copy, `../urls/<name>`, the same on every provider. `data.cache_dir` and
+    `data.store` must be unset: a lease job's cache lives in its own work area and it publishes
+    nowhere.
     """
     spec = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy of plain data
     data = spec.get("data")
@@ -177,7 +181,7 @@ def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[st
             raise LeaseJobRefused(
                 f"{where} {value[:200]!r} is a URL the demand does not name; a lease job reads only the "
                 f"files its demand carries and the URLs in its data_urls ({sorted(local_urls) or 'none'})")
-        return str(folder.urls / local_urls[value])
+        return f"../{folder.urls.name}/{local_urls[value]}"
     if value.startswith(("/", "~")) or "{" in value or "\\" in value or ".." in value.split("/"):
         raise LeaseJobRefused(
             f"{where} {value[:200]!r} reaches outside the demand's files; a lease job reads only the files "
@@ -187,7 +191,7 @@ def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[st
     if not matches:
         raise LeaseJobRefused(f"{where} {value[:200]!r} matches none of the files the demand carries "
                               f"({', '.join(sorted(_listing(folder.files))[:20]) or 'it carries none'})")
-    return str(folder.files / value)
+    return value
 
 
 def _listing(root: Path) -> list[str]:

@@ -13,6 +13,7 @@ Inside the sandbox a job sees:
   linker's cache, the time zone, a passwd/group naming only the job's user), the runtime (the
   interpreter's prefix, the virtual environment, the folder runyard is imported from), and its
   lease folder (its spec, the demand's files and fetched URLs, see `runyard.control.lease_job`);
+  a spec job runs in the demand's files folder, so its spec names them by the tenant's own paths;
 - writable: only the lease's `work/` folder (its run directory, HOME, TMPDIR, caches), and an
   empty /tmp in memory (charged to the job's memory limit); everything else, the sandbox's own
   root included, is read-only;
@@ -100,6 +101,13 @@ class SandboxPolicy:
     # environment is built: the job then runs that environment's python (runyard.control.lease_env).
     env_lock: str | None = None
     env_cache: str | None = None
+    cwd: str | None = None  # where the job runs (inside the lease folder); default its work folder
+
+    @property
+    def job_cwd(self) -> Path:
+        """Where the job runs: `cwd` (a spec job: the demand's files, which its spec names by relative
+        paths), else its work folder."""
+        return Path(self.cwd) if self.cwd and Path(self.cwd).is_dir() else self.work
 
     @property
     def work(self) -> Path:
@@ -197,7 +205,7 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     args += ["--remount-ro", "/"]  # the sandbox's own root too: nothing writable but work/ and /tmp
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
-    return [*args, "--chdir", str(work), "--", *command]
+    return [*args, "--chdir", str(policy.job_cwd), "--", *command]
 
 
 def probe(timeout_s: float = 60.0) -> None:
@@ -275,7 +283,7 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
           file=sys.stderr, flush=True)
     read_fd = write_fd = None
     if policy.unconfined:
-        argv, cwd = command, str(policy.work)
+        argv, cwd = command, str(policy.job_cwd)
     else:
         read_fd, write_fd = os.pipe()
         env_root = (str(Path(python).parent.parent.parent),) if python is not None else ()
