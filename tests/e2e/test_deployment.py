@@ -127,10 +127,15 @@ def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_pat
             assert job["argv"][1:3] == ["-m", "runyard.control.sandbox"]  # served inside the sandbox
             folder = tmp_path / "control" / "agent" / f"lease-{lease_id}"
             (pid,) = until(lambda: _serving_pids(folder / "export"))
+            before = max((r["seq"] for r in lab.usage(lease_id)["records"]), default=0)
             os.kill(pid, signal.SIGKILL)
             until(lambda: control.job(job["id"])["job"]["restart_count"] >= 1, 120)
-            until(lambda: any(r["probes_ok"] < r["probes"] for r in lab.usage(lease_id)["records"]), 120)
+            dip = until(lambda: next((r["seq"] for r in lab.usage(lease_id)["records"]
+                                      if r["seq"] > before and r["probes_ok"] < r["probes"]), None), 120)
             until(lambda: _answers(client), 240)
+            # ... and the agent's probes see it healthy again (a record after the dip with every probe answered).
+            until(lambda: any(r["seq"] > dip and 0 < r["probes_ok"] == r["probes"]
+                              for r in lab.usage(lease_id)["records"]), 120)
             assert _serving_pids(folder / "export") not in ([], [pid])
 
             # 4. Notice, the period's close, settlement: charge and credit are what the records give.
@@ -154,6 +159,9 @@ def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_pat
             print(f"period: {len(records)} records, availability {want.availability_bps} bps, price "
                   f"{lease['period_price']}, charge {want.charge}, credit {want.credit}, fee {want.fee}, "
                   f"provider {want.provider}, refund {want.refund}")
+            for r in records:  # what the numbers come from: (seconds, available, probes, healthy, requests)
+                print("record", r["seq"], r["interval_end"] - r["interval_start"], r["device_seconds"], r["probes"],
+                      r["probes_ok"], r["requests"])
             assert want.availability_bps < 10_000  # the kill shows in the records
             assert (period["charge"], period["credit"], period["paid_provider"], period["paid_fee"], period["refunded"]) \
                 == (want.charge, want.credit, want.provider, want.fee, want.refund)

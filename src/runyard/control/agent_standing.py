@@ -163,6 +163,7 @@ class Deployments:
             agent._save(record)
         if lease["state"] == "accepted":
             if endpoint.ever_healthy and job.state == JobState.RUNNING:
+                endpoint.take()  # the probes while the server loaded belong to no period
                 agent.client.start_lease(lease["id"])
                 record["started"] = True
                 agent._save(record)
