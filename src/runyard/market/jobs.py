@@ -23,11 +23,11 @@ tenant's versions, not whatever the provider has; the delivery then carries the 
 a URL (`file://`, or a scheme the provider supports, such as a signed upload URL).
 
 Only the lease's two parties see the job (see `leases.list_leases`); the provider's signature on
-the lease terms covers `job_sha256` (spec, results_to, files and data_urls), so an accepted lease
+the lease terms covers `job_sha256` (spec, results_to, files, data_urls and env_lock), so an accepted lease
 binds the provider to exactly this job and this data.
 
 Stored with the demand as three columns (JOB_COLUMNS): the spec, results_to, and `job_inputs`, the
-JSON of files and data_urls (null when the job carries neither).
+JSON of files, data_urls and env_lock (null when the job carries none).
 """
 
 from __future__ import annotations
