@@ -34,10 +34,11 @@ def spec(*sources: str, **data) -> dict:
 def test_the_demands_files_and_urls_become_the_lease_folders_copies(folder):
     run = runnable_spec(spec("data/a.txt", "data/*.txt", URL, tokenizer={"path": "tok/tokenizer.json"}),
                         folder, [URL])
+    # Files keep the tenant's paths (the job runs in files/); a URL becomes its copy, the same on every provider.
     paths = [s["path"] for s in run["data"]["sources"]]
-    assert paths == [str(folder.files / "data/a.txt"), str(folder.files / "data/*.txt"),
-                     str(folder.urls / "0-train.jsonl.gz")]
-    assert run["data"]["tokenizer"]["path"] == str(folder.files / "tok/tokenizer.json")
+    assert paths == ["data/a.txt", "data/*.txt", "../urls/0-train.jsonl.gz"]
+    assert (folder.files / paths[2]).resolve() == (folder.urls / "0-train.jsonl.gz").resolve()
+    assert run["data"]["tokenizer"]["path"] == "tok/tokenizer.json"
     assert url_files([URL, "https://x.example/"]) == {URL: "0-train.jsonl.gz", "https://x.example/": "1-x.example"}
 
 

@@ -4,6 +4,7 @@ operator's `admin verify` and `admin audit` on the live store."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -87,6 +88,27 @@ def test_serve_register_verify_credit_audit(tmp_path):
         too_much = runyard("demand", "--kinds", "h100-80gb", "--devices", "64", "--duration-s", "3600",
                            "--max-price", "100", env=env, check=False)  # fmt: skip
         assert too_much.returncode == 1 and "insufficient_funds" in too_much.stderr
+        # A standing demand with a deployment: the export uploaded, the token written 0600 and never sent.
+        export = tmp_path / "run" / "export"
+        export.mkdir(parents=True)
+        (export / "config.json").write_text("{}")
+        token_file = tmp_path / "endpoint.token"
+        deployed = runyard("demand", "--kinds", "l4", "--devices", "1", "--max-price", "10", "--form", "standing",
+                           "--period-s", "600", "--deploy", str(tmp_path / "run"), "--serve-option", "kv_cache_mb=16",
+                           "--serve-option", "model_name=mine", "--token-file", str(token_file), env=env)  # fmt: skip
+        placed = json.loads(deployed.stdout)
+        token = token_file.read_text().strip()
+        assert oct(token_file.stat().st_mode & 0o777) == "0o600" and token not in deployed.stdout
+        assert placed["deployment"]["token_sha256"] == "sha256:" + hashlib.sha256(token.encode()).hexdigest()
+        assert placed["deployment"]["serve"] == {"kv_cache_mb": 16, "model_name": "mine"}
+        assert placed["deployment"]["export_files"] == {"config.json": "e30="} and placed["form"] == "standing"
+        again = runyard("demand", "--kinds", "l4", "--devices", "1", "--max-price", "10", "--form", "standing",
+                        "--period-s", "600", "--deploy", str(export), "--token-file", str(token_file), env=env,
+                        check=False)  # fmt: skip
+        assert again.returncode == 1 and "does not exist yet" in again.stderr  # never overwrites a token
+        mixed = runyard("demand", "--kinds", "l4", "--devices", "1", "--max-price", "10", "--period-s", "600",
+                        env=env, check=False)  # fmt: skip
+        assert mixed.returncode == 1 and "--form standing" in mixed.stderr
         statement = json.loads(runyard("statement", env=env).stdout)
         assert statement["totals"]["deposited"] == 500 and statement["totals"]["reconciles"]
         assert statement["market_fee_bps"] == 150

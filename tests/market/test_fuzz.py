@@ -21,13 +21,14 @@ from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, ope
 EXAMPLES = 25
 PROVIDER_OPERATIONS = {
     "create_listing", "withdraw_listing", "accept_lease", "reject_lease", "start_lease", "close_lease",
-    "report_usage", "contest",
+    "report_usage", "contest", "report_availability", "publish_endpoint",
 }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
 def live(tmp_path_factory):
-    """A market with some history (a running lease with a usage record) and a token per role."""
+    """A market with some history (a running block lease with a usage record, a running standing lease
+    with an availability record) and a token per role."""
     market = open_market(str(tmp_path_factory.mktemp("fuzz") / "market.db"))
     with ServerThread(market) as server:
         ops = operator_client(market, server.url)
@@ -40,6 +41,14 @@ def live(tmp_path_factory):
         started = provider.start_lease(lease_id)["started_at"]
         ops.advance_clock(HOUR)
         provider.report_usage(lease_id, 1, started, started + 600, 2400)
+        provider.create_listing(**listing(accelerator_kind="l4", form="standing", standing={
+            "period_s": 600, "availability_bps": 9950, "credits": [{"below_bps": 9950, "credit_bps": 1000}]}))
+        standing = tenant.place_demand({"accelerator_kinds": ["l4"], "device_count": 1}, 300, form="standing",
+                                       standing={"period_s": 600, "term_periods": 2})["lease_id"]
+        provider.accept_lease(standing)
+        begun = provider.start_lease(standing)["started_at"]
+        ops.advance_clock(300)
+        provider.report_availability(standing, 1, begun, begun + 200, 190, 20, 19, 4)
         tokens = {"operator": ops.token, "provider": provider.token, "tenant": tenant.token}
         yield {"market": market, "url": server.url, "tokens": tokens}
     market.store.dispose()

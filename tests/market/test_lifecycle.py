@@ -8,6 +8,7 @@ import pytest
 from sqlalchemy import select
 
 from runyard.market import deadlines, funds, identity, leases, orders, settlement, usage
+from runyard.market import disputes as dispute_ops
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition
 from runyard.market.models import (
     AcceptIn,
@@ -196,11 +197,11 @@ def test_measurement_mismatch_opens_a_dispute_by_itself(world):
     assert measure(t0 + 600, t0 + 1200, 600, "m2")["record_id"] is None  # before the provider's record
     far = world.report(lease, 2, t0 + 600, t0 + 1200, 1200)  # the tenant saw half: a dispute opens
     assert far["state"] == "disputed" and close["state"] == "reported"
-    opened = usage.open_disputes(m, world.who("p"))
+    opened = dispute_ops.open_disputes(m, world.who("p"))
     assert [(d["record_id"], d["opened_by"], d["claimed_device_seconds"]) for d in opened] == [
         (far["id"], "system", 600)
     ]
-    usage.resolve(m, world.ops, opened[0]["id"], ResolveIn(outcome="upheld", reason="tenant logs agree"), "r")
+    dispute_ops.resolve(m, world.ops, opened[0]["id"], ResolveIn(outcome="upheld", reason="tenant logs agree"), "r")
     assert usage.lease_usage(m, world.who("t"), lease["id"])["disputes"][0]["resolved_device_seconds"] == 600
     # The decided dispute takes its record out of `disputed`, holding the outcome.
     record = usage.lease_usage(m, world.who("t"), lease["id"])["records"][1]
@@ -224,7 +225,7 @@ def test_provider_contests_a_partial_acknowledgement(world):
     m.advance_clock(HOUR, world.ops.actor)
     record = world.report(lease, 1, lease["started_at"], lease["started_at"] + HOUR, 2 * HOUR)
     usage.acknowledge(m, world.who("t"), record["id"], AckIn(accepted_device_seconds=HOUR), "ack")
-    dispute = usage.contest(
+    dispute = dispute_ops.contest(
         m, world.who("p"), record["id"], ContestIn(reason="both devices were busy"), "contest"
     )
     assert (dispute["opener_side"], dispute["claimed_device_seconds"], dispute["counter_device_seconds"]) == (
@@ -235,10 +236,10 @@ def test_provider_contests_a_partial_acknowledgement(world):
     m.advance_clock(700, world.ops.actor)
     assert settlement.settle(m, world.who("t"), lease["id"], "s1")["held_device_seconds"] == 2 * HOUR
     with pytest.raises(BadRequest, match="between 3600 and 7200"):
-        usage.resolve(
+        dispute_ops.resolve(
             m, world.ops, dispute["id"], ResolveIn(outcome="partial", device_seconds=1, reason="x"), "r0"
         )
-    usage.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="rejected", reason="ack stands"), "r1")
+    dispute_ops.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="rejected", reason="ack stands"), "r1")
     done = leases.get_lease(m, world.who("t"), lease["id"])
     assert (done["state"], done["paid_provider"], done["refunded"]) == ("settled", 3600, 3600)
     kinds = [t["to_state"] for t in world.log("dispute", dispute["id"])]

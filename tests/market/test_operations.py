@@ -20,6 +20,7 @@ from runyard.market.states.dispute import DISPUTE
 from runyard.market.states.identity import IDENTITY
 from runyard.market.states.lease import LEASE
 from runyard.market.states.listing import LISTING
+from runyard.market.states.period import PERIOD
 from runyard.market.states.record import RECORD
 
 from .helpers import open_market
@@ -84,6 +85,11 @@ def test_every_operation_is_a_client_method_and_a_verb():
                 "submit_measurement": ["--interval-start", "1", "--interval-end", "2", "--device-seconds", "1"],
                 "terminate_lease": ["--reason-code", "other"], "dispute": ["--reason", "x"],
                 "contest": ["--reason", "x"], "request_verification": [],
+                "report_availability": ["--seq", "1", "--interval-start", "1", "--interval-end", "2",
+                                        "--available-seconds", "1", "--probes", "1", "--probes-ok", "1"],
+                "submit_probes": ["--interval-start", "1", "--interval-end", "2", "--available-seconds", "1",
+                                  "--probes", "1", "--probes-ok", "1"],
+                "publish_endpoint": ["--endpoint-url", "http://h:1"],
             }.get(op.name, [])  # fmt: skip
             if op.name == "register":
                 args = ["register"]
@@ -111,6 +117,7 @@ def test_documented_state_sets_are_the_state_machines():
         (responses.AccountState, IDENTITY),
         (responses.ListingState, LISTING),
         (responses.RecordState, RECORD),
+        (responses.PeriodState, PERIOD),
     ):
         assert set(typing.get_args(literal)) == machine.states, machine.entity
 

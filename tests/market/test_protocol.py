@@ -144,3 +144,85 @@ def test_a_generated_client_runs_a_whole_lease(tmp_path, monkeypatch):
         assert statement.totals["reconciles"] is True and statement.totals["charged"] == 3600
     assert_audit_ok(market)
     market.store.dispose()
+
+
+@pytest.mark.slow
+def test_a_generated_client_runs_a_standing_lease(tmp_path, monkeypatch):
+    """The standing form from the document alone: the standing acceptance and the availability record
+    built and signed as the document says, a period settled by its formulas to the minor unit."""
+    market = open_market(str(tmp_path / "market.db"), fee_bps=100)
+    with ServerThread(market) as server:
+        package = _generate(server.url, tmp_path)
+        monkeypatch.syspath_prepend(str(tmp_path))
+
+        def api(name: str):
+            return importlib.import_module(f"{package}.api.{name}")
+
+        models = importlib.import_module(f"{package}.models")
+        client_mod = importlib.import_module(f"{package}.client")
+        anon = client_mod.Client(base_url=server.url, raise_on_unexpected_status=True)
+        ops = client_mod.AuthenticatedClient(base_url=server.url, token=identity.create_operator(market, "ops")["token"])
+
+        def call(module, fn_client, *args, expect=200, **kwargs):
+            response = module.sync_detailed(*args, client=fn_client, **kwargs)
+            assert response.status_code == expect, (module.__name__, response.status_code, response.content)
+            return response.parsed
+
+        parties, clients = {"farm": Party(), "lab": Party()}, {}
+        for name, role in (("farm", "provider"), ("lab", "tenant")):
+            body = models.RegisterIn.from_dict({"name": name, "role": role, "public_key": parties[name].public})
+            made = call(api("accounts.register"), anon, body=body, expect=201)
+            clients[name] = client_mod.AuthenticatedClient(base_url=server.url, token=made.token)
+            call(api("accounts.request_verification"), clients[name], body=models.VerifyRequestIn.from_dict({}))
+            call(api("admin.decide"), ops, name, body=models.DecisionIn.from_dict({"approve": True, "reason": "ok"}))
+        farm, lab = clients["farm"], clients["lab"]
+        info = call(api("market.market_info"), anon)
+        call(api("admin.credit"), ops, idempotency_key="c1",
+             body=models.CreditIn.from_dict({"account": "lab", "amount": 10_000, "reason": "wire"}))  # fmt: skip
+        call(api("listings.create_listing"), farm, expect=201, body=models.ListingIn.from_dict({
+            "accelerator_kind": "cpu", "devices_per_node": 1, "node_count": 1, "region": "eu", "jurisdiction": "eu",
+            "price_per_device_hour": 3600, "available_until": info.now + 30 * 86400, "form": "standing",
+            "standing": {"period_s": 600, "availability_bps": 9950, "credits": [{"below_bps": 9950, "credit_bps": 1000}]},
+        }))  # fmt: skip
+        demand = call(api("demands.place_demand"), lab, expect=201, idempotency_key="d1", body=models.DemandIn.from_dict({
+            "requirement": {"accelerator_kinds": ["cpu"], "device_count": 1}, "max_price_per_device_hour": 3600,
+            "form": "standing", "standing": {"period_s": 600},
+        }))  # fmt: skip
+        lease = call(api("leases.lease"), farm, demand.lease_id)
+        terms = {  # built from the lease's fields as the document says
+            "type": "runyard.market.standing_lease_acceptance.v1", "lease_id": lease.id, "demand_id": lease.demand_id,
+            "listing_id": lease.listing_id, "tenant_id": lease.tenant_id, "provider_id": lease.provider_id,
+            "devices": lease.devices, "price_per_device_hour": lease.price_per_device_hour,
+            "period_s": lease.period_s, "term_periods": lease.term_periods, "period_price": lease.period_price,
+            "renewal_price": lease.renewal_price, "discount_bps": lease.discount_bps,
+            "availability_bps": lease.availability_bps, "credit_rule": [t.to_dict() for t in lease.credit_rule],
+            "notice_s": lease.notice_s, "escrow_amount": lease.escrow_amount, "fee_bps": lease.fee_bps,
+            "currency": info.currency, "deployment_sha256": None,
+        }  # fmt: skip
+        assert terms == lease.terms.to_dict() and lease.period_price == 600
+        call(api("leases.accept_lease"), farm, lease.id, idempotency_key="a1",
+             body=models.AcceptIn.from_dict({"signature": parties["farm"].sign(terms)}))  # fmt: skip
+        started = call(api("leases.start_lease"), farm, lease.id, idempotency_key="s1")
+        call(api("availability.give_notice"), lab, lease.id, idempotency_key="n1", body=models.NoticeIn.from_dict({}))
+        call(api("admin.advance_clock"), ops, body=models.ClockIn.from_dict({"seconds": 600}))
+        record = {"type": "runyard.market.availability_record.v1", "lease_id": lease.id, "seq": 1,
+                  "interval_start": started.started_at, "interval_end": started.started_at + 600,
+                  "available_seconds": 540, "probes": 60, "probes_ok": 54, "requests": 5,
+                  "latency_p50_ms": None, "latency_p99_ms": None}  # fmt: skip
+        body = {k: v for k, v in record.items() if k not in ("type", "lease_id")} | {"signature": parties["farm"].sign(record)}
+        call(api("availability.report_availability"), farm, lease.id, idempotency_key="u1", expect=201,
+             body=models.AvailabilityIn.from_dict(body))  # fmt: skip
+        call(api("admin.sweep"), ops)
+        call(api("admin.advance_clock"), ops, body=models.ClockIn.from_dict({"seconds": 700}))
+        call(api("admin.sweep"), ops)
+        (period,) = call(api("availability.lease_periods"), lab, lease.id)
+        # availability 9000 bps < 9950: the 10% tier. charge 600 x 540/600 = 540, credit 54,
+        # fee (540 - 54) x 1% = 4, provider 482, refund 600 - 540 = 60.
+        assert (period.availability_bps, period.charge, period.credit, period.paid_fee, period.paid_provider,
+                period.refunded) == (9000, 540, 54, 4, 482, 60)
+        settled = call(api("leases.lease"), lab, lease.id)
+        assert settled.state.value == "settled" and settled.credited == 54
+        statement = call(api("funds.statement"), lab)
+        assert statement.totals["reconciles"] is True and statement.totals["charged"] == 486
+    assert_audit_ok(market)
+    market.store.dispose()

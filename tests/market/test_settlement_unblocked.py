@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import update
 
 from runyard.market import deadlines, leases, orders, settlement, usage
+from runyard.market import disputes as dispute_ops
 from runyard.market.errors import BadRequest, EscrowShort
 from runyard.market.models import AcceptIn, DisputeIn, EndIn, ListingIn, MeasurementIn, ResolveIn
 from runyard.market.payloads import lease_terms, measurement
@@ -38,9 +39,9 @@ def test_a_dispute_claims_at_most_what_the_record_reported(world):
                          signature=sign(world.keys["t"], measurement(lease["id"], t0, t0 + 600, huge)))  # fmt: skip
     assert usage.submit_measurement(m, world.who("t"), lease["id"], body, "m1")["dispute_id"] is None
     with pytest.raises(BadRequest, match="fewer device-seconds"):
-        usage.dispute(m, world.who("t"), record["id"], DisputeIn(reason="x", claimed_device_seconds=10**9), "d0")
-    dispute = usage.dispute(m, world.who("t"), record["id"], DisputeIn(reason="idle", claimed_device_seconds=100), "d1")
-    usage.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="upheld", reason="logs"), "r1")
+        dispute_ops.dispute(m, world.who("t"), record["id"], DisputeIn(reason="x", claimed_device_seconds=10**9), "d0")
+    dispute = dispute_ops.dispute(m, world.who("t"), record["id"], DisputeIn(reason="idle", claimed_device_seconds=100), "d1")
+    dispute_ops.resolve(m, world.ops, dispute["id"], ResolveIn(outcome="upheld", reason="logs"), "r1")
     m.advance_clock(HOUR + 700, world.ops.actor)
     assert deadlines.sweep(m)["failed"] == []
     done = leases.get_lease(m, world.who("t"), lease["id"])

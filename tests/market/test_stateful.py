@@ -1,13 +1,14 @@
 """A hypothesis state machine drives the market's service layer with random operations (money in
-through the rail and out, listings, escrow-backed demands, every lease transition, usage, tenant
+through the rail and out, listings and escrow-backed demands of both forms, every lease transition,
+usage, standing leases' availability records, tenant probes, notice and renewal, tenant
 measurements, acknowledgements, disputes and their resolution, settlement, clock jumps, idempotent
 retries) and checks every invariant (runyard.market.invariants) after every step, on SQLite and on
 PostgreSQL.
 
 Each rule names the refusals it may meet (a lease in the wrong state, a closed window, a tenant
 short of funds): any other market error fails the run. Afterwards the walk must have reached
-settled leases, resolved disputes, expired leases and disputes opened by a tenant's measurement, so
-that a run which stalls early cannot pass. The examples are derandomized: the same walk every run."""
+settled leases, resolved disputes, expired leases, disputes opened by a tenant's measurement,
+standing leases renewed and settled period by period, so that a run which stalls early cannot pass. The examples are derandomized: the same walk every run."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
 from sqlalchemy import select
 
+from runyard.market import availability as standing_ops
 from runyard.market import (
     deadlines,
     funds,
@@ -31,7 +33,9 @@ from runyard.market import (
     statements,
     usage,
 )
+from runyard.market import disputes as dispute_ops
 from runyard.market.errors import (
+    BadRequest,
     Conflict,
     InsufficientFunds,
     InvalidTransition,
@@ -52,11 +56,12 @@ from runyard.market.models import (
     UsageIn,
     WithdrawIn,
 )
-from runyard.market.payloads import lease_terms, measurement, usage_record
+from runyard.market.payloads import availability_record, lease_terms, measurement, tenant_probes, usage_record
 from runyard.market.schema import demands as demands_table
-from runyard.market.schema import disputes, usage_records
+from runyard.market.schema import disputes, lease_periods, usage_records
 from runyard.market.schema import leases as leases_table
 from runyard.market.signing import generate_keypair, sign
+from runyard.market.standing import AvailabilityIn, NoticeIn, ProbesIn
 
 from .helpers import FAR, open_market
 
@@ -71,7 +76,10 @@ SETTINGS = settings(
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
 )
 # What a random walk must have reached, summed over the examples (see the module docstring).
-MUST_REACH = ("lease settled", "lease expired", "dispute resolved", "dispute from a measurement")
+MUST_REACH = ("lease settled", "lease expired", "dispute resolved", "dispute from a measurement",
+              "standing lease settled", "period settled", "period renewal")
+STANDING_KIND = "l4"
+STANDING_PERIOD = 600
 
 
 def machine_for(url_factory, backend: str):
@@ -118,6 +126,17 @@ def machine_for(url_factory, backend: str):
             ):
                 event(f"lease reached {state}")
                 REACHED[f"lease {state}"] += 1
+            for state in self.market.read(
+                lambda c, n: c.execute(select(leases_table.c.state).where(leases_table.c.form == "standing"))
+                .scalars().all()
+            ):
+                REACHED[f"standing lease {state}"] += 1
+            for state, funding in self.market.read(
+                lambda c, n: c.execute(select(lease_periods.c.state, lease_periods.c.funding)).all()
+            ):
+                event(f"period {state}")
+                REACHED[f"period {state}"] += 1
+                REACHED[f"period {funding}"] += 1
             for state in self.market.read(
                 lambda c, n: c.execute(select(usage_records.c.state)).scalars().all()
             ):
@@ -170,6 +189,81 @@ def machine_for(url_factory, backend: str):
             # Generous capacity from the start, so that most demands match and leases get going.
             for provider, kind in (("p1", "h100-80gb"), ("p2", "l40s")):
                 self.list_capacity(provider, kind, 8, price, queued, nodes=4)
+            self.list_standing("p2", price)
+
+        def list_standing(self, provider, price):
+            body = ListingIn(
+                accelerator_kind=STANDING_KIND, devices_per_node=4, node_count=2, region="eu", jurisdiction="eu",
+                price_per_device_hour=price, available_until=FAR, form="standing", memory_gib=24,
+                standing={"period_s": STANDING_PERIOD, "availability_bps": 9950, "notice_s": 300,
+                          "credits": [{"below_bps": 9950, "credit_bps": 1000}, {"below_bps": 9000, "credit_bps": 3000}],
+                          "reserved": [{"periods": 2, "discount_bps": 1500}]},
+            )  # fmt: skip
+            orders.create_listing(self.market, self.who(provider), body)
+
+        @rule(tenant=st.sampled_from(["t1", "t2"]), devices=st.integers(1, 4), term=st.integers(1, 3),
+              price=st.integers(50, 600))
+        def standing_demand(self, tenant, devices, term, price):
+            body = DemandIn(
+                requirement={"accelerator_kinds": [STANDING_KIND], "device_count": devices},
+                max_price_per_device_hour=price, form="standing",
+                standing={"period_s": STANDING_PERIOD, "term_periods": term},
+            )
+            self.attempt(InsufficientFunds, orders.place_demand, self.market, self.who(tenant), body,
+                         f"sdem-{next(self.keys_made)}")
+
+        @rule(data=st.data(), side=st.sampled_from(["tenant", "provider"]))
+        def notice(self, data, side):
+            ids = self.ids(leases_table, state=["running"], form=["standing"])
+            if not ids:
+                return
+            lease = self.row(leases_table, data.draw(st.sampled_from(ids)))
+            who = self.who(self.party(lease, side))
+            result = standing_ops.give_notice(self.market, who, lease["id"], NoticeIn(), f"notice-{next(self.keys_made)}")
+            assert result["ends_at"] is not None and result["ends_at"] >= lease["started_at"] + \
+                lease["period_s"] * lease["term_periods"]
+
+        @rule(data=st.data(), how=st.sampled_from(["notice", "nonpayment", "provider_ends"]))
+        def finish_standing(self, data, how):
+            """Drive a standing lease through periods to its settlement: the tenant's notice, a renewal it
+            cannot fund (its balance withdrawn), or a provider that ends it inside a period."""
+            ids = self.ids(leases_table, state=["offered", "accepted", "running"], form=["standing"])
+            if not ids:
+                self.standing_demand("t1", 1, 1, 600)
+                ids = self.ids(leases_table, state=["offered", "accepted", "running"], form=["standing"])
+                if not ids:
+                    return
+            lease = self.row(leases_table, ids[0])
+            for action in {"offered": ["accept", "start"], "accepted": ["start"], "running": []}[lease["state"]]:
+                self.lease_action(data, action, lease_id=lease["id"])
+            lease = self.row(leases_table, lease["id"])
+            if lease["state"] != "running":
+                return
+            tenant, provider = self.party(lease, "tenant"), self.party(lease, "provider")
+            if how == "provider_ends":
+                self.advance(60)
+                self.report(data, data.draw(st.integers(50, 100)), False, lease_id=lease["id"])
+                self.attempt((InvalidTransition, Conflict), leases.terminate, self.market, self.who(provider),
+                             lease["id"], EndIn(reason_code="hardware_failure"), f"pend-{next(self.keys_made)}")
+            else:
+                if how == "notice":
+                    standing_ops.give_notice(self.market, self.who(tenant), lease["id"], NoticeIn(),
+                                             f"notice-{next(self.keys_made)}")
+                else:
+                    available = funds.balances(self.market, self.who(tenant))["accounts"][0]["available"]
+                    if available:
+                        self.attempt(InsufficientFunds, funds.withdraw, self.market, self.who(tenant),
+                                     WithdrawIn(amount=available, payout_method_id=self.payout[tenant]),
+                                     f"wd-all-{next(self.keys_made)}")
+                for _ in range(lease["term_periods"] + 1):
+                    lease = self.row(leases_table, lease["id"])
+                    if lease["state"] != "running":
+                        break
+                    self.advance(max(1, lease["window_end"] - self.market.now()))
+                    self.report(data, data.draw(st.integers(50, 100)), False, lease_id=lease["id"])
+                    self.sweep()
+            self.advance(901)  # past the dispute window
+            self.sweep()
 
         @rule(data=st.data(), steps=st.integers(1, 4))
         def progress(self, data, steps):
@@ -394,6 +488,9 @@ def machine_for(url_factory, backend: str):
             end = min(self.market.now(), lease["window_end"])
             if end <= start:
                 return
+            if lease["form"] == "standing":
+                self.report_availability(lease, provider, start, end, fraction, replay)
+                return
             seq = lease["last_seq"] if replay and lease["last_seq"] else lease["last_seq"] + 1
             used = lease["devices"] * (end - start) * fraction // 100
             signature = sign(self.keys[provider], usage_record(lease["id"], seq, start, end, used))
@@ -411,6 +508,41 @@ def machine_for(url_factory, backend: str):
             )
             if replay and lease["last_seq"]:
                 assert result is None, "a replayed sequence number was accepted"
+
+        def report_availability(self, lease, provider, start, end, fraction, replay):
+            """A standing lease's availability over [start, end), cut at the close of start's period (a
+            record never spans two); replayed, it must be refused."""
+            period = lease["period_s"]
+            end = min(end, lease["started_at"] + period * ((start - lease["started_at"]) // period + 1))
+            seq = lease["last_seq"] if replay and lease["last_seq"] else lease["last_seq"] + 1
+            probes = max(1, (end - start) // 10)
+            ok = probes * fraction // 100
+            available = (end - start) * ok // probes
+            payload = availability_record(lease["id"], seq, start, end, available, probes, ok, 3)
+            body = AvailabilityIn(seq=seq, interval_start=start, interval_end=end, available_seconds=available,
+                                  probes=probes, probes_ok=ok, requests=3,
+                                  signature=sign(self.keys[provider], payload))
+            result = self.attempt(UsageRejected, standing_ops.report_availability, self.market, self.who(provider),
+                                  lease["id"], body, f"avail-{lease['id']}-{seq}-{end}")
+            if replay and lease["last_seq"]:
+                assert result is None, "a replayed sequence number was accepted"
+
+        @rule(data=st.data(), percent=st.sampled_from([0, 50, 100]))
+        def probes(self, data, percent):
+            """The tenant's probes of a standing lease's record: below the tolerance a dispute opens."""
+            ids = self.ids(usage_records, kind=["availability"])
+            if not ids:
+                return
+            record = self.row(usage_records, data.draw(st.sampled_from(ids)))
+            lease = self.row(leases_table, record["lease_id"])
+            tenant = self.party(lease, "tenant")
+            start, end = record["interval_start"], record["interval_end"]
+            seen = record["available_seconds"] * percent // 100
+            ok = 1 if seen else 0
+            body = ProbesIn(interval_start=start, interval_end=end, available_seconds=seen, probes=1, probes_ok=ok,
+                            signature=sign(self.keys[tenant], tenant_probes(lease["id"], start, end, seen, 1, ok)))
+            self.attempt((Conflict, BadRequest), standing_ops.submit_probes, self.market, self.who(tenant), lease["id"],
+                         body, f"probe-{next(self.keys_made)}")
 
         @rule(data=st.data(), action=st.sampled_from(["ack", "part", "dispute", "contest"]))
         def respond(self, data, action, record_id=None):
@@ -430,10 +562,10 @@ def machine_for(url_factory, backend: str):
                 self.attempt(refusals, usage.acknowledge, self.market, self.who(tenant), record["id"], body, key)
             elif action == "dispute" and record["device_seconds"] > 0:
                 body = DisputeIn(reason="too much", claimed_device_seconds=half)
-                self.attempt(refusals, usage.dispute, self.market, self.who(tenant), record["id"], body, key)
+                self.attempt(refusals, dispute_ops.dispute, self.market, self.who(tenant), record["id"], body, key)
             elif action == "contest":
                 body = ContestIn(reason="no")
-                self.attempt(refusals, usage.contest, self.market, self.who(provider), record["id"], body, key)
+                self.attempt(refusals, dispute_ops.contest, self.market, self.who(provider), record["id"], body, key)
 
         @rule(data=st.data(), percent=st.sampled_from([0, 50, 97, 100, 150]))
         def measure(self, data, percent, record_id=None):
@@ -473,7 +605,7 @@ def machine_for(url_factory, backend: str):
                     else None
                 )
                 body = ResolveIn(outcome=outcome, device_seconds=value, reason="decided")
-                usage.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
+                dispute_ops.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
 
         # -- the invariants, after every step --------------------------------------------------------
 

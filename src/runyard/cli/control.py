@@ -70,6 +70,21 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--lease-env", action="append", default=[], metavar="NAME",
                        help="pass this daemon's environment variable NAME through to lease jobs (repeatable); "
                        "they see no other of its variables")
+    start.add_argument("--endpoint-host", default="127.0.0.1",
+                       help="address the endpoints of deployments (models served through standing leases) listen "
+                       "on, each on a port of its own; only the lease's tenant token is admitted (default %(default)s)")
+    start.add_argument("--endpoint-public-host",
+                       help="host name tenants reach those endpoints by, in the URL published on the lease "
+                       "(default: --endpoint-host)")
+    start.add_argument("--probe-interval", type=float, default=5.0,
+                       help="seconds between health probes of a deployment: the evidence of its availability")
+    start.add_argument("--unhealthy-restart", type=float, default=60.0,
+                       help="restart a deployment whose server is alive but has failed its probes this many seconds")
+    start.add_argument("--startup-grace", type=float, default=300.0,
+                       help="seconds a deployment's server may take to load before failing probes counts")
+    start.add_argument("--lease-env-cache", metavar="DIR",
+                       help="where the environments of lease jobs that carry an environment lock are built, one "
+                       "per lock hash (default: STATE_DIR/envs)")
     start.add_argument("--foreground", action="store_true", help="run in this process instead of detaching")
     start.set_defaults(handler=_control_start)
 
@@ -169,7 +184,10 @@ def _options(args: argparse.Namespace):
                                       data_networks=args.allow_data_network,
                                       max_fetch_bytes=args.lease_max_fetch,
                                       memory_per_device=args.lease_memory_per_device,
-                                      max_file_bytes=args.lease_max_file_size, pass_env=args.lease_env)
+                                      max_file_bytes=args.lease_max_file_size, pass_env=args.lease_env,
+                                      endpoint_host=args.endpoint_host, endpoint_public_host=args.endpoint_public_host,
+                                      probe_interval_s=args.probe_interval, unhealthy_restart_s=args.unhealthy_restart,
+                                      startup_grace_s=args.startup_grace, env_cache=args.lease_env_cache)
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
                          usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,

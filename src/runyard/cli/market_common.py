@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from datetime import UTC, datetime
+from pathlib import Path
+
+from runyard.errors import RunyardError
+from runyard.market.client import MarketClient
 
 
 def print_json(data: object) -> None:
@@ -20,3 +25,19 @@ def timestamp(text: str) -> int:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{text!r} is neither Unix seconds nor an ISO date-time") from exc
     return int((moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp())
+
+
+DEFAULT_IDENTITY = os.environ.get("RUNYARD_MARKET_IDENTITY", str(Path.home() / ".runyard" / "market.json"))
+DEFAULT_URL = os.environ.get("RUNYARD_MARKET_URL")
+
+
+def client_for(args: argparse.Namespace) -> MarketClient:
+    """The client acting as the saved identity (or anonymous, with --url, when there is none)."""
+    path = Path(args.identity)
+    if path.exists():
+        return MarketClient.from_identity_file(path, base_url=args.url)
+    if args.url and not getattr(args, "needs_identity", True):
+        return MarketClient(args.url)
+    raise RunyardError(
+        f"no market identity at {path}; run `runyard market register` first (or pass --identity)"
+    )

@@ -5,7 +5,7 @@ file (token and Ed25519 private key, written by `register`).
 A verb's arguments come from the client method of the same name: path parameters are positional,
 every other parameter is an option (`--kebab-case`), required when the method has no default.
 Two verbs take more than their fields: `register` (makes a key pair and saves the identity file)
-and `demand` (builds the requirement from flags or a file, and reads the job spec from a file).
+and `demand` (cli/market_demand.py).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import enum
 import inspect
-import os
 import types
 import typing
 from collections.abc import Callable
@@ -21,29 +20,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
-from runyard.cli.market_common import print_json, timestamp
+from runyard.cli.market_common import DEFAULT_IDENTITY, DEFAULT_URL, client_for, print_json, timestamp
+from runyard.cli.market_demand import demand_args
 from runyard.errors import RunyardError
 from runyard.market.client import MarketClient
-from runyard.market.jobs import MAX_SPEC_BYTES, check_data_urls, encode_files
 from runyard.market.operations import OPERATIONS, Operation
-from runyard.market.requirement import Requirement
 
-DEFAULT_IDENTITY = os.environ.get("RUNYARD_MARKET_IDENTITY", str(Path.home() / ".runyard" / "market.json"))
-DEFAULT_URL = os.environ.get("RUNYARD_MARKET_URL")
 TIME_SUFFIXES = ("_start", "_end", "_from", "_until")
-
-
-def client_for(args: argparse.Namespace) -> MarketClient:
-    """The client acting as the saved identity (or anonymous, with --url, when there is none)."""
-    path = Path(args.identity)
-    if path.exists():
-        return MarketClient.from_identity_file(path, base_url=args.url)
-    if args.url and not getattr(args, "needs_identity", True):
-        return MarketClient(args.url)
-    raise RunyardError(
-        f"no market identity at {path}; run `runyard market register` first (or pass --identity)"
-    )
 
 
 def _identity_args(parser: argparse.ArgumentParser) -> None:
@@ -88,9 +73,33 @@ def _option(
         kwargs["type"] = timestamp if name.endswith(TIME_SUFFIXES) else int
         if name.endswith(TIME_SUFFIXES):
             kwargs["help"] += " (Unix seconds or ISO 8601)"
+    elif _structured(inner):
+        kwargs["type"] = structured_value
+        kwargs["metavar"] = "JSON|@FILE"
+        kwargs["help"] += " (JSON or YAML text, or @FILE)"
     elif inner is not str:
         raise TypeError(f"no command-line form for {name}: {annotation!r}")
     parser.add_argument(flag, required=required, **kwargs)
+
+
+def _structured(annotation: Any) -> bool:
+    """A nested object or list (a pydantic model, dict or list) rather than one plain value."""
+    if typing.get_origin(annotation) in (list, dict):
+        return True
+    return isinstance(annotation, type) and issubclass(annotation, BaseModel)
+
+
+def structured_value(text: str) -> Any:
+    """The value of an option that takes an object or a list: JSON or YAML text, or @FILE holding it."""
+    if text.startswith("@"):
+        try:
+            text = Path(text[1:]).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise argparse.ArgumentTypeError(f"cannot read {text[1:]}: {exc}") from exc
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON or YAML: {exc}") from exc
 
 
 def _describe(op: Operation, name: str) -> str:
@@ -152,124 +161,7 @@ def _register_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[
     return handler
 
 
-def _demand_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[argparse.Namespace], int]:
-    parser.add_argument(
-        "--idempotency-key", help="reuse a key to retry a request safely (default: a fresh key)"
-    )
-    parser.add_argument(
-        "--requirement",
-        type=Path,
-        help="YAML/JSON file: a requirement, or a job spec (its resources.requirement)",
-    )
-    parser.add_argument("--kinds", help="acceptable accelerator kinds, comma-separated")
-    parser.add_argument("--devices", type=int, help="devices in total")
-    parser.add_argument("--duration-s", type=int, help="seconds needed")
-    parser.add_argument("--regions", help="allowed regions or jurisdictions, comma-separated")
-    parser.add_argument("--latest-start", type=timestamp, help="latest acceptable start (Unix s or ISO)")
-    parser.add_argument("--start-classes", help="accepted start classes, e.g. immediate,queued")
-    parser.add_argument("--min-interconnect", help="ethernet, infiniband or nvlink")
-    parser.add_argument(
-        "--max-price", type=int, required=True, help="maximum price per device-hour (minor units)"
-    )
-    parser.add_argument("--job-spec", type=Path, metavar="FILE", help="job spec (YAML) to run on the lease")
-    parser.add_argument(
-        "--results-to",
-        metavar="PATH",
-        help="where the provider delivers the results (required with --job-spec)",
-    )
-    parser.add_argument(
-        "--job-file",
-        action="append",
-        default=[],
-        metavar="[NAME=]FILE",
-        help="a data file uploaded with the job (repeatable; at most 256 KiB in all); the spec names it "
-        "by NAME (default: the file's name), a relative path",
-    )
-    parser.add_argument(
-        "--data-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="an http(s) URL the provider fetches for the job before it starts (repeatable); the spec "
-        "names it as a data source by this exact URL",
-    )
-
-    def handler(args: argparse.Namespace) -> int:
-        client = client_for(args)
-        print_json(
-            client.place_demand(_requirement(args), args.max_price, args.idempotency_key, job=_job(args))
-        )
-        return 0
-
-    return handler
-
-
-def _requirement(args: argparse.Namespace) -> dict:
-    data: dict = {}
-    if args.requirement:
-        loaded = yaml.safe_load(args.requirement.read_text()) or {}
-        if not isinstance(loaded, dict):
-            raise RunyardError(f"{args.requirement}: expected a mapping")
-        data = (
-            dict((loaded.get("resources") or {}).get("requirement") or {})
-            if "resources" in loaded
-            else loaded
-        )
-    for key, value in (
-        ("accelerator_kinds", args.kinds and args.kinds.split(",")),
-        ("device_count", args.devices),
-        ("duration_s", args.duration_s),
-        ("allowed_regions", args.regions and args.regions.split(",")),
-        ("start_classes", args.start_classes and args.start_classes.split(",")),
-        ("min_interconnect", args.min_interconnect),
-        ("latest_start", args.latest_start),
-    ):
-        if value is not None:
-            data[key] = value
-    try:
-        return Requirement.model_validate(data).model_dump(mode="json")
-    except ValueError as exc:
-        raise RunyardError(f"invalid requirement: {exc}") from exc
-
-
-def _job(args: argparse.Namespace) -> dict | None:
-    """The demand's job from --job-spec, --results-to, --job-file and --data-url (a local path is
-    made absolute)."""
-    if args.job_spec is None and args.results_to is None:
-        if args.job_file or args.data_url:
-            raise RunyardError("--job-file and --data-url belong to a job: give --job-spec and --results-to")
-        return None
-    if args.job_spec is None or args.results_to is None:
-        raise RunyardError("--job-spec and --results-to go together: a job needs both")
-    try:
-        size = args.job_spec.stat().st_size
-        if size > MAX_SPEC_BYTES:
-            raise RunyardError(
-                f"{args.job_spec}: {size} bytes; a demand's job spec is at most {MAX_SPEC_BYTES}"
-            )
-        spec = args.job_spec.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RunyardError(f"cannot read --job-spec {args.job_spec}: {exc}") from exc
-    results_to = args.results_to
-    if "://" not in results_to:
-        results_to = str(Path(results_to).expanduser().resolve())
-    job: dict = {"spec": spec, "results_to": results_to}
-    try:
-        named = {}
-        for item in args.job_file:
-            name, sep, path = item.partition("=")
-            path = Path(path if sep else name)
-            named[name if sep else path.name] = path.read_bytes()
-        if named:
-            job["files"] = encode_files(named)
-        if args.data_url:
-            job["data_urls"] = check_data_urls(args.data_url)
-    except (OSError, ValueError) as exc:
-        raise RunyardError(f"--job-file/--data-url: {exc}") from exc
-    return job
-
-
-CUSTOM = {"register": _register_args, "place_demand": _demand_args}
+CUSTOM = {"register": _register_args, "place_demand": demand_args}
 
 
 def add_verbs(verbs: argparse._SubParsersAction) -> None:

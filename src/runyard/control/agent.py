@@ -30,6 +30,9 @@ its checkpoints, copied atomically and never through a link (see `runyard.contro
 `results_to` this agent cannot deliver to (another URL scheme, a directory holding other files)
 gets the lease rejected before any work.
 
+Standing leases (serving capacity, `runyard.market.standing`) carry a deployment instead of a job:
+the agent serves it through the lease and reports its availability (`runyard.control.agent_standing`).
+
 What it has done for each lease is kept in `<state dir>/agent/lease-<id>.json` (written
 atomically), so a restarted daemon neither accepts twice nor reports the same usage twice.
 """
@@ -49,13 +52,16 @@ from typing import Any
 import yaml
 
 from runyard.control import limits as job_limits
+from runyard.control.agent_standing import ENDED, Deployments
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.jobs import add_jobs, requests_for_spec
+from runyard.control.lease_env import check_lock
 from runyard.control.lease_job import (
     LeaseFolder,
     copy_drop_folder,
     runnable_spec,
     url_files,
+    write_env_lock,
     write_files,
     write_runnable_spec,
 )
@@ -83,6 +89,14 @@ class LeaseJobSettings:
     memory_per_device: int | None = None  # default: this machine's memory over its devices
     max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE)
     pass_env: list[str] = field(default_factory=list)  # daemon variables a lease job may see
+    # Deployments (standing leases): where their endpoints listen, the host named in their URLs
+    # (default: the one they listen on), and how they are watched.
+    endpoint_host: str = "127.0.0.1"
+    endpoint_public_host: str | None = None
+    probe_interval_s: float = 5.0
+    unhealthy_restart_s: float = 60.0  # failing probes this long, a live server is restarted
+    startup_grace_s: float = 300.0  # ... unless its attempt is younger than this (loading its model)
+    env_cache: str | None = None  # where environments from jobs' locks are built (default: STATE_DIR/envs)
 
 
 class MarketAgent:
@@ -105,6 +119,9 @@ class MarketAgent:
             self.settings.memory_per_device = total // max(1, len(loop.config.inventory))
         self.dir = state_dir / "agent"
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.priority = LEASE_PRIORITY
+        self.env_cache = Path(self.settings.env_cache) if self.settings.env_cache else state_dir / "envs"
+        self.deployments = Deployments(self)
         self._thread: threading.Thread | None = None
 
     # -- thread -----------------------------------------------------------------------------------
@@ -116,6 +133,7 @@ class MarketAgent:
     def join(self, timeout: float | None = None) -> None:
         if self._thread is not None:
             self._thread.join(timeout)
+        self.deployments.stop_all()
 
     def _run(self, stop: threading.Event) -> None:
         while not stop.is_set():
@@ -130,15 +148,25 @@ class MarketAgent:
     def step(self) -> None:
         now = self.client.market_info()["now"]
         for lease in self.client.leases(state="offered"):
-            self._consider(lease)
+            if lease.get("form") == "standing":
+                if self._record(lease["id"]) is None:
+                    self.deployments.consider(lease)
+            else:
+                self._consider(lease)
         for lease in self.client.leases(state="accepted") + self.client.leases(state="running"):
             record = self._record(lease["id"])
-            if record is not None:
+            if record is not None and record.get("kind") == "deployment":
+                self.deployments.follow(lease, record, now)
+            elif record is not None:
                 self._follow(lease, record, now)
-        for state in ("terminated", "cancelled", "expired"):
+        for state in ENDED:
             for lease in self.client.leases(state=state):
                 record = self._record(lease["id"])
-                if record is not None and not record.get("finished"):
+                if record is None or record.get("finished"):
+                    continue
+                if record.get("kind") == "deployment":
+                    self.deployments.ended(lease, record)
+                elif state in ("terminated", "cancelled", "expired"):
                     self._stop_jobs(record, f"the lease was {state}")
                     self._finish(record)
 
@@ -159,6 +187,9 @@ class MarketAgent:
             run_spec = runnable_spec(yaml.safe_load(folder.spec.read_text(encoding="utf-8")), folder, data_urls)
             write_runnable_spec(folder, run_spec)
             delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
+            locked = folder.env_lock.is_dir()
+            if locked:
+                check_lock(folder.env_lock)  # a lock this machine cannot install: refused before any work
         except (RunyardError, OSError, ValueError) as exc:
             # Nothing of a refused lease stays here: neither the tenant's spec nor its data.
             shutil.rmtree(self.dir / f"lease-{int(lease['id'])}", ignore_errors=True)
@@ -169,7 +200,9 @@ class MarketAgent:
                       data_networks=list(self.settings.data_networks),
                       memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
                       max_file_bytes=self.settings.max_file_bytes,
-                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined).save(folder.policy)
+                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
+                      env_lock=str(folder.env_lock) if locked else None,
+                      env_cache=str(self.env_cache), cwd=str(folder.files)).save(folder.policy)
         requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
                                      tenant=f"tenant-{lease['tenant_id']}", run_dir=str(folder.run_dir),
                                      lease_id=str(lease["id"]))
@@ -306,6 +339,7 @@ class MarketAgent:
             write_files(folder, files)
             spec_text = attached["spec"] if isinstance(attached["spec"], str) else yaml.safe_dump(attached["spec"])
             atomic_write_text(folder.spec, spec_text)
+            write_env_lock(folder, attached.get("env_lock"))
             return folder, str(attached.get("results_to") or folder.root / "results"), data_urls
         # Fallback for demands that carry no job: the local drop directory, whose files are the job's data.
         drop = self.lease_jobs / f"demand-{int(lease['demand_id'])}"

@@ -8,13 +8,16 @@ rejected with a reason (and its escrow returned) instead of failing later inside
 
     <state>/agent/lease-<id>/      the agent's; read-only inside the sandbox
         spec.yaml                  the tenant's spec, as carried
-        spec.run.yaml              the spec the job runs: data paths made absolute, URLs -> local copies
-        files/                     the demand's uploaded files
+        spec.run.yaml              the spec the job runs: file paths as the tenant wrote them, URLs -> local copies
+        files/                     the demand's uploaded files; the job's working directory
         urls/                      the demand's data URLs, fetched before the job starts
         sandbox.json               the sandbox policy (runyard.control.sandbox)
         failure.json               why the launcher could not run the job, when it could not
         passwd, group              the only users the sandbox knows
-        work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/
+        export/                    a deployment's export: its uploaded files, and its URLs fetched there
+        env/                       the job's environment lock, when its demand carries one
+        work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/,
+                                   and a deployment's socket `s.sock` (runyard.control.serve_relay)
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import yaml
 
 from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_bytes, atomic_write_text
-from runyard.market.jobs import check_file_path
+from runyard.market.jobs import check_env_lock, check_file_path
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
 
@@ -73,6 +76,18 @@ class LeaseFolder:
     @property
     def work(self) -> Path:
         return self.root / "work"
+
+    @property
+    def env_lock(self) -> Path:
+        return self.root / "env"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def socket(self) -> Path:
+        return self.work / "s.sock"
 
     @property
     def run_dir(self) -> Path:
@@ -134,9 +149,13 @@ def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]
     the demand carries.
 
     `data.sources[].path` and `data.tokenizer.path` may name a relative path (or glob) of the
-    demand's files, which must match at least one of them, or exactly one of its data URLs; both
-    become absolute paths in the lease's folder. `data.cache_dir` and `data.store` must be unset:
-    a lease job's cache lives in its own work area and it publishes nowhere.
+    demand's files, which must match at least one of them, or exactly one of its data URLs. A file's
+    path stays as the tenant wrote it: the job runs in `files/` (its sandbox policy's `cwd`), so the
+    spec it runs, its hash and its data fingerprints' keys are the tenant's own, and two providers'
+    deliveries (or a delivery and the tenant's local run) compare without a difference of paths. A
+    URL becomes its local copy, `../urls/<name>`, the same on every provider. `data.cache_dir` and
+    `data.store` must be unset: a lease job's cache lives in its own work area and it publishes
+    nowhere.
     """
     spec = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy of plain data
     data = spec.get("data")
@@ -162,7 +181,7 @@ def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[st
             raise LeaseJobRefused(
                 f"{where} {value[:200]!r} is a URL the demand does not name; a lease job reads only the "
                 f"files its demand carries and the URLs in its data_urls ({sorted(local_urls) or 'none'})")
-        return str(folder.urls / local_urls[value])
+        return f"../{folder.urls.name}/{local_urls[value]}"
     if value.startswith(("/", "~")) or "{" in value or "\\" in value or ".." in value.split("/"):
         raise LeaseJobRefused(
             f"{where} {value[:200]!r} reaches outside the demand's files; a lease job reads only the files "
@@ -172,11 +191,23 @@ def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[st
     if not matches:
         raise LeaseJobRefused(f"{where} {value[:200]!r} matches none of the files the demand carries "
                               f"({', '.join(sorted(_listing(folder.files))[:20]) or 'it carries none'})")
-    return str(folder.files / value)
+    return value
 
 
 def _listing(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+
+
+def write_env_lock(folder: LeaseFolder, lock: dict[str, str] | None) -> Path | None:
+    """Write the job's environment lock (as its demand carries it) into `folder.env_lock`, or remove an
+    earlier one; returns the folder, or None without a lock."""
+    shutil.rmtree(folder.env_lock, ignore_errors=True)
+    if not lock:
+        return None
+    check_env_lock(lock)  # never trust the wire
+    atomic_write_text(folder.env_lock / "requirements.txt", lock["requirements"])
+    atomic_write_text(folder.env_lock / "environment.json", lock["environment"])
+    return folder.env_lock
 
 
 def write_runnable_spec(folder: LeaseFolder, spec: dict[str, Any]) -> Path:

@@ -13,13 +13,19 @@ Inside the sandbox a job sees:
   linker's cache, the time zone, a passwd/group naming only the job's user), the runtime (the
   interpreter's prefix, the virtual environment, the folder runyard is imported from), and its
   lease folder (its spec, the demand's files and fetched URLs, see `runyard.control.lease_job`);
+  a spec job runs in the demand's files folder, so its spec names them by the tenant's own paths;
 - writable: only the lease's `work/` folder (its run directory, HOME, TMPDIR, caches), and an
   empty /tmp in memory (charged to the job's memory limit); everything else, the sandbox's own
   root included, is read-only;
 - a private /proc (its own processes only), a minimal /dev, and the device nodes of the GPUs
   allocated to it (with /sys read-only for the driver), nothing else;
-- no network at all (a network namespace of its own; the demand's data URLs are fetched by the
-  launcher before the job starts, see `runyard.control.fetch`);
+- no network at all (a network namespace of its own, holding only loopback; the demand's data URLs
+  are fetched by the launcher before the job starts, see `runyard.control.fetch`). A deployment's
+  server (a standing lease) listens on that loopback, and its one way in is a Unix socket in the
+  lease's work folder, which `runyard.control.serve_relay` connects to the server's port and only
+  the agent's token-checking endpoint connects to from outside (`runyard.control.endpoint`);
+- when the job carries an environment lock: that environment (built once per lock by the launcher,
+  `runyard.control.lease_env`), read-only, and its python runs the job;
 - an environment built from an allow-list: the control plane's variables for the attempt
   (RUNYARD_CONTROL_JOB, RUNYARD_JOB_ID, RUNYARD_RUN_DIR, RUNYARD_DEVICES, CUDA_VISIBLE_DEVICES,
   ...), fixed paths into its work folder, and the names the operator passes through
@@ -56,10 +62,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import runyard
+from runyard.control import lease_env
 from runyard.control import limits as job_limits
 from runyard.control.fetch import FetchError, allowed_networks, fetch_all
 from runyard.errors import EXIT_BAD_SPEC, RunyardError
 from runyard.fsutil import atomic_write_text
+from runyard.reproduce.errors import EnvironmentBuildFailed, ReproduceError
 
 BWRAP = "bwrap"
 # The control plane's own variables for an attempt (see ControlLoop.job_env): not the daemon's secrets.
@@ -82,12 +90,24 @@ class SandboxPolicy:
     lease_id: int
     root: str  # the lease folder (read-only inside)
     data_urls: dict[str, str] = field(default_factory=dict)  # URL -> file name under root/urls
+    fetch: dict[str, str] = field(default_factory=dict)  # URL -> path under root (a deployment's export files)
     max_fetch_bytes: int = 1 << 30
     data_networks: list[str] = field(default_factory=list)  # CIDRs a data URL may reach besides public ones
     memory_bytes: int | None = None
     max_file_bytes: int | None = None
     pass_env: list[str] = field(default_factory=list)  # daemon variables the operator passes through
     unconfined: bool = False
+    # The job's environment lock (a folder with requirements.txt and environment.json) and where its
+    # environment is built: the job then runs that environment's python (runyard.control.lease_env).
+    env_lock: str | None = None
+    env_cache: str | None = None
+    cwd: str | None = None  # where the job runs (inside the lease folder); default its work folder
+
+    @property
+    def job_cwd(self) -> Path:
+        """Where the job runs: `cwd` (a spec job: the demand's files, which its spec names by relative
+        paths), else its work folder."""
+        return Path(self.cwd) if self.cwd and Path(self.cwd).is_dir() else self.work
 
     @property
     def work(self) -> Path:
@@ -121,17 +141,20 @@ def runtime_paths() -> list[str]:
     return out
 
 
-def sandbox_env(policy: SandboxPolicy, parent: dict[str, str]) -> dict[str, str]:
-    """The job's whole environment: control-plane variables, fixed paths, operator pass-throughs."""
+def sandbox_env(policy: SandboxPolicy, parent: dict[str, str], python: Path | None = None) -> dict[str, str]:
+    """The job's whole environment: control-plane variables, fixed paths, operator pass-throughs. With
+    `python` (an environment built from the job's lock) its bin folder leads PATH and runyard comes
+    from that environment, not from this provider's tree."""
     work = policy.work
     env = {name: parent[name] for name in (*CONTROL_ENV, *policy.pass_env) if name in parent}
     env.update(
-        PATH=f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
+        PATH=f"{Path(python or sys.executable).parent}:/usr/local/bin:/usr/bin:/bin",
         HOME=str(work / "home"), TMPDIR=str(work / "tmp"), XDG_CACHE_HOME=str(work / "cache"),
         RUNYARD_CACHE_DIR=str(work / "cache" / "runyard"), LANG="C.UTF-8",
-        PYTHONPATH=str(Path(runyard.__file__).resolve().parents[1]),
         PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1",
     )
+    if python is None:
+        env["PYTHONPATH"] = str(Path(runyard.__file__).resolve().parents[1])
     return env
 
 
@@ -149,8 +172,11 @@ def _gpu_nodes(devices: list[str]) -> list[str]:
     return [f"/dev/nvidia{i}" for i in indices if i.isdigit()]
 
 
-def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], info_fd: int | None = None) -> list[str]:
-    """The bwrap command line that runs `command` with only what the module docstring lists."""
+def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], info_fd: int | None = None,
+               extra_ro: tuple[str, ...] = (), extra_rw: tuple[str, ...] = ()) -> list[str]:
+    """The bwrap command line that runs `command` with only what the module docstring lists, and
+    `extra_ro` read-only (an environment built from the job's lock), `extra_rw` writable (that
+    environment while it is installed)."""
     root, work = Path(policy.root), policy.work
     args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", f"lease-{policy.lease_id}", "--ro-bind", "/usr", "/usr"]
@@ -167,6 +193,10 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     # /tmp first: a lease folder under /tmp (as in tests) is then mounted on top of it, not hidden.
     args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
              "--ro-bind", str(root), str(root), "--bind", str(work), str(work)]
+    for path in extra_ro:
+        args += ["--ro-bind", path, path]
+    for path in extra_rw:
+        args += ["--bind", path, path]
     gpus = _gpu_nodes(devices)
     if gpus:
         for node in (*NVIDIA_CONTROL, *gpus):
@@ -175,7 +205,7 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     args += ["--remount-ro", "/"]  # the sandbox's own root too: nothing writable but work/ and /tmp
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
-    return [*args, "--chdir", str(work), "--", *command]
+    return [*args, "--chdir", str(policy.job_cwd), "--", *command]
 
 
 def probe(timeout_s: float = 60.0) -> None:
@@ -224,14 +254,27 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     """Fetch the job's data, apply its limits, run `command` in the sandbox; returns its exit code."""
     (Path(policy.root) / "failure.json").unlink(missing_ok=True)
     forwarder = _Forwarder()
+    targets = {url: Path(policy.root) / "urls" / name for url, name in policy.data_urls.items()}
+    targets.update({url: Path(policy.root) / rel for url, rel in policy.fetch.items()})
     try:
-        fetch_all({url: Path(policy.root) / "urls" / name for url, name in policy.data_urls.items()},
-                  policy.max_fetch_bytes, allowed_networks(policy.data_networks))
+        for dest in targets.values():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+        fetch_all(targets, policy.max_fetch_bytes, allowed_networks(policy.data_networks))
     except FetchError as exc:
         return _fail(policy, f"a data URL could not be fetched: {exc}")
-    if forwarder.pending:  # asked to stop while fetching: the job never starts
+    python = None
+    if policy.env_lock:
+        try:
+            python = lease_env.ensure(Path(policy.env_lock), Path(policy.env_cache or Path(policy.root) / "envs"),
+                                      install=lambda cmd, rw: _confined(policy, cmd, rw),
+                                      say=lambda m: print(f"runyard sandbox: {m}", file=sys.stderr, flush=True))
+        except (ReproduceError, OSError) as exc:
+            return _fail(policy, f"the job's environment lock could not be built: {exc}")
+        # The job's interpreter is the one the lock built (its runyard and versions, not ours).
+        command = [str(python), *command[1:]] if command and command[0] == sys.executable else command
+    if forwarder.pending:  # asked to stop while fetching or building: the job never starts
         return 128 + forwarder.pending[0]
-    env = sandbox_env(policy, dict(os.environ))
+    env = sandbox_env(policy, dict(os.environ), python)
     devices = allocated_devices(os.environ)
     limits = job_limits.Limits(memory_bytes=policy.memory_bytes, max_file_bytes=policy.max_file_bytes)
     job_limits.apply(limits, devices, job_limits.cgroup_name(policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x")))
@@ -240,10 +283,11 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
           file=sys.stderr, flush=True)
     read_fd = write_fd = None
     if policy.unconfined:
-        argv, cwd = command, str(policy.work)
+        argv, cwd = command, str(policy.job_cwd)
     else:
         read_fd, write_fd = os.pipe()
-        argv, cwd = bwrap_argv(policy, devices, command, info_fd=write_fd), None
+        env_root = (str(Path(python).parent.parent.parent),) if python is not None else ()
+        argv, cwd = bwrap_argv(policy, devices, command, info_fd=write_fd, extra_ro=env_root), None
     try:
         # Its own process group: a signal to the launcher's group (the backend stopping the job)
         # reaches the launcher, which passes it on to the job's processes only (see _Forwarder).
@@ -261,6 +305,22 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     code = proc.wait()
     job_limits.leave_cgroups(limits.cgroups)
     return 128 - code if code < 0 else code
+
+
+def _confined(policy: SandboxPolicy, command: list[str], writable: Path) -> None:
+    """Run `command` as a lease job would be run (no network, the provider's files hidden), with
+    `writable` its only writable folder besides the lease's work area; EnvironmentBuildFailed with
+    its output when it fails."""
+    env = sandbox_env(policy, dict(os.environ))
+    if policy.unconfined:
+        argv, cwd = command, str(policy.work)
+    else:
+        argv, cwd = bwrap_argv(policy, [], command, extra_rw=(str(writable),)), None
+    proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
+                          timeout=lease_env.PIP_TIMEOUT_S)
+    if proc.returncode != 0:
+        raise EnvironmentBuildFailed(f"the confined install failed ({proc.returncode}): "
+                                     f"{(proc.stderr or proc.stdout).strip()[-1500:]}")
 
 
 class _Forwarder:

@@ -206,15 +206,28 @@ class MarketClient:
         max_price_per_device_hour: int,
         idempotency_key: str | None = None,
         job: dict | None = None,
+        form: str = "block",
+        standing: dict | None = None,
+        deployment: dict | None = None,
     ) -> dict:
         """Place a demand; its escrow (max price x devices x duration) is reserved at once.
 
         `job` = {"spec": YAML text, "results_to": absolute path or URL}: the job to run on the
-        lease, seen only by the lease's provider and this tenant (see `runyard.market.jobs`)."""
-        req = requirement.model_dump(mode="json") if isinstance(requirement, Requirement) else requirement
+        lease, seen only by the lease's provider and this tenant (see `runyard.market.jobs`).
+        A standing demand (`form="standing"`) states `standing` = {"period_s", "term_periods", ...}
+        and may carry a `deployment` (`runyard.market.serving.deployment_body` makes one and the
+        endpoint token it admits); its escrow is max price x devices x period x term_periods."""
+        req = requirement.model_dump(mode="json", exclude_unset=True) if isinstance(requirement, Requirement) \
+            else requirement
         body: dict[str, Any] = {"requirement": req, "max_price_per_device_hour": max_price_per_device_hour}
         if job is not None:
             body["job"] = job
+        if form != "block":
+            body["form"] = form
+        if standing is not None:
+            body["standing"] = standing
+        if deployment is not None:
+            body["deployment"] = deployment
         return self.call("place_demand", body=body, idempotency_key=idempotency_key)
 
     def accept_lease(self, lease_id: int, idempotency_key: str | None = None) -> dict:
@@ -253,6 +266,43 @@ class MarketClient:
         payload = payloads.measurement(lease_id, interval_start, interval_end, device_seconds)
         return self.call(
             "submit_measurement", lease_id, body=self._signed_body(payload), idempotency_key=idempotency_key
+        )
+
+    def report_availability(
+        self,
+        lease_id: int,
+        seq: int,
+        interval_start: int,
+        interval_end: int,
+        available_seconds: int,
+        probes: int,
+        probes_ok: int,
+        requests: int = 0,
+        latency_p50_ms: int | None = None,
+        latency_p99_ms: int | None = None,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """Report one availability record of a standing lease, signed with this provider's key."""
+        payload = payloads.availability_record(lease_id, seq, interval_start, interval_end, available_seconds,
+                                               probes, probes_ok, requests, latency_p50_ms, latency_p99_ms)
+        return self.call(
+            "report_availability", lease_id, body=self._signed_body(payload), idempotency_key=idempotency_key
+        )
+
+    def submit_probes(
+        self,
+        lease_id: int,
+        interval_start: int,
+        interval_end: int,
+        available_seconds: int,
+        probes: int,
+        probes_ok: int,
+        idempotency_key: str | None = None,
+    ) -> dict:
+        """The tenant's own signed probe results of a standing lease's endpoint over an interval."""
+        payload = payloads.tenant_probes(lease_id, interval_start, interval_end, available_seconds, probes, probes_ok)
+        return self.call(
+            "submit_probes", lease_id, body=self._signed_body(payload), idempotency_key=idempotency_key
         )
 
     def advance_clock(self, seconds: int) -> int:

@@ -1,7 +1,9 @@
 """The sweep: every deadline that has passed, applied by the market itself (the system actor).
 
 Leases not accepted or started in time expire, demands past their latest start expire, windows
-that have ended close, and whatever can be settled is settled. Each step runs in its own
+that have ended close (a standing lease's period that has ended renews it or ends it:
+`periods.renew_or_close`), and whatever can be settled is settled (a running standing lease's
+finished periods too). Each step runs in its own
 transaction and re-checks its condition under the row lock, so a sweep racing a party is harmless.
 A step that fails (a lease that cannot settle, say) is logged, reported in the result and skipped:
 it never stops the steps after it, and the next sweep tries it again.
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 from sqlalchemy import Connection, or_, select
 
-from runyard.market import escrow
+from runyard.market import escrow, periods
 from runyard.market.errors import MarketError
 from runyard.market.leases import end_before_start
 from runyard.market.matcher import release_capacity
@@ -44,7 +46,9 @@ def _due(now: int):  # type: ignore[no-untyped-def]
                 )
             ),
             "close": ids(select(leases.c.id).where(leases.c.state == RUNNING, leases.c.window_end <= now)),
-            "settle": ids(select(leases.c.id).where(leases.c.state.in_(SETTLEABLE))),
+            "settle": ids(select(leases.c.id).where(
+                leases.c.state.in_(SETTLEABLE) | ((leases.c.form == "standing") & (leases.c.state == RUNNING))
+            )),
             "demands": ids(
                 select(demands.c.id).where(demands.c.state == DEMAND_OPEN, demands.c.latest_start < now)
             ),
@@ -69,6 +73,9 @@ def _close_window(conn: Connection, lease_id: int, now: int) -> int:
     lease = lock_lease(conn, lease_id, None)
     if lease["state"] != RUNNING or lease["window_end"] > now:
         return 0
+    if lease["form"] == "standing":
+        periods.renew_or_close(conn, lease, now)
+        return int(lease["state"] != RUNNING)
     transition(conn, LEASE, lease_id, WINDOW_CLOSED, SYSTEM, "window ended", now)
     release_capacity(conn, lease, now)
     return 1

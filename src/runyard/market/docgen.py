@@ -20,9 +20,10 @@ from runyard.market.states.dispute import DISPUTE
 from runyard.market.states.identity import IDENTITY
 from runyard.market.states.lease import LEASE
 from runyard.market.states.listing import LISTING
+from runyard.market.states.period import PERIOD
 from runyard.market.states.record import RECORD
 
-MACHINES = (IDENTITY, LISTING, DEMAND, LEASE, RECORD, DISPUTE)
+MACHINES = (IDENTITY, LISTING, DEMAND, LEASE, PERIOD, RECORD, DISPUTE)
 SECTION = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated:\2 -->)", re.S)
 
 

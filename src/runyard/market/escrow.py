@@ -6,6 +6,8 @@
   fund      post the hold at the listing's price when a lease is made; the rest goes back at once
   pay       move accepted charges out of a lease's escrow to the provider and the market's fees
   refund    return whatever is left in a lease's escrow to the tenant
+  give_back return part of a standing lease's escrow to the tenant: a period's rest, or its credit
+  top_up    fund a standing lease's renewed period from the tenant's available balance
 
 Leases, matching and settlement call these; this module calls only the ledger, so nothing above
 it is ever called back.
@@ -112,3 +114,26 @@ def refund(conn: Connection, lease: dict, actor: Actor | str, now: int) -> int:
             update(leases).where(leases.c.id == lease["id"]).values(refunded=leases.c.refunded + remaining)
         )
     return remaining
+
+
+def give_back(conn: Connection, lease: dict, amount: int, reason: str, column: str, actor: Actor | str,
+              now: int) -> None:
+    """Return `amount` of a lease's escrow to its tenant (reason "escrow_refund" for a period's rest,
+    "sla_credit" for a credit), counted in the lease's `column` ("refunded" or "credited")."""
+    if amount <= 0:
+        return
+    if amount > available(conn, lease):
+        raise EscrowShort(f"lease {lease['id']} would return {amount} from an escrow holding {available(conn, lease)}",
+                          lease=lease["id"])
+    ledger.transfer(conn, lease["escrow_account_id"], tenant_account(conn, lease["tenant_id"]), amount,
+                    reason=reason, actor=str(actor), now=now, lease_id=lease["id"])
+    conn.execute(update(leases).where(leases.c.id == lease["id"]).values({column: leases.c[column] + amount}))
+
+
+def top_up(conn: Connection, lease: dict, amount: int, actor: Actor | str, now: int) -> None:
+    """Move `amount` from the tenant's available balance into the lease's escrow (a renewed period);
+    InsufficientFunds when the tenant cannot cover it."""
+    ledger.transfer(conn, tenant_account(conn, lease["tenant_id"]), lease["escrow_account_id"], amount,
+                    reason="renewal_fund", actor=str(actor), now=now, lease_id=lease["id"])
+    conn.execute(update(leases).where(leases.c.id == lease["id"])
+                 .values(escrow_amount=leases.c.escrow_amount + amount))

@@ -18,6 +18,12 @@ by the tests after every random step.
  8. capacity            a listing's reserved devices equal the devices of its active leases.
  9. transitions         every entity's state is the last state its transition log records.
 10. idempotency         every stored idempotency key has its response.
+11. periods             a standing lease's billing periods follow each other without gap or overlap
+                        from its start, each as long as its period; a running lease runs exactly its
+                        last period, ending where its window does; the lease's payments and credits
+                        are the sums of its periods'; every settled period's figures are what its
+                        accepted availability records give (standing.period_figures), and a settled
+                        lease has every period settled.
 """
 
 from __future__ import annotations
@@ -26,11 +32,13 @@ from collections import defaultdict
 
 from sqlalchemy import Connection, func, select
 
+from runyard.market.periods import figures_of, periods_of
 from runyard.market.schema import (
     accounts,
     demands,
     disputes,
     idempotency_keys,
+    lease_periods,
     leases,
     ledger_accounts,
     listings,
@@ -44,6 +52,8 @@ from runyard.market.states.demand import CANCELLED as D_CANCELLED
 from runyard.market.states.demand import EXPIRED as D_EXPIRED
 from runyard.market.states.demand import MATCHED, OPEN
 from runyard.market.states.lease import ACTIVE, CLOSED, SETTLED
+from runyard.market.states.period import RUNNING as PERIOD_RUNNING
+from runyard.market.states.period import SETTLED as PERIOD_SETTLED
 
 FAR_FUTURE = 2**62
 
@@ -115,12 +125,13 @@ def check(conn: Connection) -> list[str]:
             ("settle_provider", "paid_provider"),
             ("settle_fee", "paid_fee"),
             ("escrow_refund", "refunded"),
+            ("sla_credit", "credited"),
         ):
             if paid[(lid, reason)] != lease[column]:
                 problems.append(
                     f"settled_once: lease {lid} {column} is {lease[column]}, its transfers {paid[(lid, reason)]}"
                 )
-        out = lease["paid_provider"] + lease["paid_fee"] + lease["refunded"]
+        out = lease["paid_provider"] + lease["paid_fee"] + lease["refunded"] + lease["credited"]
         if out > lease["escrow_amount"]:
             problems.append(
                 f"settled_once: lease {lid} paid out {out} of an escrow of {lease['escrow_amount']}"
@@ -134,7 +145,9 @@ def check(conn: Connection) -> list[str]:
             escrow["credits_posted"] != escrow["debits_posted"] or escrow["credits_pending"]
         ):
             problems.append(f"closed_returned: lease {lid} is {lease['state']} but its escrow is not empty")
-        if lease["state"] == SETTLED:
+        if lease["form"] == "standing":
+            problems += _periods(conn, dict(lease))
+        elif lease["state"] == SETTLED:
             pos = position(conn, dict(lease), FAR_FUTURE)
             if pos["held_records"] or pos["charge"] != lease["paid_provider"] + lease["paid_fee"]:
                 problems.append(
@@ -189,7 +202,7 @@ def check(conn: Connection) -> list[str]:
         last[(entity, entity_id)] = to_state
     for entity, table in (
         ("identity", accounts), ("demand", demands), ("lease", leases), ("listing", listings),
-        ("record", usage_records), ("dispute", disputes),
+        ("record", usage_records), ("dispute", disputes), ("period", lease_periods),
     ):  # fmt: skip
         for row_id, state in conn.execute(select(table.c.id, table.c.state)).all():
             if last.get((entity, row_id)) != state:
@@ -201,6 +214,39 @@ def check(conn: Connection) -> list[str]:
     missing = conn.execute(select(func.count()).where(idempotency_keys.c.response == "")).scalar_one()
     if missing:
         problems.append(f"idempotency: {missing} keys have no stored response")
+    return problems
+
+
+def _periods(conn: Connection, lease: dict) -> list[str]:
+    """Invariant 11 for one standing lease."""
+    problems, lid = [], lease["id"]
+    rows = periods_of(conn, lid)
+    if lease["started_at"] is None:
+        return [f"periods: lease {lid} has periods but never started"] if rows else []
+    window = Market.config(conn)["dispute_window_s"]
+    for k, period in enumerate(rows, start=1):
+        begin = lease["started_at"] + (k - 1) * lease["period_s"]
+        if (period["seq"], period["period_start"], period["period_end"]) != (k, begin, begin + lease["period_s"]):
+            problems.append(f"periods: lease {lid} period {period['seq']} is [{period['period_start']}, "
+                            f"{period['period_end']}), expected period {k} [{begin}, {begin + lease['period_s']})")
+        if period["state"] == PERIOD_SETTLED:
+            figures, held = figures_of(conn, lease, period, FAR_FUTURE, window)
+            stored = (period["charge"], period["credit"], period["paid_provider"], period["paid_fee"], period["refunded"])
+            if figures is None or stored != (figures.charge, figures.credit, figures.provider, figures.fee, figures.refund):
+                problems.append(f"periods: lease {lid} period {k} settled as {stored}, its records give "
+                                f"{None if figures is None else figures.to_json()}")
+    running = [p for p in rows if p["state"] == PERIOD_RUNNING]
+    if lease["state"] == "running" and (len(running) != 1 or running[0] is not rows[-1]
+                                        or rows[-1]["period_end"] != lease["window_end"]):
+        problems.append(f"periods: running lease {lid} must run exactly its last period, to its window's end")
+    if lease["state"] != "running" and running:
+        problems.append(f"periods: lease {lid} is {lease['state']} with a period still running")
+    for column, key in (("paid_provider", "paid_provider"), ("paid_fee", "paid_fee"), ("credited", "credit")):
+        total = sum(p[key] or 0 for p in rows)
+        if total != lease[column]:
+            problems.append(f"periods: lease {lid} {column} is {lease[column]}, its periods sum to {total}")
+    if lease["state"] == SETTLED and any(p["state"] != PERIOD_SETTLED for p in rows):
+        problems.append(f"periods: settled lease {lid} has a period not settled")
     return problems
 
 

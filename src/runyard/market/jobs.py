@@ -14,15 +14,20 @@ sandbox that shows it nothing else, see `runyard.control.sandbox`):
 - `data_urls`: http(s) URLs the provider fetches for the job before it starts (the job itself has
   no network). The spec names them by the exact URL.
 
+`env_lock` (optional): the run's environment lock (`runyard.reproduce.lock`: env/requirements.txt
+and env/environment.json, at most MAX_ENV_LOCK_BYTES in all). The provider's agent builds the job's
+environment from it (cached by the lock's hash) and runs the job inside it, so the job runs with the
+tenant's versions, not whatever the provider has; the delivery then carries the reproduction inputs.
+
 `results_to` is a string: an absolute local path (where provider and tenant share a filesystem) or
 a URL (`file://`, or a scheme the provider supports, such as a signed upload URL).
 
 Only the lease's two parties see the job (see `leases.list_leases`); the provider's signature on
-the lease terms covers `job_sha256` (spec, results_to, files and data_urls), so an accepted lease
+the lease terms covers `job_sha256` (spec, results_to, files, data_urls and env_lock), so an accepted lease
 binds the provider to exactly this job and this data.
 
 Stored with the demand as three columns (JOB_COLUMNS): the spec, results_to, and `job_inputs`, the
-JSON of files and data_urls (null when the job carries neither).
+JSON of files, data_urls and env_lock (null when the job carries none).
 """
 
 from __future__ import annotations
@@ -43,8 +48,9 @@ MAX_JOB_FILES_BYTES = 256 * 1024  # decoded; larger data goes by data_urls
 MAX_FILE_PATH = 200
 MAX_DATA_URLS = 16
 MAX_DATA_URL = 2000
-# A demand's body carries the files base64-encoded (4/3 of their size) beside the spec.
-MAX_DEMAND_BODY_BYTES = 512 * 1024
+MAX_ENV_LOCK_BYTES = 256 * 1024
+# A demand's body carries the files base64-encoded (4/3 of their size) beside the spec and the lock.
+MAX_DEMAND_BODY_BYTES = 1024 * 1024
 JOB_COLUMNS = ("job_spec", "job_results_to", "job_inputs")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
@@ -158,13 +164,34 @@ def check_data_urls(urls: list[str]) -> list[str]:
     return urls
 
 
+def check_env_lock(lock: Any) -> dict[str, str]:
+    """{"requirements": text, "environment": JSON text} within MAX_ENV_LOCK_BYTES, the environment a JSON
+    object; else ValueError. (Whether the lock can be installed is the provider's question.)"""
+    if not isinstance(lock, dict) or set(lock) != {"requirements", "environment"}:
+        raise ValueError("job.env_lock must be {'requirements': text, 'environment': JSON text}")
+    if not all(isinstance(v, str) for v in lock.values()):
+        raise ValueError("job.env_lock's requirements and environment are text")
+    size = sum(len(v.encode("utf-8")) for v in lock.values())
+    if size > MAX_ENV_LOCK_BYTES:
+        raise ValueError(f"job.env_lock is {size} bytes; at most {MAX_ENV_LOCK_BYTES} are accepted")
+    try:
+        facts = json.loads(lock["environment"])
+    except ValueError:
+        raise ValueError("job.env_lock.environment is not JSON (env/environment.json)") from None
+    if not isinstance(facts, dict):
+        raise ValueError("job.env_lock.environment must be a JSON object (env/environment.json)")
+    return lock
+
+
 def job_columns(job: Any) -> dict[str, Any]:
     """The demand row's job columns for a checked job (a JobIn or a dict), or all None without one."""
     if job is None:
         return dict.fromkeys(JOB_COLUMNS)
     get = job.get if isinstance(job, dict) else lambda k, d=None: getattr(job, k, d)
-    files, urls = get("files") or {}, get("data_urls") or []
-    inputs = {k: v for k, v in (("files", files), ("data_urls", urls)) if v}
+    files, urls, lock = get("files") or {}, get("data_urls") or [], get("env_lock")
+    if lock is not None and not isinstance(lock, dict):
+        lock = lock.model_dump()
+    inputs = {k: v for k, v in (("files", files), ("data_urls", urls), ("env_lock", lock)) if v}
     return {"job_spec": get("spec"), "job_results_to": get("results_to"),
             "job_inputs": json.dumps(inputs, sort_keys=True) if inputs else None}
 
@@ -181,8 +208,8 @@ def job_of(row) -> dict | None:  # type: ignore[no-untyped-def]
 
 
 def job_sha256(job: dict | None) -> str | None:
-    """Digest of a job (spec text, results_to, and its files and data_urls when it carries any),
-    signed with the lease terms; None without one. Empty files or data_urls digest as absent."""
+    """Digest of a job (spec text, results_to, and its files, data_urls and env_lock when it carries
+    any), signed with the lease terms; None without one. Empty files or data_urls digest as absent."""
     if job is None:
         return None
     body: dict[str, Any] = {"spec": job["spec"], "results_to": job["results_to"]}
@@ -190,5 +217,7 @@ def job_sha256(job: dict | None) -> str | None:
         body["files"] = job["files"]
     if job.get("data_urls"):
         body["data_urls"] = job["data_urls"]
+    if job.get("env_lock"):
+        body["env_lock"] = job["env_lock"]
     canonical = json.dumps(body, sort_keys=True)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()

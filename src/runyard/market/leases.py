@@ -3,14 +3,19 @@ window, terminate, cancel, and reading leases. (`deadlines.sweep` applies the ti
 
 Every state change goes through the lease machine (`states/lease.py`). Ends before any usage
 (rejected, expired, cancelled) return the whole escrow to the tenant; every end that frees the
-listing's devices offers them to waiting demands (`matcher.release_capacity`).
+listing's devices offers them to waiting demands (`matcher.release_capacity`). A standing lease
+(`runyard.market.standing`) starts its first billing period when it starts (`periods`), is never
+closed by its provider (it ends by notice, nonpayment or termination), and its tenant cannot
+terminate it inside the committed term.
 """
 
 from __future__ import annotations
 
+import json
+
 from sqlalchemy import Connection, or_, select, update
 
-from runyard.market import escrow
+from runyard.market import escrow, periods
 from runyard.market.errors import BadRequest, Conflict, InvalidTransition, NotFound
 from runyard.market.jobs import JOB_COLUMNS, job_of, job_sha256
 from runyard.market.matcher import release_capacity
@@ -19,6 +24,7 @@ from runyard.market.payloads import lease_terms
 from runyard.market.rows import is_party, lock_demand, lock_lease, lock_lease_as
 from runyard.market.schema import demands, leases, listings
 from runyard.market.service import Market, Principal, audit
+from runyard.market.serving import deployment_of, deployment_sha256
 from runyard.market.signing import verify
 from runyard.market.states import SYSTEM, Actor, transition
 from runyard.market.states.demand import CANCELLED as DEMAND_CANCELLED
@@ -38,33 +44,40 @@ from runyard.market.states.lease import (
 
 
 def lease_json(row) -> dict:  # type: ignore[no-untyped-def]
-    return {k: v for k, v in dict(row).items() if k not in JOB_COLUMNS}
+    out = {k: v for k, v in dict(row).items() if k not in (*JOB_COLUMNS, "deployment")}
+    if isinstance(out.get("credit_rule"), str):
+        out["credit_rule"] = json.loads(out["credit_rule"])
+    return out
 
 
 def _with_job(row, principal: Principal) -> dict:  # type: ignore[no-untyped-def]
-    """A lease joined with its demand's job: `job` for the lease's parties only (not operators);
-    `job_sha256`, which the provider's acceptance signs, for anyone who may see the lease."""
+    """A lease joined with its demand's job or deployment: `job` and `deployment` for the lease's
+    parties only (not operators); `job_sha256` and `deployment_sha256`, which the provider's
+    acceptance signs, for anyone who may see the lease."""
     out = lease_json(row)
-    job = job_of(row)
+    job, deployment = job_of(row), deployment_of(row["deployment"])
     out["job_sha256"] = job_sha256(job)
+    out["deployment_sha256"] = deployment_sha256(deployment)
     if principal.id in (row["tenant_id"], row["provider_id"]):
         out["job"] = job
+        out["deployment"] = deployment
     return out
 
 
 def _job_query():  # type: ignore[no-untyped-def]
-    return select(leases, *(demands.c[c] for c in JOB_COLUMNS)).join(
+    return select(leases, *(demands.c[c] for c in (*JOB_COLUMNS, "deployment"))).join(
         demands, demands.c.id == leases.c.demand_id
     )
 
 
-def _job_digest(conn: Connection, demand_id: int) -> str | None:
+def _digests(conn: Connection, demand_id: int) -> dict[str, str | None]:
+    """The job and deployment digests the provider's acceptance signs."""
     row = (
-        conn.execute(select(*(demands.c[c] for c in JOB_COLUMNS)).where(demands.c.id == demand_id))
+        conn.execute(select(*(demands.c[c] for c in (*JOB_COLUMNS, "deployment"))).where(demands.c.id == demand_id))
         .mappings()
         .one()
     )
-    return job_sha256(job_of(row))
+    return {"job_sha256": job_sha256(job_of(row)), "deployment_sha256": deployment_sha256(deployment_of(row["deployment"]))}
 
 
 def end_before_start(
@@ -134,7 +147,7 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
             )
         if now > lease["accept_by"]:
             raise Conflict(f"lease {lease_id} had to be accepted by {lease['accept_by']}; it is expiring")
-        lease["job_sha256"] = _job_digest(conn, lease["demand_id"])
+        lease.update(_digests(conn, lease["demand_id"]))
         verify(
             principal.public_key,
             lease_terms(lease, Market.config(conn)["currency"]),
@@ -185,10 +198,14 @@ def start(market: Market, principal: Principal, lease_id: int, key: str | None) 
             raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an accepted lease can start")
         if now > lease["start_by"]:
             raise Conflict(f"lease {lease_id} had to start by {lease['start_by']}; it is expiring")
+        # A standing lease's window is its current period; renewal moves its end (periods.renew_or_close).
+        span = lease["period_s"] if lease["form"] == "standing" else lease["duration_s"]
         transition(
             conn, LEASE, lease_id, RUNNING, principal.actor, "started", now,
-            expect=ACCEPTED, started_at=now, window_end=now + lease["duration_s"],
+            expect=ACCEPTED, started_at=now, window_end=now + span,
         )  # fmt: skip
+        if lease["form"] == "standing":
+            periods.open_period(conn, lease, 1, now, now + span, "prepaid", now)
         audit(conn, principal.actor, "lease.start", f"lease:{lease_id}", now)
         return _reread(conn, lease_id)
 
@@ -201,6 +218,9 @@ def close_window(market: Market, principal: Principal, lease_id: int, key: str |
 
     def tx(conn: Connection, now: int) -> dict:
         lease = lock_lease_as(conn, lease_id, principal, "provider")
+        if lease["form"] == "standing":
+            raise Conflict(f"lease {lease_id} is a standing lease: it ends by notice (POST /v1/leases/{lease_id}/"
+                           "notice) at a period's close, or by termination, never by closing its window")
         if lease["state"] == RUNNING and now < lease["window_end"]:
             raise Conflict(
                 f"lease {lease_id}'s window ends at {lease['window_end']}; to stop early, terminate it"
@@ -218,10 +238,17 @@ def terminate(market: Market, principal: Principal, lease_id: int, body: EndIn, 
 
     def tx(conn: Connection, now: int) -> dict:
         lease = lock_lease(conn, lease_id, principal)
+        if lease["form"] == "standing" and lease["state"] == RUNNING and principal.role == "tenant":
+            term_end = lease["started_at"] + lease["period_s"] * lease["term_periods"]
+            if now < term_end:
+                raise Conflict(f"lease {lease_id}'s committed term runs to {term_end}; give notice instead "
+                               "(it then ends at the first period close after the notice and the term)")
         transition(
             conn, LEASE, lease_id, TERMINATED, principal.actor, f"{body.reason_code}: {body.note}".rstrip(": "), now,
             expect=RUNNING, end_reason=body.reason_code, window_end=min(now, lease["window_end"] or now),
         )  # fmt: skip
+        if lease["form"] == "standing":
+            periods.end_inside(conn, lease_id, now)
         release_capacity(conn, lease, now)
         audit(conn, principal.actor, "lease.terminate", f"lease:{lease_id}", now, reason=body.reason_code)
         return _reread(conn, lease_id)

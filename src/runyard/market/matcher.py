@@ -2,11 +2,14 @@
 
 Matching runs when a demand is placed, a listing is created, an account is verified, and whenever
 a lease releases capacity (`release_capacity`). It posts the demand's escrow at the listing's
-price (the rest of the hold goes back to the tenant in the same step) and creates the lease.
+price (the rest of the hold goes back to the tenant in the same step) and creates the lease. A
+standing lease's escrow is its whole committed term at the committed period price (the listing's
+period price less the reserved discount the term earns); its terms are copied from the listing.
 """
 
 from __future__ import annotations
 
+import json
 from datetime import UTC
 
 from sqlalchemy import Connection, and_, select, update
@@ -17,6 +20,7 @@ from runyard.market.requirement import Interconnect, Requirement
 from runyard.market.rows import lock_demand
 from runyard.market.schema import accounts, demands, leases, listings
 from runyard.market.service import Market, audit
+from runyard.market.standing import StandingDemandIn, discount_for
 from runyard.market.states import SYSTEM, record_initial, transition
 from runyard.market.states.demand import DEMAND, MATCHED, OPEN
 from runyard.market.states.identity import VERIFIED
@@ -48,7 +52,24 @@ def _view(row) -> ListingView:  # type: ignore[no-untyped-def]
         max_queue_s=row["max_queue_s"],
         available_from=row["available_from"],
         available_until=row["available_until"],
+        form=row["form"],
+        memory_gib=row["memory_gib"],
+        period_s=row["period_s"],
+        min_term_periods=row["min_term_periods"],
+        availability_bps=row["availability_bps"],
     )
+
+
+def standing_of(demand: dict) -> StandingDemandIn | None:
+    """A demand row's standing terms, or None for a block demand."""
+    return StandingDemandIn.model_validate_json(demand["standing"]) if demand.get("standing") else None
+
+
+def standing_prices(listing: dict, devices: int, standing: StandingDemandIn) -> tuple[int, int, int]:
+    """(committed period price, renewal period price, discount bps) of a standing lease on `listing`."""
+    base = cost(listing["price_per_device_hour"], devices, standing.period_s)
+    discount = discount_for(json.loads(listing["reserved_terms"] or "[]"), standing.term_periods)
+    return base - base * discount // 10_000, base, discount
 
 
 def match_demand(conn: Connection, demand_id: int, now: int) -> int | None:
@@ -62,7 +83,7 @@ def match_demand(conn: Connection, demand_id: int, now: int) -> int | None:
     if tenant_state != VERIFIED:
         return None
     req = Requirement.model_validate_json(row["requirement"])
-    demand = DemandView.of(demand_id, req, row["max_price_per_device_hour"])
+    demand = DemandView.of(demand_id, req, row["max_price_per_device_hour"], standing_of(row))
     # A listing whose lease for this demand already failed (rejected, expired) is not offered again.
     tried = select(leases.c.listing_id).where(leases.c.demand_id == demand_id)
     candidates = (
@@ -71,11 +92,12 @@ def match_demand(conn: Connection, demand_id: int, now: int) -> int | None:
             .join(accounts, and_(accounts.c.id == listings.c.provider_id, accounts.c.state == VERIFIED))
             .where(
                 listings.c.state == "open",
+                listings.c.form == demand.form,
                 listings.c.accelerator_kind.in_(sorted(demand.kinds)),
                 listings.c.price_per_device_hour <= demand.max_price,
                 listings.c.capacity - listings.c.reserved >= demand.device_count,
                 listings.c.start_class.in_(sorted(demand.start_classes)),
-                listings.c.available_until >= now + demand.duration_s,
+                listings.c.available_until >= now + demand.span_s,
                 listings.c.id.not_in(tried),
             )
         )
@@ -110,6 +132,17 @@ def _create_lease(conn: Connection, demand: dict, listing: dict, start: int, now
     config = Market.config(conn)
     price = listing["price_per_device_hour"]
     amount = cost(price, demand["device_count"], demand["duration_s"])
+    terms: dict = {"form": "block"}
+    standing = standing_of(demand)
+    if standing is not None:
+        period_price, renewal_price, discount = standing_prices(listing, demand["device_count"], standing)
+        amount = period_price * standing.term_periods
+        terms = {
+            "form": "standing", "period_s": standing.period_s, "term_periods": standing.term_periods,
+            "period_price": period_price, "renewal_price": renewal_price, "discount_bps": discount,
+            "availability_bps": listing["availability_bps"], "credit_rule": listing["credit_rule"],
+            "notice_s": listing["notice_s"],
+        }  # fmt: skip
     lease_id = conn.execute(
         leases.insert().values(
             demand_id=demand["id"],
@@ -130,6 +163,8 @@ def _create_lease(conn: Connection, demand: dict, listing: dict, start: int, now
             paid_provider=0,
             paid_fee=0,
             refunded=0,
+            credited=0,
+            **terms,
         )
     ).inserted_primary_key[0]
     escrow.fund(conn, demand["escrow_pending_id"], amount, lease_id, now)
@@ -166,6 +201,7 @@ def match_open_demands(conn: Connection, now: int, listing_id: int | None = None
     if listing_id is not None:
         listing = conn.execute(select(listings).where(listings.c.id == listing_id)).mappings().one()
         query = query.where(
+            demands.c.form == listing["form"],
             demands.c.kinds.contains(f",{listing['accelerator_kind']},"),
             demands.c.max_price_per_device_hour >= listing["price_per_device_hour"],
             demands.c.device_count <= listing["capacity"] - listing["reserved"],

@@ -13,11 +13,14 @@ from runyard.market.jobs import (
     MAX_RESULTS_TO,
     MAX_SPEC_BYTES,
     check_data_urls,
+    check_env_lock,
     check_results_to,
     check_spec_text,
     decode_files,
 )
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
+from runyard.market.serving import DeploymentIn
+from runyard.market.standing import MAX_MEMORY_GIB, Form, StandingDemandIn, StandingTermsIn
 
 # Largest amount one transfer may move: far inside a signed 64-bit integer, so that sums of many
 # accounts cannot overflow either.
@@ -90,9 +93,18 @@ class ListingIn(Strict):
     )
     max_queue_s: int = Field(default=0, ge=0, le=30 * 86400, description="longest wait before start (queued)")
     scheduler_kind: SchedulerKind = Field(default="local", description="the provider's scheduler")
+    memory_gib: int = Field(default=0, ge=0, le=MAX_MEMORY_GIB, description="memory per device, GiB (0: unstated)")
+    form: Form = Field(default="block", description="block: devices for a window; standing: serving capacity")
+    standing: StandingTermsIn | None = Field(default=None, description="the terms of a standing listing")
 
     @model_validator(mode="after")
     def _coherent(self) -> ListingIn:
+        if self.form == "standing" and self.standing is None:
+            raise ValueError("a standing listing states its terms in `standing`")
+        if self.form == "block" and self.standing is not None:
+            raise ValueError("`standing` terms belong to a standing listing (form: standing)")
+        if self.form == "standing" and self.start_class != StartClass.IMMEDIATE:
+            raise ValueError("a standing listing is capacity available now: start_class 'immediate'")
         if self.available_from is not None and self.available_until <= self.available_from:
             raise ValueError("available_until must be after available_from")
         if self.start_class == StartClass.IMMEDIATE and self.max_queue_s:
@@ -102,6 +114,13 @@ class ListingIn(Strict):
         if self.devices_per_node * self.node_count > 1_000_000:
             raise ValueError("a listing offers at most 1,000,000 devices")
         return self
+
+
+class EnvLockIn(Strict):
+    """A run's environment lock (runyard.reproduce.lock): the two files of its env/ directory."""
+
+    requirements: str = Field(min_length=1, description="env/requirements.txt: pip's hash-checking format")
+    environment: str = Field(min_length=2, description="env/environment.json: interpreter, torch build, digests")
 
 
 class JobIn(Strict):
@@ -122,6 +141,9 @@ class JobIn(Strict):
         default_factory=list, max_length=MAX_DATA_URLS,
         description="http(s) URLs the provider fetches for the job before it starts",
     )
+    env_lock: EnvLockIn | None = Field(
+        default=None, description="the environment the job runs in: the provider builds it from this lock"
+    )
 
     @model_validator(mode="after")
     def _checked(self) -> JobIn:
@@ -129,6 +151,8 @@ class JobIn(Strict):
         check_results_to(self.results_to)
         decode_files(self.files)
         check_data_urls(self.data_urls)
+        if self.env_lock is not None:
+            check_env_lock(self.env_lock.model_dump())
         return self
 
 
@@ -138,6 +162,26 @@ class DemandIn(Strict):
     job: JobIn | None = Field(
         default=None, description="the job to run on the lease, seen only by its parties"
     )
+    form: Form = Field(default="block", description="block (a window for a job) or standing (serving capacity)")
+    standing: StandingDemandIn | None = Field(default=None, description="a standing demand's period and term")
+    deployment: DeploymentIn | None = Field(
+        default=None, description="a standing demand's model to serve, seen only by the lease's parties"
+    )
+
+    @model_validator(mode="after")
+    def _coherent(self) -> DemandIn:
+        if self.form == "standing":
+            if self.standing is None:
+                raise ValueError("a standing demand states its period and term in `standing`")
+            if self.job is not None:
+                raise ValueError("a standing demand carries a deployment, not a job")
+            explicit = "duration_s" in self.requirement.model_fields_set
+            if explicit and self.requirement.duration_s != self.standing.term_s:
+                raise ValueError(f"requirement.duration_s {self.requirement.duration_s} differs from the committed "
+                                 f"term (period_s x term_periods = {self.standing.term_s}); leave it out")
+        elif self.standing is not None or self.deployment is not None:
+            raise ValueError("`standing` and `deployment` belong to a standing demand (form: standing)")
+        return self
 
 
 class AcceptIn(Strict):

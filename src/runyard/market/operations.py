@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from runyard.market import models as m
 from runyard.market import responses as r
+from runyard.market import standing as st
 
 Auth = Literal["none", "account", "operator", "rail"]
 
@@ -163,6 +164,19 @@ OPERATIONS: tuple[Operation, ...] = (
         list[r.DisputeOut], cli=("disputes",)),
     _op("withdraw_dispute", "POST", "/v1/disputes/{dispute_id}/withdraw", "Withdraw one's own dispute",
         "usage", r.DisputeOut, key="required", cli=("dispute", "withdraw")),
+    # -- standing leases: availability, probes, notice, endpoint, periods -----------------------------
+    _op("report_availability", "POST", "/v1/leases/{lease_id}/availability",
+        "Report one signed availability record (standing lease)", "availability", r.RecordOut,
+        body=st.AvailabilityIn, key="required", status=201, cli=("availability", "report")),
+    _op("submit_probes", "POST", "/v1/leases/{lease_id}/probes", "The tenant's signed probe results of an interval",
+        "availability", r.MeasurementOut, body=st.ProbesIn, key="required", status=201,
+        cli=("availability", "probes")),
+    _op("give_notice", "POST", "/v1/leases/{lease_id}/notice", "End a standing lease at a period's close",
+        "availability", r.LeaseOut, body=st.NoticeIn, key="required", cli=("lease", "notice")),
+    _op("publish_endpoint", "POST", "/v1/leases/{lease_id}/endpoint", "Say where the tenant reaches its deployment",
+        "availability", r.LeaseOut, body=st.EndpointIn, key="required", cli=("lease", "endpoint")),
+    _op("lease_periods", "GET", "/v1/leases/{lease_id}/periods", "A standing lease's billing periods",
+        "availability", list[r.PeriodOut], cli=("lease", "periods")),
     # -- operator ----------------------------------------------------------------------------------
     _op("pending_accounts", "GET", "/v1/admin/accounts/pending", "Accounts waiting for verification",
         "admin", list[r.PendingAccount], auth="operator", admin="pending"),

@@ -2,7 +2,8 @@
 
 A demand is placed with its escrow: max price x devices x duration is reserved from the tenant's
 available balance as a pending transfer before anything else happens, so a provider only ever sees
-demands backed by real money. Placing either one runs matching (`matcher`) at once.
+demands backed by real money (a standing demand: its committed term, max price x devices x period,
+times the periods it commits to). Placing either one runs matching (`matcher`) at once.
 """
 
 from __future__ import annotations
@@ -20,22 +21,39 @@ from runyard.market.models import DemandIn, ListingIn
 from runyard.market.rows import lock_demand
 from runyard.market.schema import demands, listings
 from runyard.market.service import Market, Principal, audit
+from runyard.market.serving import deployment_json, deployment_of
+from runyard.market.standing import dumps, reserved_json, tiers_json
 from runyard.market.states import record_initial, transition
 from runyard.market.states.demand import CANCELLED, DEMAND, OPEN
 from runyard.market.states.listing import LISTING, WITHDRAWN
 
+STANDING_LISTING_COLUMNS = ("period_s", "min_term_periods", "notice_s", "availability_bps", "credit_rule",
+                            "reserved_terms")
+
 
 def listing_json(row) -> dict:  # type: ignore[no-untyped-def]
-    return dict(row)
+    """A listing as the API shows it: a standing listing's terms under `standing`."""
+    out = {k: v for k, v in dict(row).items() if k not in STANDING_LISTING_COLUMNS}
+    out["standing"] = None
+    if row["form"] == "standing":
+        out["standing"] = {
+            "period_s": row["period_s"], "min_term_periods": row["min_term_periods"], "notice_s": row["notice_s"],
+            "availability_bps": row["availability_bps"], "credits": json.loads(row["credit_rule"] or "[]"),
+            "reserved": json.loads(row["reserved_terms"] or "[]"),
+        }  # fmt: skip
+    return out
 
 
 def demand_json(row, with_job: bool = True) -> dict:  # type: ignore[no-untyped-def]
-    """A demand as the API shows it; `job` only to its tenant (with_job), never to an operator."""
-    hidden = ("requirement", "kinds", *JOB_COLUMNS)
+    """A demand as the API shows it; `job` and `deployment` only to its tenant (with_job), never to an
+    operator."""
+    hidden = ("requirement", "kinds", "standing", "deployment", *JOB_COLUMNS)
     out = {k: v for k, v in dict(row).items() if k not in hidden}
     out["requirement"] = json.loads(row["requirement"])
+    out["standing"] = json.loads(row["standing"]) if row["standing"] else None
     if with_job:
         out["job"] = job_of(row)
+        out["deployment"] = deployment_of(row["deployment"])
     return out
 
 
@@ -71,6 +89,9 @@ def create_listing(market: Market, principal: Principal, body: ListingIn, key: s
                 start_class=str(body.start_class),
                 max_queue_s=body.max_queue_s,
                 scheduler_kind=body.scheduler_kind,
+                memory_gib=body.memory_gib,
+                form=body.form,
+                **_standing_columns(body),
                 state="open",
                 leases_expired=0,
                 leases_completed=0,
@@ -87,6 +108,17 @@ def create_listing(market: Market, principal: Principal, body: ListingIn, key: s
     if key is None:
         return market.write(tx)
     return market.idempotent(principal, key, "listing.create", body.model_dump(mode="json"), tx)
+
+
+def _standing_columns(body: ListingIn) -> dict:
+    terms = body.standing
+    if terms is None:
+        return {}
+    return {
+        "period_s": terms.period_s, "min_term_periods": terms.min_term_periods, "notice_s": terms.notice_s,
+        "availability_bps": terms.availability_bps, "credit_rule": dumps(tiers_json(terms.credits)),
+        "reserved_terms": dumps(reserved_json(terms.reserved)),
+    }  # fmt: skip
 
 
 def withdraw_listing(market: Market, principal: Principal, listing_id: int) -> dict:
@@ -126,12 +158,17 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
     """Place a demand and fund its escrow in one step (idempotent on `key`)."""
     principal.require_role("tenant")
     principal.require_verified("place demands")
-    req = body.requirement
-    impossible = never_matches(req)
+    req, standing = body.requirement, body.standing
+    impossible = never_matches(req, standing)
     if impossible:
         raise BadRequest(f"this demand could never match: {impossible}")
-    amount = cost(body.max_price_per_device_hour, req.device_count, req.duration_s)
-    ledger.check_amount(amount, "escrow (max price x devices x duration)")
+    if standing is None:
+        amount, duration = cost(body.max_price_per_device_hour, req.device_count, req.duration_s), req.duration_s
+        ledger.check_amount(amount, "escrow (max price x devices x duration)")
+    else:
+        period = cost(body.max_price_per_device_hour, req.device_count, standing.period_s)
+        amount, duration = period * standing.term_periods, standing.term_s
+        ledger.check_amount(amount, "escrow (max price x devices x period x term_periods)")
 
     def tx(conn: Connection, now: int) -> dict:
         if req.latest_start is not None and timestamp(req) < now:
@@ -142,13 +179,16 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
                 requirement=req.model_dump_json(),
                 kinds="," + ",".join(sorted(req.accelerator_kinds)) + ",",
                 device_count=req.device_count,
-                duration_s=req.duration_s,
+                duration_s=duration,
                 max_price_per_device_hour=body.max_price_per_device_hour,
                 latest_start=None if req.latest_start is None else timestamp(req),
                 escrow_amount=amount,
                 state=OPEN,
                 created_at=now,
                 **job_columns(body.job),
+                form=body.form,
+                standing=None if standing is None else standing.model_dump_json(),
+                deployment=deployment_json(body.deployment),
             )
         ).inserted_primary_key[0]
         escrow_id, pending_id = escrow.reserve(conn, demand_id, principal.id, amount, principal.actor, now)

@@ -6,12 +6,13 @@ market may add some), which a client must ignore.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from runyard.market.models import EndReason, LeaseStateName
 from runyard.market.requirement import Requirement
+from runyard.market.standing import Form
 
 AccountState = Literal["unverified", "pending", "verified", "rejected"]
 AccountRole = Literal["tenant", "provider", "operator"]
@@ -19,6 +20,8 @@ DemandState = Literal["open", "matched", "cancelled", "expired"]
 ListingState = Literal["open", "withdrawn"]
 RecordState = Literal["reported", "acknowledged", "part_acknowledged", "disputed", "resolved"]
 DisputeState = Literal["open", "upheld", "partial", "rejected", "withdrawn"]
+PeriodState = Literal["running", "closed", "settled"]
+RecordKind = Literal["usage", "availability"]
 ErrorCode = Literal[
     "bad_request", "invalid_request", "unauthenticated", "forbidden", "not_verified", "not_found",
     "conflict", "invalid_transition", "idempotency_key_reused", "insufficient_funds", "signature_invalid",
@@ -120,6 +123,8 @@ class LeaseLine(Out):
     paid_provider: int
     fee: int
     refunded: int
+    credited: int = Field(description="credits a standing lease returned under its listing's rule")
+    form: Form
 
 
 class StatementAccount(Out):
@@ -154,6 +159,27 @@ class RailEventOut(Out):
     duplicate: bool = Field(description="true when this event id was applied before (nothing moved now)")
 
 
+class CreditTierOut(Out):
+    below_bps: int
+    credit_bps: int
+
+
+class ReservedTermOut(Out):
+    periods: int
+    discount_bps: int
+
+
+class StandingTermsOut(Out):
+    """A standing listing's terms (runyard.market.standing)."""
+
+    period_s: int
+    min_term_periods: int
+    notice_s: int
+    availability_bps: int
+    credits: list[CreditTierOut]
+    reserved: list[ReservedTermOut]
+
+
 class ListingOut(Out):
     id: int
     provider_id: int
@@ -176,6 +202,9 @@ class ListingOut(Out):
     leases_expired: int
     leases_completed: int
     created_at: int
+    memory_gib: int
+    form: Form
+    standing: StandingTermsOut | None = Field(description="the terms of a standing listing; null for a block")
 
 
 class DemandOut(Out):
@@ -193,6 +222,11 @@ class DemandOut(Out):
     lease_id: int | None
     created_at: int
     job: dict[str, Any] | None = Field(default=None, description="the demand's job; only its tenant sees it")
+    form: Form
+    standing: dict[str, int] | None = Field(description="a standing demand's period and term")
+    deployment: dict[str, Any] | None = Field(
+        default=None, description="a standing demand's deployment; only its tenant sees it"
+    )
 
 
 class LeaseOut(Out):
@@ -222,6 +256,23 @@ class LeaseOut(Out):
     refunded: int
     job_sha256: str | None = Field(default=None, description="digest of the job the acceptance signs")
     job: dict[str, Any] | None = Field(default=None, description="the job; only the lease's parties see it")
+    form: Form
+    period_s: int | None = Field(description="a standing lease's billing period, seconds")
+    term_periods: int | None = Field(description="periods committed to (escrowed when the lease was made)")
+    period_price: int | None = Field(description="a committed period's price (after the reserved discount)")
+    renewal_price: int | None = Field(description="a renewed period's price")
+    discount_bps: int | None
+    availability_bps: int | None = Field(description="committed availability per period")
+    credit_rule: list[CreditTierOut] | None
+    notice_s: int | None
+    ends_at: int | None = Field(description="the period close at which the lease ends, once notice is given")
+    notice_by: str | None
+    endpoint_url: str | None = Field(description="where the tenant reaches its deployment")
+    credited: int
+    deployment_sha256: str | None = Field(default=None, description="digest of the deployment the acceptance signs")
+    deployment: dict[str, Any] | None = Field(
+        default=None, description="the deployment; only the lease's parties see it"
+    )
 
 
 class LeaseTerms(Out):
@@ -242,8 +293,55 @@ class LeaseTerms(Out):
     job_sha256: str | None
 
 
+class StandingLeaseTerms(Out):
+    """What a provider signs to accept a standing lease (docs/market-protocol.md)."""
+
+    type: Literal["runyard.market.standing_lease_acceptance.v1"]
+    lease_id: int
+    demand_id: int
+    listing_id: int
+    tenant_id: int
+    provider_id: int
+    devices: int
+    price_per_device_hour: int
+    period_s: int
+    term_periods: int
+    period_price: int
+    renewal_price: int
+    discount_bps: int
+    availability_bps: int
+    credit_rule: list[CreditTierOut]
+    notice_s: int
+    escrow_amount: int
+    fee_bps: int
+    currency: str
+    deployment_sha256: str | None
+
+
 class LeaseWithTerms(LeaseOut):
-    terms: LeaseTerms
+    terms: Annotated[LeaseTerms | StandingLeaseTerms, Field(discriminator="type")]
+
+
+class PeriodOut(Out):
+    """One billing period of a standing lease; the figures once it is settled."""
+
+    id: int
+    lease_id: int
+    seq: int
+    period_start: int
+    period_end: int
+    ended_at: int | None
+    price: int
+    funding: Literal["prepaid", "renewal"]
+    state: PeriodState
+    available_device_seconds: int | None
+    availability_bps: int | None
+    charge: int | None = Field(description="for the time available")
+    credit: int | None = Field(description="credited to the tenant under the listing's rule")
+    paid_provider: int
+    paid_fee: int
+    refunded: int
+    settled_at: int | None
 
 
 class SettlementOut(Out):
@@ -260,6 +358,8 @@ class SettlementOut(Out):
     held_records: int
     charge: int
     fee: int
+    credited: int
+    periods: list[PeriodOut] | None = Field(default=None, description="a standing lease's periods")
 
 
 class RecordOut(Out):
@@ -275,6 +375,14 @@ class RecordOut(Out):
     state: RecordState
     acked_device_seconds: int | None
     acked_at: int | None
+    kind: RecordKind
+    period_id: int | None
+    available_seconds: int | None
+    probes: int | None
+    probes_ok: int | None
+    requests: int | None
+    latency_p50_ms: int | None
+    latency_p99_ms: int | None
 
 
 class MeasurementRow(Out):
@@ -285,6 +393,10 @@ class MeasurementRow(Out):
     device_seconds: int
     signature: str
     received_at: int
+    kind: Literal["usage", "probes"]
+    available_seconds: int | None
+    probes: int | None
+    probes_ok: int | None
 
 
 class MeasurementOut(Out):

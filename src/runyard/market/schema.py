@@ -129,6 +129,18 @@ listings = Table(
     Column("leases_expired", Integer, nullable=False, default=0),
     Column("leases_completed", Integer, nullable=False, default=0),
     Column("created_at", BigInteger, nullable=False),
+    # Device memory per device (GiB, 0 when unstated): part of a standing listing's shape.
+    Column("memory_gib", Integer, nullable=False, default=0),
+    # "block" (devices for a window) or "standing" (a shape available continuously, billed per period);
+    # the standing terms (runyard.market.standing) are null for a block listing. credit_rule and
+    # reserved_terms are JSON lists.
+    Column("form", String(16), nullable=False, default="block"),
+    Column("period_s", BigInteger, nullable=True),
+    Column("min_term_periods", Integer, nullable=True),
+    Column("notice_s", BigInteger, nullable=True),
+    Column("availability_bps", Integer, nullable=True),
+    Column("credit_rule", Text, nullable=True),
+    Column("reserved_terms", Text, nullable=True),
     Index("ix_listings_match", "state", "accelerator_kind", "price_per_device_hour"),
 )
 
@@ -154,8 +166,13 @@ demands = Table(
     # The job the tenant wants run (runyard.market.jobs); null for a demand that carries none.
     Column("job_spec", Text, nullable=True),
     Column("job_results_to", String(1000), nullable=True),
-    # JSON {"files": {path: base64}, "data_urls": [...]}; null when the job carries neither.
+    # JSON {"files": {path: base64}, "data_urls": [...], "env_lock": {...}}; null when the job carries none.
     Column("job_inputs", Text, nullable=True),
+    Column("form", String(16), nullable=False, default="block"),
+    # A standing demand's period and term (JSON, runyard.market.standing.StandingDemandIn) and the
+    # deployment it carries (JSON, runyard.market.serving); null for a block demand.
+    Column("standing", Text, nullable=True),
+    Column("deployment", Text, nullable=True),
     Index("ix_demands_open", "state", "created_at"),
 )
 
@@ -187,6 +204,48 @@ leases = Table(
     _money("paid_provider"),
     _money("paid_fee"),
     _money("refunded"),
+    # A standing lease (form "standing"): its signed terms, copied from the listing and the demand.
+    # period_price is a committed period's price (after the reserved discount), renewal_price a
+    # renewed period's; escrow_amount counts every period funded so far. ends_at: the period close
+    # at which it ends, once either side has given notice. credited: credits paid back to the tenant.
+    Column("form", String(16), nullable=False, default="block"),
+    Column("period_s", BigInteger, nullable=True),
+    Column("term_periods", Integer, nullable=True),
+    Column("period_price", BigInteger, nullable=True),
+    Column("renewal_price", BigInteger, nullable=True),
+    Column("discount_bps", Integer, nullable=True),
+    Column("availability_bps", Integer, nullable=True),
+    Column("credit_rule", Text, nullable=True),
+    Column("notice_s", BigInteger, nullable=True),
+    Column("ends_at", BigInteger, nullable=True),
+    Column("notice_by", String(64), nullable=True),
+    Column("endpoint_url", String(500), nullable=True),
+    _money("credited"),
+)
+
+# The billing periods of standing leases: running -> closed -> settled (states/period.py).
+lease_periods = Table(
+    "lease_periods",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("lease_id", Integer, ForeignKey("leases.id"), nullable=False, index=True),
+    Column("seq", Integer, nullable=False),
+    Column("period_start", BigInteger, nullable=False),
+    Column("period_end", BigInteger, nullable=False),
+    # Set when the lease ended inside the period (terminated): it ran until then.
+    Column("ended_at", BigInteger, nullable=True),
+    Column("price", BigInteger, nullable=False),
+    Column("funding", String(16), nullable=False),  # "prepaid" (the committed term) or "renewal"
+    Column("state", String(16), nullable=False),
+    Column("available_device_seconds", BigInteger, nullable=True),
+    Column("availability_bps", Integer, nullable=True),
+    Column("charge", BigInteger, nullable=True),
+    Column("credit", BigInteger, nullable=True),
+    _money("paid_provider"),
+    _money("paid_fee"),
+    _money("refunded"),
+    Column("settled_at", BigInteger, nullable=True),
+    UniqueConstraint("lease_id", "seq", name="uq_lease_periods_lease_seq"),
 )
 
 usage_records = Table(
@@ -204,6 +263,16 @@ usage_records = Table(
     Column("state", String(24), nullable=False),
     Column("acked_device_seconds", BigInteger, nullable=True),
     Column("acked_at", BigInteger, nullable=True),
+    # "usage" (device-seconds used, block leases) or "availability" (standing leases: device_seconds is
+    # available seconds x devices, with the probe counts and request figures as evidence).
+    Column("kind", String(16), nullable=False, default="usage"),
+    Column("period_id", Integer, ForeignKey("lease_periods.id"), nullable=True, index=True),
+    Column("available_seconds", BigInteger, nullable=True),
+    Column("probes", BigInteger, nullable=True),
+    Column("probes_ok", BigInteger, nullable=True),
+    Column("requests", BigInteger, nullable=True),
+    Column("latency_p50_ms", BigInteger, nullable=True),
+    Column("latency_p99_ms", BigInteger, nullable=True),
     UniqueConstraint("lease_id", "seq", name="uq_usage_records_lease_seq"),
 )
 
@@ -218,6 +287,11 @@ measurements = Table(
     Column("device_seconds", BigInteger, nullable=False),
     Column("signature", String(100), nullable=False),
     Column("received_at", BigInteger, nullable=False),
+    # "usage", or "probes": a standing lease's tenant probe results (device_seconds = available x devices).
+    Column("kind", String(16), nullable=False, default="usage"),
+    Column("available_seconds", BigInteger, nullable=True),
+    Column("probes", BigInteger, nullable=True),
+    Column("probes_ok", BigInteger, nullable=True),
     UniqueConstraint("lease_id", "interval_start", "interval_end", name="uq_measurements_interval"),
 )
 

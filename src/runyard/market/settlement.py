@@ -5,54 +5,30 @@ been paid so far, and moves only the difference from what was paid before. Runni
 therefore moves nothing the second time, and it is safe to run it whenever anything changes (a
 window closes, a dispute window passes, a dispute is resolved).
 
-A record counts as accepted:
-  acknowledged                      -> its device-seconds
-  part_acknowledged, window passed  -> the acknowledged part (the provider did not contest)
-  disputed, its dispute decided     -> the resolution's device-seconds
-  resolved                          -> the resolution's device-seconds
-  reported, window passed           -> its device-seconds (silence is consent)
-and is held otherwise; never more than the record reported. The charge is accepted device-seconds x price / 3600, rounded down (in the
-tenant's favour); the fee is charge x fee_bps / 10000, rounded down, taken out of the charge.
-When nothing is held and no record can still arrive, the remainder returns to the tenant and the
-lease is settled.
+A record counts as accepted by the rule in `acceptance`. The charge is accepted device-seconds x
+price / 3600, rounded down (in the tenant's favour); the fee is charge x fee_bps / 10000, rounded
+down, taken out of the charge. When nothing is held and no record can still arrive, the remainder
+returns to the tenant and the lease is settled.
+
+A standing lease settles per billing period instead (`periods.settle_standing`): each period, once
+its reports are closed and nothing in it is held, pays for the time available, credits the tenant
+under the listing's rule and returns the rest of its escrow; the lease is settled when it has ended
+and every period is.
 """
 
 from __future__ import annotations
 
 from sqlalchemy import Connection, select, update
 
-from runyard.market import escrow
+from runyard.market import escrow, periods
+from runyard.market.acceptance import tally
 from runyard.market.errors import InvalidTransition
 from runyard.market.matcher import release_capacity
 from runyard.market.rows import lock_lease
-from runyard.market.schema import disputes, leases, listings, usage_records
+from runyard.market.schema import leases, listings
 from runyard.market.service import Market, Principal, audit
 from runyard.market.states import Actor, transition
-from runyard.market.states.dispute import OPEN as DISPUTE_OPEN
 from runyard.market.states.lease import LEASE, RUNNING, SETTLEABLE, SETTLED, WINDOW_CLOSED
-from runyard.market.states.record import ACKNOWLEDGED, DISPUTED, PART_ACKNOWLEDGED, REPORTED, RESOLVED
-
-
-def accepted_seconds(record: dict, dispute: dict | None, now: int, window: int) -> int | None:
-    """Device-seconds of `record` accepted as of `now`, or None while it is held."""
-    value = _accepted(record, dispute, now, window)
-    return None if value is None else min(value, record["device_seconds"])
-
-
-def _accepted(record: dict, dispute: dict | None, now: int, window: int) -> int | None:
-    state = record["state"]
-    if state == ACKNOWLEDGED:
-        return record["device_seconds"]
-    if state == RESOLVED:
-        return record["acked_device_seconds"]
-    if state == PART_ACKNOWLEDGED:
-        return record["acked_device_seconds"] if now > record["acked_at"] + window else None
-    if state == DISPUTED:
-        assert dispute is not None, f"record {record['id']} is disputed without a dispute row"
-        return None if dispute["state"] == DISPUTE_OPEN else dispute["resolved_device_seconds"]
-    if state == REPORTED:
-        return record["device_seconds"] if now > record["received_at"] + window else None
-    raise AssertionError(f"unknown record state {state!r}")
 
 
 def charge_for(device_seconds: int, price_per_device_hour: int) -> int:
@@ -66,21 +42,7 @@ def fee_for(charge: int, fee_bps: int) -> int:
 def position(conn: Connection, lease: dict, now: int) -> dict:
     """What the lease owes as of `now`: accepted and held device-seconds, charge and fee."""
     window = Market.config(conn)["dispute_window_s"]
-    records = (
-        conn.execute(select(usage_records).where(usage_records.c.lease_id == lease["id"])).mappings().all()
-    )
-    by_record = {
-        d["record_id"]: dict(d)
-        for d in conn.execute(select(disputes).where(disputes.c.lease_id == lease["id"])).mappings()
-    }
-    accepted = held = held_records = 0
-    for record in records:
-        value = accepted_seconds(dict(record), by_record.get(record["id"]), now, window)
-        if value is None:
-            held += record["device_seconds"]
-            held_records += 1
-        else:
-            accepted += value
+    accepted, held, held_records = tally(conn, lease["id"], now, window)
     charge = charge_for(accepted, lease["price_per_device_hour"])
     fee = fee_for(charge, lease["fee_bps"])
     reports_closed = lease["window_end"] is not None and now > lease["window_end"] + window
@@ -98,6 +60,10 @@ def position(conn: Connection, lease: dict, now: int) -> dict:
 def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dict:
     """Bring a lease's payments up to date inside the caller's transaction (see module docstring)."""
     lease = lock_lease(conn, lease_id, None)
+    if lease["form"] == "standing":
+        periods.renew_or_close(conn, lease, now)
+        moved = periods.settle_standing(conn, lease_id, actor, now)
+        return summary(conn, lease_id, now, moved=moved)
     if lease["state"] == RUNNING and lease["window_end"] <= now:
         # The window is over even if no sweep has said so yet: close it first, as the sweep would.
         transition(conn, LEASE, lease_id, WINDOW_CLOSED, Actor("system"), "window ended", now)
@@ -139,6 +105,8 @@ def settle_in_tx(conn: Connection, lease_id: int, actor: Actor, now: int) -> dic
 
 def summary(conn: Connection, lease_id: int, now: int, moved: int) -> dict:
     lease = dict(conn.execute(select(leases).where(leases.c.id == lease_id)).mappings().one())
+    if lease["form"] == "standing":
+        return {**periods.standing_summary(conn, lease, now), "moved_now": moved}
     pos = position(conn, lease, now)
     return {
         "lease_id": lease_id,
@@ -147,6 +115,7 @@ def summary(conn: Connection, lease_id: int, now: int, moved: int) -> dict:
         "paid_provider": lease["paid_provider"],
         "paid_fee": lease["paid_fee"],
         "refunded": lease["refunded"],
+        "credited": lease["credited"],
         "escrow_remaining": escrow.available(conn, lease),
         "moved_now": moved,
         **{

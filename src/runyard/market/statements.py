@@ -3,7 +3,8 @@
 A tenant's statement satisfies, to the minor unit:
     deposited - withdrawn - charged == available (posted) + held in escrow (posted)
 where `deposited` counts rail deposits and operator credits.
-where `charged` is everything its leases paid to providers and in fees. A provider's satisfies:
+where `charged` is everything its leases paid to providers and in fees (a standing lease's credits
+return to the tenant, so they are never charged: `credited` shows them). A provider's satisfies:
     earned - withdrawn == earnings balance, with earned + fees == charged to its tenants.
 The market fee rate applies per lease (fixed when the lease is made) and shows on every line.
 """
@@ -39,6 +40,8 @@ def _lease_lines(conn: Connection, column) -> list[dict]:  # type: ignore[no-unt
             "paid_provider": r["paid_provider"],
             "fee": r["paid_fee"],
             "refunded": r["refunded"],
+            "credited": r["credited"],
+            "form": r["form"],
         }
         for r in rows
     ]
@@ -111,6 +114,7 @@ def statement(market: Market, principal: Principal) -> dict:
                 "charged": sum(line["charged"] for line in lines),
                 "fees_in_charges": sum(line["fee"] for line in lines),
                 "refunded": sum(line["refunded"] for line in lines),
+                "credited": sum(line["credited"] for line in lines),
                 "available": balances[f"tenant:{principal.id}:available"]["available"],
                 "reserved_for_demands": balances[f"tenant:{principal.id}:available"]["pending_out"],
                 "in_escrow": escrow_posted,

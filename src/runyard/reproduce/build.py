@@ -86,7 +86,15 @@ def find_interpreter(major_minor: str) -> Path | None:
     if f"{sys.version_info.major}.{sys.version_info.minor}" == major_minor:
         return Path(sys.executable)
     found = shutil.which(f"python{major_minor}")
-    return Path(found) if found else None
+    if not found:
+        return None
+    # A name on PATH is not an interpreter yet: a pyenv shim for a version not selected is there and fails.
+    try:
+        proc = subprocess.run([found, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                              capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return Path(found) if proc.returncode == 0 and proc.stdout.strip() == major_minor else None
 
 
 def supported_tags(major_minor: str) -> set[str]:
