@@ -254,9 +254,30 @@ def parse_spec(raw: Any, source: str = "<spec>") -> JobSpec:
     if not isinstance(raw, dict):
         raise SpecError(source, [("(top level)", type(raw).__name__, "expected a mapping of spec sections")])
     try:
-        return JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(source, _problems(exc, raw)) from None
+    problems = _init_problems(spec)
+    if problems:
+        raise SpecError(source, problems)
+    return spec
+
+
+def _init_problems(spec: JobSpec) -> list[tuple[str, object, str]]:
+    """A stage may start only from a stage before it (`model.init: {from: stage}`)."""
+    problems = []
+    names = [s.name for s in spec.stages]
+    for i, stage in enumerate(spec.stages):
+        init = _merge(spec, stage, "model").init
+        if init is None or init.source != "stage" or init.name in names[:i]:
+            continue
+        where = f"stages[{i}].model.init.name" if "init" in stage.model else "model.init.name"
+        if init.name in names:
+            why = f"a stage before {stage.name!r}: a stage starts from the final weights of one trained before it"
+        else:
+            why = f"one of the spec's stages before {stage.name!r} ({names[:i] or 'there are none'})"
+        problems.append((where, init.name, f"{why} {reference_hint('model.init.name')}"))
+    return problems
 
 
 def load_spec(path: str | Path) -> JobSpec:

@@ -6,7 +6,8 @@ clip, AdamW step, log. Held-out evaluation (on a sample drawn across the whole h
 for the run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a
 checkpoint at the next step boundary and raises `Preempted`.
 
-The model comes from its family in the model registry; the loop never names a model. Resume is exact:
+The model comes from its family in the model registry; the loop never names a model. A stage starts
+from random weights or from its `model.init` weights (train/init_weights.py). Resume is exact:
 the checkpoint holds model, optimizer, step, loader position and every RNG state (train/checkpoint/),
 so on CPU a resumed stage ends bitwise identical to one that never stopped.
 """
@@ -29,8 +30,10 @@ from runyard.data.pipeline import PreparedData
 from runyard.errors import Preempted
 from runyard.evaluate.heldout import evaluation_seeds
 from runyard.model.registry import get_family
+from runyard.plan.weights_in import stage_config
 from runyard.spec import JobSpec, ResolvedStage
 from runyard.train import checkpoint, parallel
+from runyard.train.init_weights import load_initial_weights
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
@@ -78,11 +81,18 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx: parallel.DistContext) -> TrainSetup:
+def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx: parallel.DistContext,
+                run_dir: Path | None = None) -> TrainSetup:
+    """The stage's model, optimizer and loader. With `run_dir` (a fresh start), the model starts from
+    the stage's `model.init` weights, loaded before it is wrapped (DDP then broadcasts them, FSDP shards
+    them); without, from its seeded random initialisation (a resume restores its checkpoint over it)."""
     family = get_family(stage.model.family)
     seed_everything(derive_seed(spec.seed, "init", stage.name))
-    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
-    model = family.build(config).to(ctx.device)
+    config = stage_config(spec, stage.name, prepared.vocab_size)  # the spec's shape, or its init weights'
+    model = family.build(config)
+    if run_dir is not None:
+        load_initial_weights(model, spec, stage.name, run_dir)
+    model = model.to(ctx.device)
     module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
     if spec.resources.compile and ctx.device.type == "cuda":
         module = torch.compile(module)
@@ -90,7 +100,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx
     optimizer = torch.optim.AdamW(family.optimizer_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
     loader = TokenLoader(
         prepared.train_index,
-        seq_len=config.context_length,
+        seq_len=stage.model.context_length,  # the training length; a model from weights may attend further
         batch_size=stage.train.batch_size,
         seed=derive_seed(spec.seed, "data", stage.name),
         rank=ctx.rank,
@@ -147,13 +157,14 @@ def train_stage(
 def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, stage_dir: Path,
                  ctx: parallel.DistContext, stop: StopRequest, show_progress: bool) -> StageResult:
     family = get_family(stage.model.family)
-    setup = build_setup(spec, stage, prepared, ctx)
-    device, precision = ctx.device, spec.resources.precision
     ckpt_dir = stage_dir / "checkpoints"
+    fresh = checkpoint.agreed_latest_good(ckpt_dir, ctx) is None  # a resume restores its own weights
+    setup = build_setup(spec, stage, prepared, ctx, run_dir=stage_dir.parent.parent if fresh else None)
+    device, precision = ctx.device, spec.resources.precision
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     train_cfg = stage.train
     total_steps = train_cfg.steps
-    seq_len = setup.config.context_length
+    seq_len = stage.model.context_length
     # Drawn across the whole held-out split, the same sample at every evaluation and after a resume.
     heldout = eval_sample(prepared.heldout_index, seq_len, train_cfg.batch_size,
                           spec.eval.batches * train_cfg.batch_size, evaluation_seeds(spec.seed)["eval.heldout"])

@@ -1,0 +1,71 @@
+"""Loading a stage's initial weights (`model.init`) into the model the loop just built.
+
+Where they come from is plan/weights_in.py's answer: an earlier stage's final checkpoint (verified), a
+runyard export (its checksums verified first) or a Hugging Face model directory (read tensor by tensor
+through safetensors, model/hf/weights.py). The loop calls this once, on a fresh start only, before the
+model is wrapped for DDP or FSDP: a resumed stage's own checkpoint holds its weights.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from runyard.errors import RunyardError
+from runyard.model.registry import get_family
+from runyard.plan.weights_in import stage_start
+from runyard.serve.export import verify_export
+from runyard.spec import JobSpec, resolved_stage
+from runyard.train import checkpoint
+from runyard.train.stage_result import final_checkpoint, stage_dir
+
+log = logging.getLogger(__name__)
+
+
+class InitialWeightsMismatch(RunyardError):
+    """The weights a stage starts from do not fit its model; the message names each tensor that differs."""
+
+
+def load_initial_weights(model: torch.nn.Module, spec: JobSpec, stage_name: str, run_dir: Path) -> str | None:
+    """Copy stage `stage_name`'s initial weights into `model` in place; return where they came from
+    (None for a random start, which leaves the model as built)."""
+    start = stage_start(spec, stage_name)
+    family = get_family(resolved_stage(spec, stage_name).model.family)
+    if start.source == "random":
+        return None
+    if start.source == "stage":
+        source = resolved_stage(spec, start.from_stage)
+        ref = final_checkpoint(stage_dir(run_dir, start.from_stage), source.train.steps)
+        origin = f"stage {start.from_stage!r}'s final checkpoint {ref.path}"
+        load_state_checked(model, checkpoint.read_model_weights(ref.path), origin)
+    else:
+        if start.source == "export":
+            verify_export(start.directory)  # every file against runyard.json's checksums
+        origin = f"{start.source} directory {start.directory}"
+        family.load_directory_into(model, start.directory)
+    log.info("stage %s: starting from %s", stage_name, origin)
+    return origin
+
+
+@torch.no_grad()
+def load_state_checked(model: torch.nn.Module, weights: dict[str, torch.Tensor], origin: str) -> None:
+    """`model.load_state_dict(weights)`, after checking every tensor's name and shape; the error names
+    each one that does not fit."""
+    own = model.state_dict()
+    first_at: dict[tuple[int, tuple[int, ...]], str] = {}
+    shared = set()  # the later names of tied tensors (a checkpoint may store them once)
+    for name, t in own.items():
+        key = (t.data_ptr(), tuple(t.shape))
+        if key in first_at:
+            shared.add(name)
+        first_at.setdefault(key, name)
+    missing = sorted(set(own) - set(weights) - shared)
+    unexpected = sorted(set(weights) - set(own))
+    wrong = [f"{name} {tuple(weights[name].shape)} there, {tuple(t.shape)} here"
+             for name, t in own.items() if name in weights and weights[name].shape != t.shape]
+    if missing or unexpected or wrong:
+        parts = ([f"missing {missing}"] if missing else []) + ([f"unexpected {unexpected}"] if unexpected else [])
+        raise InitialWeightsMismatch(f"{origin} does not fit this stage's model: " + "; ".join(parts + wrong))
+    model.load_state_dict(weights, strict=not shared)
