@@ -39,9 +39,8 @@ def load_weights_into(model: Transformer, directory: Path) -> None:
                                   f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
     extra = sorted(set(headers) - needed - ({TIED_HEAD} if cfg.tie_embeddings else set()))
     if extra:
-        raise ModelDirectoryError(headers[extra[0]].file, f"holds {len(extra)} tensor(s) a "
-                                  f"{'tied' if cfg.tie_embeddings else 'untied'} model of this config.json does not "
-                                  f"have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+        raise ModelDirectoryError(headers[extra[0]].file, f"holds {len(extra)} tensor(s) a model of this "
+                                  f"config.json does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     state = model.state_dict()
     for ours, parts in plan.items():
         target, row = state[ours], 0
