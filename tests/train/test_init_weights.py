@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 from runyard.data.pipeline import PreparedData
 from runyard.data.shards import ShardWriter, write_index
@@ -119,6 +120,12 @@ def test_stages_share_one_tokenizer_and_data_tokenizer_path_may_not_contradict_i
     assert "brings its tokenizer" in found["data.tokenizer.path"]
     check_weights_in(spec_with({"init": {"from": "hf", "path": str(hf_dir)}},
                                data={"tokenizer": {"path": str(hf_dir / "tokenizer.json")}}))  # the same one: fine
+    resaved = tmp_path / "resaved" / "tokenizer.json"  # the same tokenizer, written out differently
+    resaved.parent.mkdir()
+    Tokenizer.from_file(str(hf_dir / "tokenizer.json")).save(str(resaved), pretty=False)
+    (resaved.parent / "tokenizer_config.json").write_text('{"eos_token": "</s>"}')
+    assert resaved.read_bytes() != (hf_dir / "tokenizer.json").read_bytes()
+    check_weights_in(spec_with({"init": {"from": "hf", "path": str(hf_dir)}}, data={"tokenizer": {"path": str(resaved)}}))
 
 
 def test_an_export_is_a_starting_point_and_a_plain_hf_directory_is_not_an_export(tmp_path, hf_dir):

@@ -13,12 +13,13 @@ a spec error (exit 2) naming the field, the file and the value.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runyard.data.tokenizer import TOKENIZER_FILE, load_model_tokenizer
+from tokenizers import Tokenizer
+
+from runyard.data.tokenizer import TOKENIZER_FILE, eos_token_beside, load_model_tokenizer
 from runyard.errors import DataError, RunyardError, SpecError
 from runyard.model.config import ConfigContradiction
 from runyard.model.hf.config import HF_FIELDS
@@ -147,7 +148,7 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
             problems.append((f"{start.field}.path", str(start.directory),
                              f"a tokenizer that fits the model: {start.directory / TOKENIZER_FILE} has "
                              f"{tok.get_vocab_size():,} tokens, config.json's vocab_size is {weights.vocab_size:,}"))
-        digest = _tokenizer_digest(start.directory)
+        digest = _tokenizer_identity(start.directory / TOKENIZER_FILE)
         first = next(iter(digests.values()), None)
         if first is not None and digest not in digests:
             problems.append((f"{start.field}.path", str(start.directory),
@@ -155,9 +156,8 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
                              "the stages of one run share one tokenizer, as their data is tokenized once"))
         digests.setdefault(digest, start)
     if starts and spec.data.tokenizer.path and not problems:
-        theirs = _tokenizer_digest(starts[0].directory)
-        mine = _file_digest(Path(spec.data.tokenizer.path))
-        if mine != theirs[0]:
+        theirs = _tokenizer_identity(starts[0].directory / TOKENIZER_FILE)
+        if _tokenizer_identity(Path(spec.data.tokenizer.path)) != theirs:
             problems.append(("data.tokenizer.path", spec.data.tokenizer.path,
                              f"null, or the tokenizer of {starts[0].directory} ({starts[0].field}): a stage that "
                              "starts from a model directory brings its tokenizer"))
@@ -171,14 +171,10 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
         raise SpecError(SPEC_SOURCE, problems)
 
 
-def _file_digest(path: Path) -> str | None:
+def _tokenizer_identity(tokenizer_path: Path) -> tuple[str, str] | None:
+    """What decides how a tokenizer tokenizes data: its canonical serialisation (so a file re-saved with
+    other formatting is the same tokenizer) and its end-of-document token. None when unreadable."""
     try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError:
+        return Tokenizer.from_file(str(tokenizer_path)).to_str(), eos_token_beside(tokenizer_path)
+    except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception; unreadable is reported elsewhere)
         return None
-
-
-def _tokenizer_digest(directory: Path) -> tuple[str | None, str | None]:
-    """tokenizer.json's and tokenizer_config.json's sha256: two directories with equal digests tokenize
-    alike and end documents alike."""
-    return _file_digest(directory / TOKENIZER_FILE), _file_digest(directory / "tokenizer_config.json")
