@@ -3,8 +3,8 @@
 A GPT-2-small-like model (768 wide, 12 layers, 32k vocabulary, untied head: 162M parameters) after one
 AdamW step, so the optimizer holds both moments: 1.82 GiB of state.
 
-One process (the path a one-process training run takes: `parallel.save_checkpoint` with the loop's
-`save_state`, i.e. the single-file format, written synchronously, checksummed, committed atomically):
+One process (the path a one-process training run takes: `checkpoint.save`, i.e. the plain format of
+safetensors-layout files, written synchronously, checksummed while written, committed atomically):
   - save against the peer, a raw write of the same tensors' memory to one file, no copy
     (`write(memoryview)` on an unbuffered file), one fsync. Target >= 0.8x.
   - load into model and optimizer against a raw sequential read of the same bytes.
@@ -39,8 +39,8 @@ from harness import Report, Samples, add_common_args, interleaved, paired_ratio 
 
 from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
 from runyard.train import checkpoint as ckpt  # noqa: E402
-from runyard.train import dist_checkpoint, parallel  # noqa: E402
-from runyard.train.loop import TrainSetup, load_state, save_state  # noqa: E402
+from runyard.train import parallel  # noqa: E402
+from runyard.train.loop import TrainSetup  # noqa: E402
 
 
 class _Position:
@@ -130,10 +130,10 @@ def one_process(args, report: Report) -> None:
             raw_file.unlink(missing_ok=True)
             shutil.rmtree(ckpt_dir, ignore_errors=True)
 
-        print("== one process: save (parallel.save_checkpoint -> single-file format) ==")
+        print("== one process: save (checkpoint.save -> plain format) ==")
         saves = interleaved({
             "raw write": lambda: raw_write(raw_file, tensors),
-            "runyard save": lambda: parallel.save_checkpoint(save_state, setup, ckpt_dir, 1, {}, ctx, wait=True),
+            "runyard save": lambda: ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=True),
         }, args.repeats, before=clear)
         show(saves, gib)
         report.ratio("checkpoint_save_1proc", paired_ratio(saves["raw write"], saves["runyard save"]),
@@ -143,11 +143,11 @@ def one_process(args, report: Report) -> None:
         print("== one process: load into model + optimizer ==")
         clear("")
         raw_write(raw_file, tensors)
-        parallel.save_checkpoint(save_state, setup, ckpt_dir, 1, {}, ctx, wait=True)
+        ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=True)
         ref = ckpt.latest_good(ckpt_dir)
         loads = interleaved({
             "raw read": lambda: raw_read(raw_file),
-            "runyard load": lambda: parallel.load_checkpoint(load_state, setup, ref, ctx),
+            "runyard load": lambda: ckpt.load_from(setup.state, ref.path, ctx),
         }, args.repeats)
         show(loads, gib)
         report.ratio("checkpoint_load_1proc", paired_ratio(loads["raw read"], loads["runyard load"]),
@@ -212,14 +212,14 @@ def sharded_worker(args) -> None:
         return time.perf_counter() - t0
 
     def sync_save() -> None:
-        dist_checkpoint.save_sharded(setup, ckpt_dir, 1, {}, ctx, wait=True, use_async=False)
+        ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=True, use_async=False)
 
     def async_save() -> float:
         clear()
         t0 = time.perf_counter()
-        dist_checkpoint.save_sharded(setup, ckpt_dir, 1, {}, ctx, wait=False, use_async=True)
+        ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=False, use_async=True)
         stall = time.perf_counter() - t0  # the loop would go on training from here
-        dist_checkpoint.wait_pending()
+        ckpt.wait_pending()
         parallel.barrier(ctx)
         return stall
 

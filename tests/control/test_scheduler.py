@@ -134,3 +134,185 @@ def test_no_lower_priority_job_starts_while_a_higher_one_that_fits_waits(pending
         ahead = [j for j in jobs if rank[j.id] <= rank[waiting.id]]
         alone = plan(cfg(n, preemption=False, backfill=backfill), ahead, holders, now=1)
         assert waiting.id not in {a.job_id for a in alone if isinstance(a, Start)}
+
+
+# -- backfill past a job that fits now but must wait for a higher-priority reservation ---------------
+
+
+def test_a_job_that_must_wait_blocks_nobody_beyond_its_own_reservation():
+    """2 devices, one busy for an hour; A needs both, B (1 device, 2 h) would delay A, C (1 min) would not.
+    B waits behind A's reservation; C starts (Slurm's backfill starts C too)."""
+    global _dev
+    _dev = itertools.count(0)
+    busy = running(1, priority=9, limit=3600, started=0)
+    a = mk(devices=2, priority=5, limit=1800)
+    b = mk(devices=1, priority=3, limit=7200)
+    c = mk(devices=1, priority=1, limit=60)
+    assert plan(cfg(2, preemption=False), [a, b, c], [busy], now=0) == [Start(c.id, ["cpu:1"])]
+    assert plan(cfg(2, preemption=False), [a, c], [busy], now=0) == [Start(c.id, ["cpu:1"])]
+    # Without a time limit B would hold its device for ever: it waits, and still blocks nobody.
+    b_unbounded = mk(devices=1, priority=3)
+    assert plan(cfg(2, preemption=False), [a, b_unbounded, c], [busy], now=0) == [Start(c.id, ["cpu:1"])]
+
+
+def test_a_reservation_is_placed_after_earlier_reservations_not_at_now():
+    """B (1 device, 2 h) reserves after A's reservation ends (t=5400), so D, which would end at
+    t=9000 on the device A leaves B, starts now only if it ends before A's reservation (it does not)."""
+    global _dev
+    _dev = itertools.count(0)
+    busy = running(1, priority=9, limit=3600, started=0)
+    a = mk(devices=2, priority=5, limit=1800)  # reserved [3600, 5400), both devices
+    b = mk(devices=1, priority=3, limit=7200)  # reserved [5400, 12600), one device
+    d = mk(devices=1, priority=2, limit=9000)  # would overlap A's reservation: waits
+    e = mk(devices=1, priority=1, limit=3000)  # ends at 3000 < 3600: starts
+    assert plan(cfg(2, preemption=False), [a, b, d, e], [busy], now=0) == [Start(e.id, ["cpu:1"])]
+
+
+def test_the_concurrency_cap_is_part_of_the_timeline():
+    """With one job slot left, a long job would take the slot the waiting head needs when its devices
+    come back; a job that ends before then may take it."""
+    global _dev
+    _dev = itertools.count(0)
+    holder = running(2, priority=9, limit=100, started=0)  # 2 of 3 devices until t=100
+    head = mk(devices=3, priority=5, limit=50)
+    long = mk(devices=1, priority=1, limit=500)
+    short = mk(devices=1, priority=0, limit=50)
+    actions = plan(cfg(3, preemption=False, max_concurrent=2), [head, long, short], [holder], now=10)
+    assert actions == [Start(short.id, ["cpu:2"])]
+
+
+def test_a_job_past_its_time_limit_is_still_preempted_for_a_higher_one():
+    global _dev
+    _dev = itertools.count(0)
+    overdue = running(1, priority=0, limit=5, started=0)  # its time limit passed at t=5; still running
+    high = mk(devices=1, priority=9)
+    assert plan(cfg(1), [high], [overdue], now=100) == [Preempt(overdue.id, high.id)]
+
+
+# -- properties, against a reference computed on a grid of whole time units ---------------------------
+#
+# Every time limit is a whole number of units and `now` is 0, so the free timeline is a list with one
+# entry per unit: `used[t]` devices (and `slots[t]` jobs) in [t, t + 1). The reference places every job
+# in queue order: it starts now if it fits now (free devices, the cap, and room on the grid for its
+# whole time limit), else it reserves the first grid position with room for it.
+
+NOW = 0
+UNITS = 64  # longer than any time limit plus every job's reservation (at most 8 jobs of 6 units)
+
+
+def _grid_fits(used, slots, at, length, devices, capacity, cap):
+    end = UNITS if length is None else min(UNITS, at + length)
+    return all(used[t] + devices <= capacity and (cap is None or slots[t] + 1 <= cap) for t in range(at, end))
+
+
+def _grid_take(used, slots, at, length, devices):
+    for t in range(at, UNITS if length is None else min(UNITS, at + length)):
+        used[t] += devices
+        slots[t] += 1
+
+
+def _grid_earliest(used, slots, length, devices, capacity, cap):
+    return next((t for t in range(UNITS - 8) if _grid_fits(used, slots, t, length, devices, capacity, cap)), None)
+
+
+def _holders_grid(holders):
+    used, slots = [0] * UNITS, [0] * UNITS
+    for h in holders:
+        if h.state == JobState.RUNNING:
+            _grid_take(used, slots, 0, None if h.time_limit_s is None else int(h.started_at + h.time_limit_s), h.devices)
+    return used, slots
+
+
+holder_st = st.tuples(st.integers(1, 3), st.integers(0, 3), st.sampled_from([None, 1, 3, 6, 9]),
+                      st.sampled_from([JobState.RUNNING, JobState.RUNNING, JobState.CANCELLING]))
+waiting_st = st.tuples(st.integers(1, 4), st.integers(0, 3), st.sampled_from([None, 1, 2, 4, 6]), st.sampled_from("ab"))
+
+
+def _scenario(held, waiting, capacity):
+    global _dev
+    _dev = itertools.count(0)
+    holders = []
+    for devices, priority, ends_at, state in held:
+        h = running(devices, priority, limit=None if ends_at is None else ends_at + 5, started=-5)
+        holders.append(mk(devices, priority, h.tenant, state, h.allocation, h.time_limit_s, h.started_at, id=h.id))
+    jobs = [mk(d, p, tenant, limit=None if lim is None else float(lim)) for d, p, lim, tenant in waiting]
+    n = max(capacity, sum(h.devices for h in holders))
+    return holders, jobs, n
+
+
+@settings(max_examples=400, deadline=None)
+@given(held=st.lists(holder_st, max_size=3), waiting=st.lists(waiting_st, min_size=1, max_size=8),
+       capacity=st.integers(2, 8), cap=st.sampled_from([None, None, 2, 3]),
+       quota=st.sampled_from([None, 2, 4]), backfill=st.booleans())
+def test_plan_starts_exactly_the_jobs_that_delay_no_higher_priority_reservation(
+        held, waiting, capacity, cap, quota, backfill):
+    holders, jobs, n = _scenario(held, waiting, capacity)
+    quotas = {} if quota is None else {"a": quota}
+    config = cfg(n, preemption=False, backfill=backfill, max_concurrent=cap, tenant_quotas=quotas)
+    actions = plan(config, jobs, holders, now=NOW)
+    starts = {a.job_id: a.devices for a in actions if isinstance(a, Start)}
+    assert not any(isinstance(a, Preempt) for a in actions)
+
+    held_devices = {d for h in holders for d in h.allocation}
+    given = [d for devices in starts.values() for d in devices]
+    assert len(given) == len(set(given)) and not set(given) & held_devices  # free devices, each once
+
+    used, slots = _holders_grid(holders)
+    free = n - len(held_devices)
+    active = len(holders)
+    tenant_used = {}
+    for h in holders:
+        tenant_used[h.tenant] = tenant_used.get(h.tenant, 0) + h.devices
+    someone_waits = False
+    for job in sorted(jobs, key=lambda j: (-j.priority, j.id)):
+        length = None if job.time_limit_s is None else int(job.time_limit_s)
+        if job.devices > n:
+            assert Reject(job.id, f"asks for {job.devices} devices; this provider has {n}") in actions
+            continue
+        if quotas.get(job.tenant) is not None and tenant_used.get(job.tenant, 0) + job.devices > quotas[job.tenant]:
+            assert job.id not in starts, "a job over its tenant's quota started"
+            continue
+        could_start = (free >= job.devices and (cap is None or active < cap) and (backfill or not someone_waits)
+                       and _grid_fits(used, slots, 0, length, job.devices, n, cap))
+        if could_start:
+            assert job.id in starts, (
+                f"job {job.id} could start now without delaying any higher-priority reservation, but waits")
+            assert len(starts[job.id]) == job.devices
+            _grid_take(used, slots, 0, length, job.devices)
+            free -= job.devices
+            active += 1
+            tenant_used[job.tenant] = tenant_used.get(job.tenant, 0) + job.devices
+        else:
+            assert job.id not in starts, f"job {job.id} started but delays a higher-priority job's reservation"
+            someone_waits = True
+            at = _grid_earliest(used, slots, length, job.devices, n, cap)
+            if at is not None:
+                _grid_take(used, slots, at, length, job.devices)
+
+
+@settings(max_examples=400, deadline=None)
+@given(held=st.lists(holder_st, max_size=3), waiting=st.lists(waiting_st, min_size=1, max_size=8),
+       capacity=st.integers(2, 8), cap=st.sampled_from([None, 2, 3]))
+def test_the_head_of_the_queue_is_never_delayed(held, waiting, capacity, cap):
+    """The highest-ranked job left waiting can start as early with everything this round started as
+    with only the jobs ranked above it (which may take its devices: they outrank it)."""
+    holders, jobs, n = _scenario(held, waiting, capacity)
+    actions = plan(cfg(n, preemption=False, max_concurrent=cap), jobs, holders, now=NOW)
+    starts = {a.job_id for a in actions if isinstance(a, Start)}
+    ranked = sorted(jobs, key=lambda j: (-j.priority, j.id))
+    head = next((j for j in ranked if j.id not in starts and j.devices <= n), None)
+    if head is None:
+        return
+    length = None if head.time_limit_s is None else int(head.time_limit_s)
+
+    def head_start(started_jobs):
+        used, slots = _holders_grid(holders)
+        for j in started_jobs:
+            _grid_take(used, slots, 0, None if j.time_limit_s is None else int(j.time_limit_s), j.devices)
+        return _grid_earliest(used, slots, length, head.devices, n, cap)
+
+    ahead = [j for j in ranked[: ranked.index(head)] if j.id in starts]
+    with_all = head_start([j for j in ranked if j.id in starts])
+    with_ahead = head_start(ahead)
+    assert with_ahead is None or (with_all is not None and with_all <= with_ahead), (
+        f"the head (job {head.id}) could start at {with_ahead}, but the jobs started past it move it to {with_all}")

@@ -3,7 +3,7 @@ import sqlite3
 import pytest
 
 from runyard.control.states import IllegalTransition, JobState
-from runyard.control.store import JobNotFound, JobStore
+from runyard.control.store import QUEUE_QUERY, Change, JobNotFound, JobStore, QueuedJob
 
 
 def _add(store, **kw):
@@ -36,3 +36,42 @@ def test_a_refused_transition_changes_nothing(tmp_path):
     assert len(store.history(job.id)) == 1
     with pytest.raises(JobNotFound):
         store.get(999)
+
+
+def test_apply_commits_every_change_or_none(tmp_path):
+    store = JobStore(tmp_path / "c.db")
+    a, b, c = _add(store), _add(store), _add(store)
+    store.transition(c.id, JobState.CANCELLED, actor="t", reason="gone")
+    batch = [Change(a.id, JobState.STARTING, "scheduler", "allocated cpu:0", [JobState.PENDING], {"allocation": ["cpu:0"]}),
+             Change(b.id, JobState.STARTING, "scheduler", "allocated cpu:1", [JobState.PENDING], {"allocation": ["cpu:1"]}),
+             Change(c.id, JobState.STARTING, "scheduler", "allocated cpu:2", [JobState.PENDING], {"allocation": ["cpu:2"]})]
+    with pytest.raises(IllegalTransition):  # c is no longer pending: the whole round is refused
+        store.apply(batch)
+    other = sqlite3.connect(tmp_path / "c.db")
+    assert other.execute("SELECT id, state, allocation FROM jobs ORDER BY id").fetchall() == [
+        (a.id, "pending", "[]"), (b.id, "pending", "[]"), (c.id, "cancelled", "[]")]
+    assert other.execute("SELECT count(*) FROM transitions WHERE to_state = 'starting'").fetchone() == (0,)
+
+    after = store.apply(batch[:2])
+    assert [(j.id, j.state, j.allocation) for j in after] == [
+        (a.id, JobState.STARTING, ["cpu:0"]), (b.id, JobState.STARTING, ["cpu:1"])]
+    # Committed before apply returned: another connection sees both, each with its logged transition.
+    assert other.execute("SELECT id, state FROM jobs WHERE state = 'starting' ORDER BY id").fetchall() == [
+        (a.id, "starting"), (b.id, "starting")]
+    assert [h["reason"] for h in store.history(b.id)] == ["submitted", "allocated cpu:1"]
+
+
+def test_the_queue_is_read_in_scheduling_order_from_its_covering_index(tmp_path):
+    store = JobStore(tmp_path / "c.db")
+    low = _add(store, priority=0, devices=2, time_limit_s=60.0, tenant="a")
+    high = _add(store, priority=5)
+    high2 = _add(store, priority=5, depends_on=high.id)
+    running = _add(store, priority=9)
+    store.transition(running.id, JobState.STARTING, actor="t", reason="x", allocation=["cpu:0"])
+    queue = store.queue()
+    assert [q.id for q in queue] == [high.id, high2.id, low.id]
+    assert queue[2] == QueuedJob(low.id, "a", 0, 2, 60.0, None, 0, None)
+    assert queue[1].depends_on == high.id
+    # Every column the scheduler reads is in the index: a round never touches the table's rows.
+    plan_rows = store._db.execute("EXPLAIN QUERY PLAN " + QUEUE_QUERY).fetchall()
+    assert any("USING COVERING INDEX jobs_queue" in row[-1] for row in plan_rows), plan_rows

@@ -131,7 +131,7 @@ def test_a_damaged_final_checkpoint_is_retrained_never_exported_stale(reference,
     shutil.copytree(reference, run_dir)
     final = ckpt.list_checkpoints(run_dir / "stages/main/checkpoints")[-1]
     assert final.step == STEPS
-    model_file = final.path / "model.pt"
+    model_file = final.path / "model.safetensors"
     data = bytearray(model_file.read_bytes())
     data[-100] ^= 0xFF
     model_file.write_bytes(bytes(data))

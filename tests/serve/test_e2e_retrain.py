@@ -20,7 +20,6 @@ import pytest
 import yaml
 
 from runyard.control.client import ControlClient
-from runyard.control.daemon import read_daemon_info
 from runyard.http_thread import free_port
 from runyard.spec import load_spec
 
@@ -54,8 +53,7 @@ def control(tmp_path):
     while not (state / "daemon.json").exists():
         assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "daemon.log").read_text()
         time.sleep(0.05)
-    info = read_daemon_info(state)
-    yield f"http://{info['host']}:{info['port']}", ControlClient.for_state_dir(state)
+    yield str(state), ControlClient.for_state_dir(state)
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
 

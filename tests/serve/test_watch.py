@@ -20,7 +20,8 @@ from runyard.serve.retrain import derive_spec, spec_supports_init
 from runyard.serve.watch import TrafficWatch
 from runyard.spec import parse_spec
 
-PII_PROMPT = "mail jane.doe@example.com or call +1 415-555-0100 from 10.1.2.3"
+# Real-looking PII: the scrubber leaves documentation addresses (example.com, 555-01xx, private ranges) alone.
+PII_PROMPT = "mail jane.doe@gmail.com or call +1 415-867-5309 from 81.2.69.160"
 
 
 def documents(source: dict) -> list[str]:

@@ -65,7 +65,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="judge drift every N requests (default 5)")
     d.add_argument("--retrain-spec", type=Path, default=None, metavar="SPEC",
                    help="on a drift event, submit SPEC plus the logged traffic as a retraining job")
-    d.add_argument("--control", default=None, metavar="URL", help="the control plane to submit retraining to")
+    d.add_argument("--control", default=None, metavar="STATE_DIR|URL",
+                   help="the control plane to submit retraining to: its state directory (address and API token "
+                   "are read there), or its URL with the token in $RUNYARD_CONTROL_TOKEN")
     p.set_defaults(handler=cmd_serve)
 
 

@@ -1,7 +1,8 @@
 """The control loop: each tick reaps ended attempts, restarts, cancels, preempts and starts jobs.
 
-Every decision is written as a state transition (store.transition) before it is acted on. The
-loop and the HTTP handlers share `mutex`, so a tick sees a consistent queue.
+Every decision is written as a state transition (store.transition) before it is acted on; a
+scheduling round commits all its decisions in one transaction, then acts on them. The loop and the
+HTTP handlers share `mutex`, so a tick sees a consistent queue.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from runyard.control import procs, scheduler
 from runyard.control.backends.base import Backend, Ended, Requeued
 from runyard.control.retry import RetryPolicy, decide
 from runyard.control.states import FailureReason, JobState, classify_exit
-from runyard.control.store import Job, JobStore
+from runyard.control.store import Change, Job, JobStore, QueuedJob
 
 log = logging.getLogger("runyard.control")
 S = JobState
@@ -69,8 +70,7 @@ class ControlLoop:
             now = time.time()
             for job in self.store.jobs(HOLDING):
                 self._watch(job, now)
-            pending = self._fail_orphaned_dependents(self.store.jobs([S.PENDING]))
-            self._schedule(pending, time.time())
+            self.act(self.decide(time.time()))
 
     # -- restart after a daemon crash -------------------------------------------------------------
 
@@ -186,7 +186,7 @@ class ControlLoop:
 
     # -- dependencies ------------------------------------------------------------------------------
 
-    def _fail_orphaned_dependents(self, pending: list[Job]) -> list[Job]:
+    def _fail_orphaned_dependents(self, pending: list[QueuedJob]) -> list[QueuedJob]:
         """Fail pending jobs whose dependency ended badly; return the pending jobs left."""
         if not any(j.depends_on is not None for j in pending):
             return pending
@@ -204,7 +204,7 @@ class ControlLoop:
                                       failure=str(FailureReason.DEPENDENCY_FAILED))
         return left
 
-    def _eligible(self, pending: list[Job]) -> list[Job]:
+    def _eligible(self, pending: list[QueuedJob]) -> list[QueuedJob]:
         if not any(j.depends_on for j in pending):
             return pending
         done = self.store.ids_in([S.SUCCEEDED])
@@ -212,39 +212,54 @@ class ControlLoop:
 
     # -- scheduling and launching -----------------------------------------------------------------
 
-    def _schedule(self, pending: list[Job], now: float) -> None:
-        pending = self._eligible(pending)
+    def decide(self, now: float) -> list[tuple[scheduler.Start | scheduler.Preempt, Job]]:
+        """One scheduling round: read the queue, plan, and commit every decision in one transaction
+        (jobs to start are `starting` with their devices, victims `preempted`, impossible requests
+        `failed`). Returns what `act` must do, each with its job as committed. Nothing is acted on."""
+        pending = self._eligible(self._fail_orphaned_dependents(self.store.queue()))
         if not pending:
-            return
+            return []
         holders = self.store.jobs(HOLDING)
         if self.backend.allocates_itself:
             # The cluster allocates: hand jobs over in queue order, up to the concurrency cap.
             room = (self.config.max_concurrent or 10**9) - len(holders)
-            for job in scheduler.queue_order(pending)[: max(0, room)]:
-                self._start(job, [])
-            return
-        for action in scheduler.plan(self.sched_config, pending, holders, now):
+            actions: list = [scheduler.Start(job.id, []) for job in pending[: max(0, room)]]
+        else:
+            actions = scheduler.plan(self.sched_config, pending, holders, now)
+        if not actions:
+            return []
+        by_id = {job.id: job for job in pending}
+        signalled = time.time()
+        changes = []
+        for action in actions:
             if isinstance(action, scheduler.Reject):
-                self.store.transition(action.job_id, S.FAILED, actor="scheduler", reason=action.detail,
-                                      detail=action.detail, failure=str(FailureReason.NO_CAPACITY),
-                                      ended_at=time.time())
+                changes.append(Change(action.job_id, S.FAILED, "scheduler", action.detail, fields=dict(
+                    detail=action.detail, failure=str(FailureReason.NO_CAPACITY), ended_at=signalled)))
             elif isinstance(action, scheduler.Preempt):
-                victim = self.store.transition(
-                    action.job_id, S.PREEMPTED, actor="scheduler", expect=[S.RUNNING],
-                    reason=f"preempted by higher-priority job {action.for_job}", signalled_at=time.time(),
-                )
-                self.backend.terminate(victim)
+                changes.append(Change(action.job_id, S.PREEMPTED, "scheduler",
+                                      f"preempted by higher-priority job {action.for_job}", expect=[S.RUNNING],
+                                      fields=dict(signalled_at=signalled)))
             else:
-                self._start(self.store.get(action.job_id), action.devices)
+                changes.append(self._start_change(by_id[action.job_id], action.devices, signalled))
+        committed = self.store.apply(changes)
+        return [(action, job) for action, job in zip(actions, committed, strict=True)
+                if not isinstance(action, scheduler.Reject)]
 
-    def _start(self, job: Job, devices: list[str]) -> None:
-        job = self.store.transition(
-            job.id, S.STARTING, actor="scheduler", expect=[S.PENDING],
-            reason=f"allocated {','.join(devices) or 'by the cluster'}", allocation=devices,
-            attempt=job.attempt + 1, restart_count=job.attempt, started_at=job.started_at or time.time(),
-            ended_at=None, exit_code=None, pid=None, pid_start_time=None, backend_id=None,
-        )
-        self._launch(job, relaunch=False)
+    def act(self, decided: list[tuple[scheduler.Start | scheduler.Preempt, Job]]) -> None:
+        """Carry out a round's committed decisions: signal the victims, launch the starts."""
+        for action, job in decided:
+            if isinstance(action, scheduler.Preempt):
+                self.backend.terminate(job)
+            else:
+                self._launch(job, relaunch=False)
+
+    @staticmethod
+    def _start_change(job: QueuedJob, devices: list[str], now: float) -> Change:
+        return Change(job.id, S.STARTING, "scheduler", f"allocated {','.join(devices) or 'by the cluster'}",
+                      expect=[S.PENDING], fields=dict(
+                          allocation=devices, attempt=job.attempt + 1, restart_count=job.attempt,
+                          started_at=job.started_at or now, ended_at=None, exit_code=None, pid=None,
+                          pid_start_time=None, backend_id=None))
 
     def _launch(self, job: Job, relaunch: bool) -> None:
         if relaunch:  # the intent (next attempt, no backoff pending) is written before launching

@@ -8,11 +8,16 @@ on its own. The rules, in order:
 - A job that fits starts, unless it would delay a higher-priority job that is waiting (below).
 - A waiting job that does not fit may preempt *running* jobs of strictly lower priority
   (lowest priority first, then the most recently started, which has the least work to lose).
-- Otherwise it holds a reservation (EASY backfill): from the running jobs' time limits we know
-  when enough devices free up for it (its shadow time); a later job may start now only if it ends
-  before the shadow time, or uses devices the waiting job will not need even then.
-- The concurrency cap and per-tenant device quotas are hard limits; a job held by its tenant's
-  quota does not block other tenants.
+- Otherwise it holds a reservation (backfill, as Slurm's sched/backfill does it): on the projected
+  free timeline (`timeline.py`: the running jobs give their devices back at the end of their time
+  limits, and every job started or reserved earlier in this pass is taken out of it) it gets the
+  earliest interval with room for its whole time limit. A later job may start now only where the
+  timeline has room for it over its own time limit, so it delays no higher-priority job; a job that
+  cannot start now does not block the jobs after it beyond its own reservation.
+- A job without a time limit holds its devices for ever on the timeline; a reservation that can never
+  begin (the devices it needs never come back) blocks nobody.
+- The concurrency cap and per-tenant device quotas are hard limits; the cap is part of the timeline
+  (a job slot per job), a job held by its tenant's quota does not block other tenants.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol, TypeVar
 
 from runyard.control.states import JobState
 from runyard.control.store import Job
+from runyard.control.timeline import INF, FreeTimeline
 
 
 @dataclass(frozen=True)
@@ -52,40 +59,50 @@ class SchedulerConfig:
     backfill: bool = True
 
 
-def queue_order(jobs: Sequence[Job]) -> list[Job]:
+class Queued(Protocol):
+    """What the scheduler reads of a waiting job (a `Job`, or the store's lighter `QueuedJob`)."""
+
+    @property
+    def id(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def priority(self) -> int: ...
+    @property
+    def devices(self) -> int: ...
+    @property
+    def time_limit_s(self) -> float | None: ...
+
+
+Q = TypeVar("Q", bound=Queued)
+
+
+def queue_order(jobs: Sequence[Q]) -> list[Q]:
     """Priority first (higher wins), FIFO (job id) inside a priority."""
     return sorted(jobs, key=lambda j: (-j.priority, j.id))
 
 
-def _expected_end(job: Job, now: float) -> float:
-    if job.state in (JobState.PREEMPTED, JobState.CANCELLING):
-        return now  # already told to stop
-    if job.time_limit_s is None or job.started_at is None:
-        return math.inf
-    return job.started_at + job.time_limit_s
-
-
 def plan(
-    config: SchedulerConfig, pending: Sequence[Job], holders: Sequence[Job], now: float
+    config: SchedulerConfig, pending: Sequence[Queued], holders: Sequence[Job], now: float
 ) -> list[Start | Preempt | Reject]:
     """Decide this round. `pending` are eligible pending jobs; `holders` hold devices now."""
     actions: list[Start | Preempt | Reject] = []
+    capacity = len(config.inventory)
     held = {d for h in holders for d in h.allocation}
     free = [d for d in config.inventory if d not in held]
     active = len(holders)
+    cap = config.max_concurrent
     tenant_used: dict[str, int] = {}
     for h in holders:
         tenant_used[h.tenant] = tenant_used.get(h.tenant, 0) + h.devices
-    # Devices that will come back soon (jobs told to stop) and are not yet promised to a waiting job.
-    releasing = sum(h.devices for h in holders if h.state in (JobState.PREEMPTED, JobState.CANCELLING))
-    victims = sorted(
-        (h for h in holders if h.state == JobState.RUNNING),
-        key=lambda h: (h.priority, -(h.started_at or 0.0), -h.id),
-    )
-    # Ends of the jobs holding devices, soonest first: (time, devices), for shadow times.
-    ends = sorted((_expected_end(h, now), h.devices) for h in holders)
-    reservations: list[list[float]] = []  # [shadow_time, extra_devices] per waiting job
-    capacity = len(config.inventory)
+    ends = {h.id: _expected_end(h, now) for h in holders}
+    # Jobs already told to stop give their devices (and slots) back "now" on the timeline, though
+    # they are not free yet: a job waiting for them holds them by its reservation at `now`.
+    timeline = FreeTimeline(now, len(free), None if cap is None else cap - active,
+                            [(ends[h.id], h.devices) for h in holders])
+    victims = sorted((h for h in holders if h.state == JobState.RUNNING),
+                     key=lambda h: (h.priority, -_attempt_start(h), -h.id))
+    someone_waits = False
 
     for job in queue_order(pending):
         if job.devices > capacity:
@@ -94,65 +111,58 @@ def plan(
         quota = config.tenant_quotas.get(job.tenant)
         if quota is not None and tenant_used.get(job.tenant, 0) + job.devices > quota:
             continue  # held by its own tenant's quota; blocks nobody else
-        cap_ok = config.max_concurrent is None or active < config.max_concurrent
-        if cap_ok and len(free) >= job.devices and _backfill_ok(job, reservations, now, config):
+        duration = INF if job.time_limit_s is None else job.time_limit_s
+        if (len(free) >= job.devices and (cap is None or active < cap)
+                and (config.backfill or not someone_waits)
+                and timeline.fits(now, now + duration, job.devices)):
             chosen, free = free[: job.devices], free[job.devices :]
             actions.append(Start(job.id, chosen))
-            ends.append((now + job.time_limit_s if job.time_limit_s is not None else math.inf, job.devices))
-            ends.sort()
+            timeline.take(now, now + duration, job.devices)
             active += 1
             tenant_used[job.tenant] = tenant_used.get(job.tenant, 0) + job.devices
             continue
-        # It waits. Count devices already on their way back, then preempt lower-priority work.
-        short = job.devices - len(free) - releasing
-        if config.preemption:
-            chosen_victims: list[Job] = []
-            gained = 0
-            for v in victims:
-                if short - gained <= 0 and cap_ok:
-                    break
-                if v.priority >= job.priority:
-                    break  # victims are sorted by priority: nobody further is lower
-                chosen_victims.append(v)
-                gained += v.devices
-                cap_ok = True  # a victim's slot in the concurrency cap comes back too
-            if chosen_victims and short - gained <= 0:
-                for v in chosen_victims:
-                    actions.append(Preempt(v.id, job.id))
-                    victims.remove(v)
-                    ends = [e for e in ends if e != (_expected_end(v, now), v.devices)] + [(now, v.devices)]
-                    ends.sort()
-                releasing += gained
-        # Reserve for it: nobody may backfill in a way that delays it.
-        promised = min(releasing, max(0, job.devices - len(free)))
-        releasing -= promised
-        reservations.append(_shadow(job.devices, len(free), ends, now))
+        someone_waits = True
+        start = timeline.earliest(job.devices, duration)
+        if start > now and config.preemption:
+            start = _preempt_for(job, duration, start, victims, ends, timeline, now, actions)
+        if start != INF:
+            timeline.take(start, start + duration, job.devices)  # its reservation
     return actions
 
 
-def _shadow(need: int, free_now: int, ends: list[tuple[float, int]], now: float) -> list[float]:
-    """[time when `need` devices are free, devices to spare at that time]."""
-    available = free_now
-    if available >= need:
-        return [now, float(available - need)]
-    for end, devices in ends:
-        available += devices
-        if available >= need:
-            return [end, float(available - need)]
-    return [math.inf, 0.0]
+def _attempt_start(job: Job) -> float:
+    """When the job's current attempt began (its time limit counts from there)."""
+    if job.attempt_started_at is not None:
+        return job.attempt_started_at
+    return job.started_at if job.started_at is not None else 0.0
 
 
-def _backfill_ok(job: Job, reservations: list[list[float]], now: float, config: SchedulerConfig) -> bool:
-    """A job may start past waiting higher-priority jobs only if it delays none of them."""
-    if not reservations:
-        return True
-    if not config.backfill:
-        return False
-    job_end = now + job.time_limit_s if job.time_limit_s is not None else math.inf
-    for shadow, extra in reservations:
-        if job_end > shadow and job.devices > extra:
-            return False
-    for r in reservations:  # it will hold spare devices past the shadow time: those are used up
-        if job_end > r[0]:
-            r[1] -= job.devices
-    return True
+def _expected_end(job: Job, now: float) -> float:
+    """When a holder gives its devices back, by its time limit (`INF` without one)."""
+    if job.state in (JobState.PREEMPTED, JobState.CANCELLING):
+        return now  # already told to stop
+    if job.time_limit_s is None or (job.attempt_started_at is None and job.started_at is None):
+        return INF
+    # A job past its time limit still holds its devices: it ends "any moment", but not now.
+    return max(_attempt_start(job) + job.time_limit_s, math.nextafter(now, INF))
+
+
+def _preempt_for(job: Queued, duration: float, start: float, victims: list[Job], ends: dict[int, float],
+                 timeline: FreeTimeline, now: float, actions: list[Start | Preempt | Reject]) -> float:
+    """Stop running jobs of lower priority than `job` (lowest priority, then the newest: the least work
+    lost) until it could have their devices now. Returns its start: `now` when enough victims were
+    found (they are then told to stop), else `start` unchanged and nobody is preempted."""
+    chosen: list[Job] = []
+    for victim in victims:
+        if victim.priority >= job.priority:
+            break  # victims are sorted by priority: nobody further is lower
+        timeline.give(now, ends[victim.id], victim.devices)
+        chosen.append(victim)
+        if timeline.fits(now, now + duration, job.devices):
+            for v in chosen:
+                victims.remove(v)
+                actions.append(Preempt(v.id, job.id))
+            return now
+    for victim in chosen:  # preempting every lower-priority job would not be enough: stop nobody
+        timeline.take(now, ends[victim.id], victim.devices)
+    return start

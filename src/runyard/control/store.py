@@ -1,8 +1,9 @@
 """The control plane's durable state: jobs and their transition log in one SQLite file (WAL).
 
-Every state change goes through `JobStore.transition`, which checks the table in `states.py` and
-commits the new state with its actor, time and reason before returning. Callers act only after
-it returns, so a daemon killed at any instant leaves a state it can reconcile on restart.
+Every state change goes through `JobStore.transition` (or `JobStore.apply`, several changes in one
+transaction), which checks the table in `states.py` and commits the new state with its actor, time
+and reason before returning. Callers act only after it returns, so a daemon killed at any instant
+leaves a state it can reconcile on restart.
 """
 
 from __future__ import annotations
@@ -11,10 +12,10 @@ import json
 import sqlite3
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from runyard.control.states import IllegalTransition, JobState, check_transition
 from runyard.errors import RunyardError
@@ -53,7 +54,11 @@ CREATE TABLE IF NOT EXISTS jobs (
     ended_at REAL,
     device_seconds REAL NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS jobs_state ON jobs(state);
+DROP INDEX IF EXISTS jobs_state;
+-- The queue in scheduling order, holding every column the scheduler reads (a covering index: a
+-- round reads the waiting jobs from the index alone, already sorted). Its prefix serves state lookups.
+CREATE INDEX IF NOT EXISTS jobs_queue
+    ON jobs(state, priority DESC, id, tenant, devices, time_limit_s, depends_on, attempt, started_at);
 CREATE TABLE IF NOT EXISTS transitions (
     id INTEGER PRIMARY KEY AUTOINCREMENT,
     job_id INTEGER NOT NULL REFERENCES jobs(id),
@@ -114,6 +119,37 @@ class Job:
         d = {k: v for k, v in self.__dict__.items() if k != "extra"}
         d["state"] = str(self.state)
         return d
+
+
+class QueuedJob(NamedTuple):
+    """A pending job as the scheduler sees it: the columns of the `jobs_queue` index, nothing decoded."""
+
+    id: int
+    tenant: str
+    priority: int
+    devices: int
+    time_limit_s: float | None
+    depends_on: int | None
+    attempt: int
+    started_at: float | None
+
+
+QUEUE_QUERY = (
+    "SELECT id, tenant, priority, devices, time_limit_s, depends_on, attempt, started_at FROM jobs "
+    "INDEXED BY jobs_queue WHERE state = 'pending' ORDER BY priority DESC, id"
+)
+
+
+@dataclass
+class Change:
+    """One state change for `JobStore.apply`: move `job_id` to `to`, setting `fields` with it."""
+
+    job_id: int
+    to: JobState
+    actor: str
+    reason: str
+    expect: Iterable[JobState] | None = None  # the states the caller believes it is in
+    fields: dict[str, Any] = field(default_factory=dict)
 
 
 def _decode(row: sqlite3.Row) -> Job:
@@ -182,33 +218,45 @@ class JobStore:
         `expect` (optional) names the states the caller believes the job is in; if it is elsewhere
         (another thread moved it), IllegalTransition is raised and nothing changes.
         """
+        return self.apply([Change(job_id, to, actor, reason, expect, fields)])[0]
+
+    def apply(self, changes: Sequence[Change]) -> list[Job]:
+        """Commit several state changes in one transaction: all of them or, if any is refused
+        (IllegalTransition, JobNotFound), none. Returns the jobs as they are after it, in order.
+
+        A scheduling round commits all its decisions here at once (one write to disk) before it
+        starts or stops anything.
+        """
         now = time.time()
-        for name in _JSON_FIELDS:
-            if name in fields:
-                fields[name] = json.dumps(fields[name])
         with self._lock:
             self._db.execute("BEGIN IMMEDIATE")
             try:
-                row = self._db.execute("SELECT state FROM jobs WHERE id = ?", (job_id,)).fetchone()
-                if row is None:
-                    raise JobNotFound(f"no job {job_id}")
-                current = JobState(row["state"])
-                if expect is not None and current not in set(expect):
-                    raise IllegalTransition(job_id, current, to)
-                check_transition(job_id, current, to)
-                sets = {"state": str(to), **fields}
-                assign = ", ".join(f"{k} = ?" for k in sets)
-                self._db.execute(f"UPDATE jobs SET {assign} WHERE id = ?", [*sets.values(), job_id])
-                self._db.execute(
-                    "INSERT INTO transitions (job_id, from_state, to_state, actor, reason, at) "
-                    "VALUES (?, ?, ?, ?, ?, ?)",
-                    (job_id, str(current), str(to), actor, reason, now),
-                )
+                after = [self._change(change, now) for change in changes]
                 self._db.execute("COMMIT")
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
-            return self.get(job_id)
+        return after
+
+    def _change(self, change: Change, now: float) -> Job:
+        """One change inside `apply`'s transaction."""
+        row = self._db.execute("SELECT state FROM jobs WHERE id = ?", (change.job_id,)).fetchone()
+        if row is None:
+            raise JobNotFound(f"no job {change.job_id}")
+        current = JobState(row["state"])
+        if change.expect is not None and current not in set(change.expect):
+            raise IllegalTransition(change.job_id, current, change.to)
+        check_transition(change.job_id, current, change.to)
+        sets = {"state": str(change.to)}
+        for name, value in change.fields.items():
+            sets[name] = json.dumps(value) if name in _JSON_FIELDS else value
+        assign = ", ".join(f"{k} = ?" for k in sets)
+        self._db.execute(f"UPDATE jobs SET {assign} WHERE id = ?", [*sets.values(), change.job_id])
+        self._db.execute(
+            "INSERT INTO transitions (job_id, from_state, to_state, actor, reason, at) VALUES (?, ?, ?, ?, ?, ?)",
+            (change.job_id, str(current), str(change.to), change.actor, change.reason, now),
+        )
+        return _decode(self._db.execute("SELECT * FROM jobs WHERE id = ?", (change.job_id,)).fetchone())
 
     def update(self, job_id: int, **fields: Any) -> Job:
         """Change bookkeeping fields (pid, usage...) that are not a state change."""
@@ -245,6 +293,13 @@ class JobStore:
         with self._lock:
             rows = self._db.execute(query + " ORDER BY id", args).fetchall()
         return [_decode(r) for r in rows]
+
+    def queue(self) -> list[QueuedJob]:
+        """The pending jobs in queue order (priority, then submission), read from the queue index."""
+        with self._lock:
+            cur = self._db.cursor()
+            cur.row_factory = None  # plain tuples: no sqlite3.Row per job
+            return list(map(QueuedJob._make, cur.execute(QUEUE_QUERY)))
 
     def ids_in(self, states: Iterable[JobState]) -> set[int]:
         """Ids of the jobs in `states` (cheap: no rows decoded)."""

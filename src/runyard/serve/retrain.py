@@ -1,18 +1,21 @@
 """Retraining on drift: a job spec for the control plane whose data includes the logged traffic.
 
 The server is started with the spec to retrain from (`--retrain-spec`, usually the spec the served
-model was trained with) and the control plane's URL (`--control`). On a drift event, the retrainer
+model was trained with) and the control plane (`--control`: its state directory, where its address and
+API token are, or its URL with the token in $RUNYARD_CONTROL_TOKEN). On a drift event, the retrainer
 writes a derived spec beside the request log: the same spec under a new name, its `data.sources`
 plus the request log's directory (a JSONL source), and, when the spec schema has `model.init`
 (issue 11's weights-in), `model.init: {from: export, path: EXPORT}` so the new run starts from the
 served weights. Without that field the job trains as its spec says (from scratch). The derived spec is
-validated like any spec, then submitted through `runyard.control.client` as `runyard submit` would.
+validated like any spec, then submitted as spec text through `runyard.control.client`, as `runyard
+submit` does.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,8 +23,8 @@ from typing import Any
 import yaml
 
 from runyard.control.client import ControlClient
-from runyard.control.daemon import ControlError
-from runyard.control.jobs import requests_for_spec
+from runyard.control.auth import TokenError
+from runyard.control.info import ControlError
 from runyard.errors import SpecError
 from runyard.fsutil import atomic_write_text
 from runyard.serve.errors import RetrainError
@@ -31,6 +34,24 @@ from runyard.spec import ModelSpec, load_spec
 log = logging.getLogger("runyard.serve")
 
 SPECS_DIR = "retrain-specs"
+TOKEN_ENV = "RUNYARD_CONTROL_TOKEN"
+
+
+def control_client(target: str) -> ControlClient:
+    """The control plane `--control` names: its state directory (address and token read there), or its
+    URL with the API token in $RUNYARD_CONTROL_TOKEN. Raises RetrainError naming what is missing."""
+    if Path(target).is_dir():
+        try:
+            return ControlClient.for_state_dir(target)
+        except (ControlError, TokenError, OSError) as exc:
+            raise RetrainError(f"--control {target}: {exc}") from None
+    if "://" not in target:
+        raise RetrainError(f"--control {target}: neither a control plane's state directory nor a URL")
+    token = os.environ.get(TOKEN_ENV)
+    if not token:
+        raise RetrainError(f"--control {target}: a URL needs the control plane's API token in ${TOKEN_ENV} "
+                           "(or give its state directory)")
+    return ControlClient(target, token)
 
 
 def spec_supports_init() -> bool:
@@ -74,7 +95,7 @@ class Retrainer:
     def __init__(self, spec_path: Path, control_url: str, export_dir: Path, request_log: RequestLog):
         self.spec_path = Path(spec_path)
         self.base = read_spec_mapping(self.spec_path)
-        self.control = ControlClient(control_url)
+        self.control = control_client(control_url)
         self.export_dir = Path(export_dir)
         self.request_log = request_log
         self.specs_dir = request_log.directory.parent / SPECS_DIR
@@ -89,8 +110,8 @@ class Retrainer:
         path = self.specs_dir / f"{name}.yaml"
         atomic_write_text(path, yaml.safe_dump(raw, sort_keys=False))
         try:
-            spec = load_spec(path)
-            jobs = self.control.submit(requests_for_spec(path, spec))
+            load_spec(path)  # refused here, with the field named, rather than by the control plane
+            jobs = self.control.submit_spec(path.read_text())
         except SpecError as exc:
             raise RetrainError(f"the retraining spec {path} is invalid: {exc}") from None
         except ControlError as exc:
