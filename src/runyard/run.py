@@ -23,9 +23,11 @@ import torch
 
 from runyard import manifest as mf
 from runyard import rundir
+from runyard.data.instruct import PreparedInstruct, prepare_instruct
 from runyard.data.loader import TokenLoader, eval_sample
-from runyard.data.pipeline import PreparedData, prepare_data
+from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir
 from runyard.errors import GateFailed, RunyardError, SpecError
+from runyard.evaluate.finetune import read_record as read_finetune_record
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
     evaluation_seeds,
@@ -35,7 +37,6 @@ from runyard.evaluate.heldout import (
 )
 from runyard.evaluate.report import verdict, write_report
 from runyard.fsutil import atomic_write_text
-from runyard.model.registry import get_family
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
@@ -51,7 +52,7 @@ from runyard.serve.engine import Generator
 from runyard.serve.export import export_model, load_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
 from runyard.train import checkpoint, parallel
-from runyard.train.loop import StageResult, evaluate_loss, train_stage
+from runyard.train.loop import StageResult, evaluate_loss, final_stage_model, train_stage
 from runyard.train.metrics import MetricsLog
 from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest, stop_on_signals
@@ -162,6 +163,23 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
     return prepared
 
 
+def prepare_stage_data(spec: JobSpec, stage, prepared: PreparedData, run_dir: Path,
+                       ctx: parallel.DistContext) -> PreparedInstruct | None:
+    """An sft or dpo stage's records, prepared with the tokenizer the run trains with (rank 0 first,
+    the others then read the same cache); None for a pretrain stage."""
+    if stage.kind == "pretrain":
+        return None
+    cache = Path(stage.data.cache_dir).expanduser() if stage.data.cache_dir else resolve_cache_dir(spec.data)
+
+    def prep(report: Path | None) -> PreparedInstruct:
+        return prepare_instruct(stage.data, stage.kind, prepared.tokenizer_path, stage.model.context_length, spec.seed,
+                                cache, report, where=f"stages[{stage.index}].data")
+
+    instruct = prep(run_dir / "data" / stage.name) if ctx.is_main else None
+    parallel.barrier(ctx)
+    return instruct if instruct is not None else prep(None)
+
+
 def _stage_summary(name: str, record: dict, metrics_rows: list[dict]) -> dict:
     losses = [r["loss"] for r in metrics_rows if "loss" in r]
     held = [r["heldout_loss"] for r in metrics_rows if r.get("heldout_loss") is not None]
@@ -198,11 +216,13 @@ def run_stages(
         if record is None or restore:
             if only_stage is not None and name != only_stage and not restore:
                 raise GateFailed(f"stage {only_stage} needs stage {name} to pass first; it has not run yet")
-            last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress)
+            instruct = prepare_stage_data(spec, stage, prepared, run_dir, ctx)
+            last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress,
+                               instruct=instruct)
             record = {"passed": True}
             if ctx.is_main:
                 rows = MetricsLog(sdir / "metrics.jsonl").read()
-                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.model)
+                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.checkpointed_module)
                 record = write_gates(sdir, name, results)
             record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:
@@ -216,14 +236,10 @@ def run_stages(
 def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: parallel.DistContext):
     """The last stage's model as its final checkpoint holds it (for a run resumed after training)."""
     stage = resolved_stage(spec, spec.stages[-1].name)
-    family = get_family(stage.model.family)
     # A plain model, not build_setup's: this runs on rank 0 alone, where a DDP/FSDP wrapper would wait
     # for the other ranks.
-    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
-    model = family.build(config).to(ctx.device)
     ref = final_checkpoint(stage_dir(run_dir, stage.name), stage.train.steps)  # never older weights
-    model.load_state_dict(checkpoint.read_model_weights(ref.path))
-    return model, config
+    return final_stage_model(spec, stage, prepared, ctx, ref.path)
 
 
 def evaluate_and_export(
@@ -267,7 +283,8 @@ def evaluate_and_export(
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     result = verdict(metrics, spec.eval, stage_metrics)
-    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries)
+    finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
+    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
 
 
