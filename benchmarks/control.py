@@ -45,11 +45,10 @@ from schedule_sim import make_job, make_trace, simulate  # noqa: E402
 
 from runyard.control import scheduler  # noqa: E402
 from runyard.control.client import ControlClient  # noqa: E402
-from runyard.control.jobs import add_jobs, requests_for_spec  # noqa: E402
+from runyard.control.jobs import add_jobs  # noqa: E402
 from runyard.control.loop import ControlConfig  # noqa: E402
 from runyard.control.states import JobState  # noqa: E402
 from runyard.control.store import JobStore  # noqa: E402
-from runyard.spec import load_spec  # noqa: E402
 from runyard.train import checkpoint as ckpt  # noqa: E402
 
 # Like tests/e2e/conftest.py's TINY_SPEC but long enough to be killed mid-run (400 steps, a checkpoint

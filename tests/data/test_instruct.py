@@ -130,3 +130,16 @@ def test_loader_resumes_exactly_and_groups_lengths(tok, tmp_path):
     waste = [sum(float(1 - ld.next_batch().real_tokens / ld.next_batch().inputs.numel()) for _ in range(10))
              for ld in (a, plain)]
     assert waste[0] < waste[1], "length grouping pads less"
+
+
+def test_python_functions_give_preference_pairs_from_the_same_module(tok, tmp_path):
+    data = {"sources": [{"path": p, "format": "python_functions", "max_body_lines": 12}
+                        for p in ("{stdlib}/json/*.py", "{stdlib}/email/_*.py")],
+            "too_long": "truncate", "heldout_fraction": 0.2}
+    prepared = prepare(data, "dpo", tok, 256, tmp_path / "c")
+    chosen, rejected = prepared.stores("train")
+    assert len(chosen) == len(rejected) > 3
+    differ = sum(not np.array_equal(chosen.sample(i)[0], rejected.sample(i)[0]) for i in range(len(chosen)))
+    assert differ == len(chosen)
+    # the prompt part is shared: the rendered conversation up to the response is the same tokens
+    assert all(chosen.prompt(i) == rejected.prompt(i) for i in range(len(chosen)))

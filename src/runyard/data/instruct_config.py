@@ -31,7 +31,8 @@ class InstructSourceSpec(_Strict):
         default="jsonl",
         description="`jsonl` (one record per line), `parquet` (one record per row), or `python_functions`: "
         "Python files whose documented functions become records (the prompt: the function's signature and "
-        "docstring; the response: its body; the group: its module), built with `ast` at data-prep time",
+        "docstring; the response: its body; the group: its module), built with `ast` at data-prep time; for a dpo "
+        "stage the rejected response is the body of the module's next function",
     )
     group_field: str | None = Field(
         default=None,

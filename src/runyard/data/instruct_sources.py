@@ -168,6 +168,21 @@ def python_function_records(path: str, text: str, module: str, source: InstructS
         )
 
 
+def preference_pairs(records: list[Record], counts: Counter) -> Iterator[Record]:
+    """Preference records from one module's functions: chosen, a function's own body; rejected, the body
+    of the next function of the same module (in source order, cyclically): code of the same style and
+    vocabulary that does not implement this signature and docstring."""
+    if len(records) < 2:
+        counts["functions_without_a_rival"] += len(records)
+        return
+    for i, record in enumerate(records):
+        rival = records[(i + 1) % len(records)].messages[-1]["content"]
+        if rival == record.messages[-1]["content"]:
+            counts["functions_without_a_rival"] += 1
+            continue
+        yield Record(record.id, record.group, record.messages, rejected=rival, meta=record.meta)
+
+
 def iter_records(source: InstructSourceSpec, file: InputFile, base: str, preference: bool,
                  counts: Counter) -> Iterator[Record]:
     """Every record of one file of `source` (`base`: the source's fixed directory, so groups and ids
@@ -177,11 +192,10 @@ def iter_records(source: InstructSourceSpec, file: InputFile, base: str, prefere
     counts["bytes_read"] += len(data)
     rel = os.path.relpath(file.path, base) if base else file.path
     if source.format == "python_functions":
-        if preference:
-            raise DataError(f"{file.path}: `python_functions` sources give instruction pairs, not preferences")
         text = data.decode("utf-8", errors="replace")
         module = rel.removesuffix(".py").replace(os.sep, ".").removesuffix(".__init__")
-        yield from python_function_records(rel, text, module, source, counts)
+        records = python_function_records(rel, text, module, source, counts)
+        yield from (preference_pairs(list(records), counts) if preference else records)
         return
     raw = _jsonl_records(rel, data) if source.format == "jsonl" else _parquet_records(rel, data)
     for rid, item in raw:
