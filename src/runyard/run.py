@@ -23,7 +23,7 @@ import torch
 
 from runyard import manifest as mf
 from runyard import rundir
-from runyard.data.instruct import PreparedInstruct, prepare_instruct
+from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import TokenLoader, eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir
 from runyard.errors import GateFailed, RunyardError, SpecError
@@ -266,8 +266,13 @@ def evaluate_and_export(
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})
 
     export_dir = run_dir / "export"
-    export_model(model, config, prepared.tokenizer_path, export_dir,
-                 extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
+    extra = {"run_name": spec.name, "spec_sha256": spec.fingerprint()}
+    # The chat template the last sft/dpo stage trained with; the HF export (issue 11 part 1) writes it
+    # into tokenizer_config.json, where serving's chat endpoint reads it.
+    template = trained_chat_template([run_dir / "data" / s.name for s in spec.stages if s.kind != "pretrain"])
+    if template is not None:
+        extra["chat_template"] = template
+    export_model(model, config, prepared.tokenizer_path, export_dir, extra_config=extra,
                  family=last_stage.model.family)
     # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py).
     build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift")).save(export_dir)

@@ -87,6 +87,18 @@ def _eos_text(tokenizer_path: Path) -> str:
     return EOS_TOKEN
 
 
+def trained_chat_template(report_dirs: list[Path]) -> str | None:
+    """The chat template of the last fine-tuning stage that wrote a data report among `report_dirs` (in
+    stage order): the template the exported model was trained with, for its tokenizer_config.json."""
+    for directory in reversed(report_dirs):
+        path = directory / "report.json"
+        if path.is_file():
+            template = json.loads(path.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, dict) and isinstance(template.get("source"), str):
+                return template["source"]
+    return None
+
+
 def instruct_fingerprint(spec: InstructDataSpec, kind: str, seed: int, context_length: int,
                          tokenizer_path: Path, file_hashes: list[tuple[int, str, str]]) -> str:
     tok_files = [Path(tokenizer_path), Path(tokenizer_path).with_name("tokenizer_config.json")]
