@@ -5,10 +5,19 @@ normalisation), and a whole run reports its fine-tuning stage before and after."
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+
+from runyard.errors import EXIT_PREEMPTED
+from runyard.train import checkpoint as ckpt
 
 from .conftest import TINY_SPEC, merge, runyard
 
@@ -70,3 +79,36 @@ def test_a_run_with_an_sft_stage_reports_before_and_after(tmp_path):
     record = json.loads((run_dir / "stages/tune/finetune.json").read_text())
     assert record["before"]["metrics"]["heldout_loss"] > record["after"]["metrics"]["heldout_loss"]
     assert json.loads((run_dir / "stages/tune/gates.json").read_text())["passed"]
+
+
+def test_sigterm_mid_sft_then_resume_is_bitwise_equal(tmp_path):
+    """A real SIGTERM to `runyard train` during an sft stage: checkpoint, exit 4; `runyard resume` then
+    ends with the metrics and adapter weights of a run that never stopped."""
+    stage = merge(SFT_STAGE, {"lora": {"rank": 4, "alpha": 8, "dropout": 0.1}})
+    spec = write(tmp_path, "spec", {"stages": [stage], "model": {"dropout": 0.1}, "checkpoint": {"interval": 2},
+                                    "train": {"steps": 12}})
+    runyard("train", str(spec), "--run-dir", str(tmp_path / "reference"), "--no-progress", check=True)
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "runyard", "train", str(spec), "--run-dir", str(run_dir),
+                             "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics = run_dir / "stages/tune/metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3) and time.time() < deadline:
+        assert proc.poll() is None, proc.communicate()[1]
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert len(rows(run_dir)) < 12
+    runyard("resume", str(run_dir), "--no-progress", check=True)
+
+    def steady(rs):
+        return [{k: v for k, v in r.items() if k not in ("time", "tokens_per_s", "mfu")} for r in rs]
+
+    assert steady(rows(run_dir)) == steady(rows(tmp_path / "reference"))
+    final = ckpt.read_model_weights(ckpt.latest_good(run_dir / "stages/tune/checkpoints").path)
+    expected = ckpt.read_model_weights(ckpt.latest_good(tmp_path / "reference/stages/tune/checkpoints").path)
+    assert final.keys() == expected.keys() and all(k.startswith("adapters.") for k in final)
+    for name, tensor in expected.items():
+        assert torch.equal(final[name], tensor), name
