@@ -70,7 +70,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096, help="BPE vocabulary")
     p.add_argument("--batch", type=int, default=8, help="samples per step")
     p.add_argument("--steps", type=int, default=8, help="timed steps per contender per round")
-    p.add_argument("--memory-d-model", type=int, default=512, help="hidden size of the memory comparison's model")
+    # LoRA saves the base's gradients and optimizer state, not activations: the comparison uses a model
+    # whose parameters weigh more than one small batch's activations, as in LoRA's use.
+    p.add_argument("--memory-d-model", type=int, default=768, help="hidden size of the memory comparison's model")
+    p.add_argument("--memory-batch", type=int, default=2, help="samples per step in the memory comparison")
     p.add_argument("--memory-layers", type=int, default=8, help="layers of the memory comparison's model")
     p.add_argument("--seed", type=int, default=0, help="seed for init and data order")
     p.add_argument("--workdir", default=None, help="where the prepared data goes (default: a temporary folder)")
@@ -147,7 +150,7 @@ def peak_memory(args: argparse.Namespace, mode: str) -> int:
     work = Path(args.workdir)
     _tok, _spec, prepared = prepare(args, work)
     cfg = model_config(args, _vocab(prepared), args.memory_d_model, args.memory_layers)
-    batches, _ids = draw_batches(prepared, args, 3)
+    batches, _ids = draw_batches(prepared, argparse.Namespace(**{**vars(args), "batch": args.memory_batch}), 3)
     if tt._reset_peak_rss():
         before, peak = tt._proc_status_kib("VmRSS"), lambda: tt._proc_status_kib("VmHWM")
     else:
@@ -253,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
 
         full = memory_in_subprocess(argv, "full", work)
         lora = memory_in_subprocess(argv, "lora", work)
-        print(f"peak RSS growth, {args.memory_layers} layers x d_model {args.memory_d_model}, 3 steps: full "
+        print(f"peak RSS growth, {args.memory_layers} layers x d_model {args.memory_d_model}, batch "
+              f"{args.memory_batch}, 3 steps: full "
               f"{full / 2**20:.0f} MiB, LoRA (r=8, attention) {lora / 2**20:.0f} MiB", flush=True)
         report.ratio("lora_peak_memory_vs_full_finetune", Samples([lora / full]),
                      "runyard full fine-tune, same model and batches", "<=", 0.8,
