@@ -1,14 +1,16 @@
 """The training loop for one stage: a plain `while` a person can follow, nanoGPT-style.
 
-Each optimizer step: set the learning rate, run `grad_accum` micro-batches (loss summed over every
-token of the accumulated batch and divided by their count, so accumulation equals one large batch),
-clip, AdamW step, log. Held-out evaluation (on a sample drawn across the whole held-out split, fixed
-for the run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a
-checkpoint at the next step boundary and raises `Preempted`.
+Each optimizer step: set the learning rate, take `grad_accum` micro-batches from the stage's objective
+(train/stage_kinds.py: pretrain, sft or dpo), sum each one's loss and divide by the step's global count
+(tokens, supervised tokens or pairs over every micro-batch and process, so accumulation and several
+processes equal one large batch), clip, AdamW step, log. Held-out evaluation (on a sample fixed for the
+run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a checkpoint at the
+next step boundary and raises `Preempted`. A LoRA stage (train/lora.py) trains and checkpoints its
+adapters alone; its result is the merged model.
 
 The model comes from its family in the model registry; the loop never names a model. Resume is exact:
-the checkpoint holds model, optimizer, step, loader position and every RNG state (train/checkpoint/),
-so on CPU a resumed stage ends bitwise identical to one that never stopped.
+the checkpoint holds model (or adapters), optimizer, step, loader position and every RNG state
+(train/checkpoint/), so on CPU a resumed stage ends bitwise identical to one that never stopped.
 """
 
 from __future__ import annotations
