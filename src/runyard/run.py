@@ -138,6 +138,9 @@ def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None
         **{f"{s.name}.init": derive_seed(spec.seed, "init", s.name) for s in spec.stages},
         **{f"{s.name}.data": derive_seed(spec.seed, "data", s.name) for s in spec.stages},
         **evaluation_seeds(spec.seed),
+        **{f"{s.name}.lora": derive_seed(spec.seed, "lora", s.name) for s in spec.stages if s.lora is not None},
+        **{f"{s.name}.eval.heldout": derive_seed(spec.seed, "eval", "heldout", s.name)
+           for s in spec.stages if s.kind != "pretrain"},
         "drift_reference": derive_seed(spec.seed, "drift"),
     }
     mf.write_manifest(run_dir, manifest)
