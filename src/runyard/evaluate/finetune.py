@@ -137,7 +137,10 @@ def finetune_markdown(records: dict[str, dict[str, Any]]) -> list[str]:
             lines += ["", f"Trainable parameters: {params['trainable']:,} of {params['total']:,} "
                       f"({params['trainable'] / max(params['total'], 1):.2%}); optimizer and gradient memory "
                       f"{params['train_state_bytes']:,} bytes against {params['full_train_state_bytes']:,} for a "
-                      "full fine-tune of the same stage."]
+                      "full fine-tune of the same stage (benchmarks/finetune_throughput.py measures the peak)."]
+        memory = rec.get("peak_memory")
+        if memory:
+            lines += ["", f"Peak memory while training ({memory['kind']}): {memory['bytes'] / 2**20:,.0f} MiB."]
         for i, sample in enumerate(before.get("samples", [])):
             later = after.get("samples", [])
             lines += ["", f"### Held-out prompt {i + 1}", "", "```", sample["prompt"][-800:], "```", "",

@@ -5,6 +5,7 @@ final weights."""
 
 from __future__ import annotations
 
+import resource
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,17 @@ def record_before(setup, stage: ResolvedStage, instruct: PreparedInstruct, stage
                           kind=stage.kind, parameters=_parameters(setup))
 
 
+def peak_memory(device: torch.device) -> dict[str, Any]:
+    """The peak memory so far: the device's allocator peak on CUDA, else the process's peak RSS (which
+    includes everything the process did before the stage)."""
+    if device.type == "cuda":
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated(device))}
+    return {"kind": "process_peak_rss", "bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
 def record_after(setup, model: torch.nn.Module, stage: ResolvedStage, instruct: PreparedInstruct, stage_dir: Path,
                  device: torch.device, autocast) -> None:
-    """Evaluate the stage's final weights (`model`: LoRA merged)."""
-    finetune.write_record(stage_dir, "after", _evaluate(setup.objective, model, stage, instruct, device, autocast))
+    """Evaluate the stage's final weights (`model`: LoRA merged), and note the peak memory of training."""
+    memory = peak_memory(device)
+    finetune.write_record(stage_dir, "after", _evaluate(setup.objective, model, stage, instruct, device, autocast),
+                          peak_memory=memory)
