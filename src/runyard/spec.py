@@ -24,7 +24,9 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from runyard import spec_paths
 from runyard.data.config import DataSpec
+from runyard.data.instruct_config import InstructDataSpec
 from runyard.errors import SpecError
+from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 from runyard.spec_sections import (
     CheckpointSpec,
     EvalSpec,
@@ -144,6 +146,11 @@ class ResolvedStage(BaseModel):
     schedule: ScheduleSpec
     train: TrainSpec
     gates: GateSpec
+    kind: str = "pretrain"
+    data: InstructDataSpec | None = None
+    sft: SFTSpec = SFTSpec()
+    dpo: DPOSpec = DPOSpec()
+    lora: LoRASpec | None = None
 
 
 _SECTION_TYPES: dict[str, type[BaseModel]] = {
@@ -183,6 +190,11 @@ def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
                 name=stage.name,
                 index=i,
                 gates=stage.gates,
+                kind=stage.kind,
+                data=stage.data,
+                sft=stage.sft,
+                dpo=stage.dpo,
+                lora=stage.lora,
                 **{section: _merge(spec, stage, section) for section in _SECTION_TYPES},
             )
     raise KeyError(f"no stage named {name!r}; stages are {[s.name for s in spec.stages]}")

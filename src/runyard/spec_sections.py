@@ -12,7 +12,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from runyard.data.instruct_config import InstructDataSpec
 from runyard.market.requirement import Requirement
+from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 
 
 class _Strict(BaseModel):
@@ -217,6 +219,17 @@ class GateSpec(_Strict):
     min_tokens_per_s: float | None = Field(
         default=None, gt=0, description="floor on steady-state training throughput, tokens per second over all processes"
     )
+    min_reward_accuracy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="dpo stages: floor on the held-out reward accuracy at the end (the fraction of pairs whose "
+        "chosen response gets the higher implicit reward)",
+    )
+    min_reward_margin: float | None = Field(
+        default=None,
+        description="dpo stages: floor on the held-out mean reward margin (chosen minus rejected) at the end",
+    )
 
 
 class StageSpec(_Strict):
@@ -239,6 +252,20 @@ class StageSpec(_Strict):
         default_factory=dict, description="fields of the top-level `train` this stage changes (same keys)"
     )
     gates: GateSpec = Field(default_factory=GateSpec, description="the checks this stage must pass")
+    kind: Literal["pretrain", "sft", "dpo"] = Field(
+        default="pretrain",
+        description="the objective: `pretrain` (next token on the top-level data), `sft` (instruction tuning: "
+        "the loss on the assistant's tokens only) or `dpo` (preference pairs against a frozen reference, the "
+        "stage's initial weights); sft and dpo read the stage's own `data`",
+    )
+    data: InstructDataSpec | None = Field(
+        default=None, description="the instruction (sft) or preference (dpo) records; only those kinds have it"
+    )
+    sft: SFTSpec = Field(default_factory=SFTSpec, description="sft stages: the task metric and samples")
+    dpo: DPOSpec = Field(default_factory=DPOSpec, description="dpo stages: beta")
+    lora: LoRASpec | None = Field(
+        default=None, description="train low-rank adapters on a frozen base instead of every weight; null: all"
+    )
 
     @field_validator("name")
     @classmethod
@@ -246,6 +273,16 @@ class StageSpec(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
             raise ValueError("a stage name is 1-64 letters, digits, '_', '.' or '-'")
         return v
+
+    @model_validator(mode="after")
+    def _kind_has_its_data(self) -> StageSpec:
+        if self.kind == "pretrain" and self.data is not None:
+            raise ValueError("a pretrain stage reads the top-level data; `data` is for sft and dpo stages")
+        if self.kind != "pretrain" and self.data is None:
+            raise ValueError(f"a {self.kind} stage needs its own `data` (instruction or preference records)")
+        if self.kind != "dpo" and (self.gates.min_reward_accuracy is not None or self.gates.min_reward_margin is not None):
+            raise ValueError("reward gates (min_reward_accuracy, min_reward_margin) apply to dpo stages only")
+        return self
 
 
 class EvalSpec(_Strict):

@@ -22,8 +22,8 @@ from typing import Any
 
 import yaml
 
-from runyard.control.client import ControlClient
 from runyard.control.auth import TokenError
+from runyard.control.client import ControlClient
 from runyard.control.info import ControlError
 from runyard.errors import SpecError
 from runyard.fsutil import atomic_write_text

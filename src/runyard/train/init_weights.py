@@ -2,8 +2,10 @@
 
 Where they come from is plan/weights_in.py's answer: an earlier stage's final checkpoint (verified), a
 runyard export (its checksums verified first) or a Hugging Face model directory (read tensor by tensor
-through safetensors, model/hf/weights.py). The loop calls this once, on a fresh start only, before the
-model is wrapped for DDP or FSDP: a resumed stage's own checkpoint holds its weights.
+through safetensors, model/hf/weights.py). The loop calls this whenever it builds a stage's model (a
+fresh start and a resume alike: a LoRA stage's checkpoint holds only adapters over these weights, and a
+dpo stage's reference is these weights), before the model is wrapped for DDP or FSDP. An earlier stage
+that trained LoRA adapters hands on its base with the adapters merged in.
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ import torch
 
 from runyard.errors import RunyardError
 from runyard.model.registry import get_family
-from runyard.plan.weights_in import stage_start
+from runyard.plan.weights_in import stage_config, stage_start
 from runyard.serve.export import verify_export
 from runyard.spec import JobSpec, resolved_stage
 from runyard.train import checkpoint
+from runyard.train.lora import attach_trained_adapters, merged_state_dict
+from runyard.train.rng import derive_seed
 from runyard.train.stage_result import final_checkpoint, stage_dir
 
 log = logging.getLogger(__name__)
@@ -28,18 +32,18 @@ class InitialWeightsMismatch(RunyardError):
     """The weights a stage starts from do not fit its model; the message names each tensor that differs."""
 
 
-def load_initial_weights(model: torch.nn.Module, spec: JobSpec, stage_name: str, run_dir: Path) -> str | None:
+def load_initial_weights(model: torch.nn.Module, spec: JobSpec, stage_name: str, run_dir: Path,
+                         vocab_size: int) -> str | None:
     """Copy stage `stage_name`'s initial weights into `model` in place; return where they came from
-    (None for a random start, which leaves the model as built)."""
+    (None for a random start, which leaves the model as built). `vocab_size`: the run's tokenizer's, as
+    the loop builds models with it (needed to rebuild an earlier LoRA stage's base)."""
     start = stage_start(spec, stage_name)
     family = get_family(resolved_stage(spec, stage_name).model.family)
     if start.source == "random":
         return None
     if start.source == "stage":
-        source = resolved_stage(spec, start.from_stage)
-        ref = final_checkpoint(stage_dir(run_dir, start.from_stage), source.train.steps)
-        origin = f"stage {start.from_stage!r}'s final checkpoint {ref.path}"
-        load_state_checked(model, checkpoint.read_model_weights(ref.path), origin)
+        weights, origin = stage_result_weights(spec, start.from_stage, run_dir, vocab_size)
+        load_state_checked(model, weights, origin)
     else:
         if start.source == "export":
             verify_export(start.directory)  # every file against runyard.json's checksums
@@ -47,6 +51,28 @@ def load_initial_weights(model: torch.nn.Module, spec: JobSpec, stage_name: str,
         family.load_directory_into(model, start.directory)
     log.info("stage %s: starting from %s", stage_name, origin)
     return origin
+
+
+def stage_result_weights(spec: JobSpec, stage_name: str, run_dir: Path,
+                         vocab_size: int) -> tuple[dict[str, torch.Tensor], str]:
+    """An earlier stage's result as a plain model's state dict, and where it came from: its verified
+    final checkpoint, or for a LoRA stage (whose checkpoint holds adapters only) its base, rebuilt as the
+    loop built it (its seed, its own initial weights), with the adapters merged in."""
+    source = resolved_stage(spec, stage_name)
+    ref = final_checkpoint(stage_dir(run_dir, stage_name), source.train.steps)
+    origin = f"stage {stage_name!r}'s final checkpoint {ref.path}"
+    weights = checkpoint.read_model_weights(ref.path)
+    if source.lora is None:
+        return weights, origin
+    family = get_family(source.model.family)
+    with torch.random.fork_rng(devices=[]):  # rebuilding the base must not move the caller's RNG
+        torch.manual_seed(derive_seed(spec.seed, "init", stage_name))  # as the loop's build_model seeds it
+        base = family.build(stage_config(spec, stage_name, vocab_size))
+    load_initial_weights(base, spec, stage_name, run_dir, vocab_size)
+    trained_on = checkpoint.read_checkpoint(ref.path)[1].get("lora_base_sha256")
+    attach_trained_adapters(base, source.lora, derive_seed(spec.seed, "lora", stage_name), weights, trained_on,
+                            str(ref.path))
+    return merged_state_dict(base), f"{origin} (LoRA adapters merged into their base)"
 
 
 @torch.no_grad()
