@@ -191,6 +191,30 @@ def test_continuing_a_stage_starts_from_its_final_weights_exactly(tmp_path, prep
     assert not torch.equal(random["tok_emb.weight"], final["tok_emb.weight"])
 
 
+def test_a_lora_stage_trains_on_its_init_weights_and_hands_on_its_merged_result(tmp_path, prepared):
+    """b trains LoRA adapters over a's final weights (its checkpoint holds adapters only); c continues b
+    and starts from b's base with the adapters merged in, exactly the model b's training ended with."""
+    off = {"min_loss_drop": None}
+    spec = spec_with(stages=[
+        {"name": "a", "gates": off},
+        {"name": "b", "model": {"init": {"from": "stage", "name": "a"}}, "gates": off,
+         "lora": {"rank": 2, "alpha": 4, "targets": ["q_proj", "down_proj"]}},
+        {"name": "c", "model": {"init": {"from": "stage", "name": "b"}}, "gates": off},
+    ])
+    run_dir = tmp_path / "run"
+    train_stage(spec, resolved_stage(spec, "a"), prepared, run_dir / "stages" / "a", CTX, show_progress=False)
+    a = checkpoint.read_model_weights(checkpoint.latest_good(run_dir / "stages" / "a" / "checkpoints").path)
+    b = train_stage(spec, resolved_stage(spec, "b"), prepared, run_dir / "stages" / "b", CTX, show_progress=False)
+    saved = checkpoint.read_model_weights(b.checkpoint)
+    assert saved and all(k.startswith("adapters.") for k in saved), "b's checkpoint holds its adapters only"
+    merged = b.model.state_dict()
+    assert torch.equal(merged["blocks.0.ffn.w_gate_up.weight"], a["blocks.0.ffn.w_gate_up.weight"]), "not a target"
+    assert not torch.equal(merged["blocks.0.ffn.w_down.weight"], a["blocks.0.ffn.w_down.weight"]), "a target"
+
+    start = build_setup(spec, resolved_stage(spec, "c"), prepared, CTX, run_dir=run_dir).model.state_dict()
+    assert sorted(start) == sorted(merged) and all(torch.equal(start[k], merged[k]) for k in merged)
+
+
 def test_a_stage_from_hf_starts_from_exactly_its_weights(hf_dir, prepared, tmp_path):
     spec = spec_with({"d_model": None, "n_heads": None, "init": {"from": "hf", "path": str(hf_dir)}})
     model = build_setup(spec, resolved_stage(spec, "main"), prepared, CTX, run_dir=tmp_path).model

@@ -244,8 +244,8 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
         raise DataError(f"{where}: only {len(records)} record(s) left after deduplication; a split needs 2")
     held = _split(records, hashes, seed, spec.heldout_fraction)
 
-    tok = load_tokenizer(tokenizer_path)
     eos_text = eos_token_beside(tokenizer_path)  # tokenizer_config.json's eos_token, else runyard's
+    tok = load_tokenizer(tokenizer_path, eos_text)
     eos = tok.token_to_id(eos_text)
     if eos is None:
         raise DataError(f"{tokenizer_path}: the end-of-sequence token {eos_text!r} is not in the vocabulary")

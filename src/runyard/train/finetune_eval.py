@@ -13,7 +13,7 @@ import torch
 
 from runyard.data.instruct import PreparedInstruct
 from runyard.data.samples import eval_batches
-from runyard.data.tokenizer import load_tokenizer
+from runyard.data.tokenizer import eos_token_beside, load_tokenizer
 from runyard.evaluate import finetune
 from runyard.spec import ResolvedStage
 
@@ -36,7 +36,7 @@ def _evaluate(objective, model: torch.nn.Module, stage: ResolvedStage, instruct:
     references = instruct.references("heldout")
     n = min(len(store), max(sft.task_prompts, sft.samples))
     _batches, ids = eval_batches([store], 1, n, 0, instruct.pad_id)  # the first n of a fixed draw
-    replies = finetune.answers(model, load_tokenizer(instruct.tokenizer_path), store, [int(i) for i in ids],
+    replies = finetune.answers(model, load_tokenizer(instruct.tokenizer_path, eos_token_beside(instruct.tokenizer_path)), store, [int(i) for i in ids],
                                instruct.eos_id, sft.max_new_tokens, device) if n else []
     questions = [references[int(i)] for i in ids]
     if sft.task_prompts and stage.kind == "sft":
