@@ -217,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     report = Report("finetune_throughput", args, packages=["transformers", "trl"])
     with tempfile.TemporaryDirectory(prefix="runyard-ft-bench-") as tmp:
         work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         _tok, _spec, prepared = prepare(args, work)
         vocab = _vocab(prepared)
         cfg = model_config(args, vocab)
