@@ -13,6 +13,8 @@ def test_checkers():
     prompt = 'def add(a, b):\n    """Sum."""'
     assert python_syntax(prompt, "    return a + b\n", "")
     assert not python_syntax(prompt, "    return a +\n", "")
+    assert not python_syntax(prompt, "\n       \n    # nothing\n", ""), "the docstring alone is no answer"
+    assert python_syntax("def f():", "    pass\n", "") and not python_syntax("def f():", "\n", "")
     result = task_metric("exact_match", [{"prompt": "p", "response": " x\n"}, {"prompt": "p", "response": "y"}], ["x", "z"])
     assert result == {"name": "exact_match", "score": 0.5, "prompts": 2}
 

@@ -72,12 +72,18 @@ def exact_match(prompt: str, answer: str, reference: str) -> bool:
 
 
 def python_syntax(prompt: str, answer: str, reference: str) -> bool:
-    """The prompt (a signature and docstring) and the answer (a body) parse together as Python."""
+    """The prompt (a signature and docstring) and the answer (a body) parse together as Python, and the
+    answer adds code: a docstring is a whole body already, so whitespace or comments alone do not count."""
+    head = prompt.rstrip("\n") + "\n"
     try:
-        ast.parse(prompt.rstrip("\n") + "\n" + answer)
+        tree = ast.dump(ast.parse(head + answer))
     except (SyntaxError, ValueError):
         return False
-    return True
+    try:
+        alone = ast.dump(ast.parse(head))
+    except (SyntaxError, ValueError):
+        alone = None
+    return tree != alone
 
 
 CHECKERS: dict[str, Callable[[str, str, str], bool]] = {"exact_match": exact_match, "python_syntax": python_syntax}
