@@ -40,7 +40,8 @@ def test_export_directory_and_files_follow_the_umask(tmp_path, mask, dirs, files
         out = export_model(Transformer(cfg), cfg, tmp_path / "tokenizer.json", tmp_path / "run" / "export")
     assert mode(out) == dirs
     written = sorted(p.name for p in out.iterdir())
-    assert written == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert written == ["config.json", "generation_config.json", "model.safetensors", "runyard.json", "tokenizer.json",
+                       "tokenizer_config.json"]
     assert {p.name: mode(p) for p in out.iterdir()} == dict.fromkeys(written, files)
 
 

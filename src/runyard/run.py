@@ -23,9 +23,13 @@ import torch
 
 from runyard import manifest as mf
 from runyard import rundir
+from runyard.data.config import DataSpec
+from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import TokenLoader, eval_sample
-from runyard.data.pipeline import PreparedData, prepare_data
-from runyard.errors import GateFailed, RunyardError, SpecError
+from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir
+from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
+from runyard.errors import GateFailed, SpecError
+from runyard.evaluate.finetune import read_record as read_finetune_record
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
     evaluation_seeds,
@@ -34,8 +38,8 @@ from runyard.evaluate.heldout import (
     unigram_loss,
 )
 from runyard.evaluate.report import verdict, write_report
-from runyard.fsutil import atomic_write_text
-from runyard.model.registry import get_family
+from runyard.fsutil import atomic_write_text, sha256_file
+from runyard.model.hf.config import read_json
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
@@ -46,15 +50,18 @@ from runyard.plan.stages import (
     steady_tokens_per_s,
     write_gates,
 )
+from runyard.plan.weights_in import check_weights_in, stage_start, weights_tokenizer_dir
 from runyard.serve.drift import build_reference
 from runyard.serve.engine import Generator
-from runyard.serve.export import export_model, load_export
+from runyard.serve.export import GENERATION_CONFIG_FILE, load_export
+from runyard.serve.export import export_model as write_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
-from runyard.train import checkpoint, parallel
-from runyard.train.loop import StageResult, evaluate_loss, train_stage
+from runyard.train import parallel
+from runyard.train.loop import StageResult, evaluate_loss, final_stage_model, train_stage
 from runyard.train.metrics import MetricsLog
 from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest, stop_on_signals
+from runyard.train.stage_result import StageResultMissing, final_checkpoint, stage_dir
 
 log = logging.getLogger(__name__)
 
@@ -74,25 +81,6 @@ class RunSummary:
 
 def default_run_dir(spec: JobSpec, root: Path | None = None) -> Path:
     return (root or Path(os.environ.get("RUNYARD_RUNS_DIR", "runs"))) / spec.name
-
-
-def stage_dir(run_dir: Path, stage: str) -> Path:
-    return run_dir / "stages" / stage
-
-
-class StageResultMissing(RunyardError):
-    """A stage passed its gates, but the checkpoint at its final step is not there or not intact."""
-
-
-def final_checkpoint(sdir: Path, steps: int) -> checkpoint.CheckpointRef:
-    """The stage's result: its checkpoint at the final step `steps`, verified against its checksums.
-    Raises StageResultMissing when the newest good checkpoint is an earlier one (or there is none)."""
-    ref = checkpoint.latest_good(sdir / "checkpoints")
-    if ref is None or ref.step != steps:
-        found = "no intact checkpoint" if ref is None else f"the newest intact checkpoint is step {ref.step}"
-        raise StageResultMissing(f"stage {sdir.name}: its final checkpoint (step {steps}) is missing or damaged; "
-                                 f"{found}")
-    return ref
 
 
 def _final_checkpoint_intact(sdir: Path, steps: int, ctx: parallel.DistContext) -> bool:
@@ -133,21 +121,52 @@ def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None
             "world_size": int(os.environ.get("WORLD_SIZE", "1")),
         }
     )
+    manifest.setdefault("init_weights", init_provenance(spec))
     manifest["seeds"] = {
         "spec": spec.seed,
         **{f"{s.name}.init": derive_seed(spec.seed, "init", s.name) for s in spec.stages},
         **{f"{s.name}.data": derive_seed(spec.seed, "data", s.name) for s in spec.stages},
         **evaluation_seeds(spec.seed),
+        **{f"{s.name}.lora": derive_seed(spec.seed, "lora", s.name) for s in spec.stages if s.lora is not None},
+        **{f"{s.name}.eval.heldout": derive_seed(spec.seed, "eval", "heldout", s.name)
+           for s in spec.stages if s.kind != "pretrain"},
         "drift_reference": derive_seed(spec.seed, "drift"),
     }
     mf.write_manifest(run_dir, manifest)
 
 
+def data_spec_for(spec: JobSpec) -> DataSpec:
+    """The spec's data section, with the tokenizer of the weights the run starts from (if any stage
+    starts from a model directory) in place of a BPE trained on the data."""
+    directory = weights_tokenizer_dir(spec)
+    if directory is None:
+        return spec.data
+    tokenizer = spec.data.tokenizer.model_copy(update={"path": str(directory / TOKENIZER_FILE)})
+    return spec.data.model_copy(update={"tokenizer": tokenizer})
+
+
+def init_provenance(spec: JobSpec) -> dict[str, dict]:
+    """Where each stage's initial weights come from, with the sha256 of every file of a model directory
+    (recorded once, at the run's first session: the run's weights descend from exactly these bytes)."""
+    out = {}
+    for stage in spec.stages:
+        start = stage_start(spec, stage.name)
+        entry: dict = {"from": start.source}
+        if start.from_stage is not None:
+            entry["stage"] = start.from_stage
+        if start.directory is not None:
+            entry["path"] = str(start.directory.resolve())
+            entry["sha256"] = {p.name: sha256_file(p) for p in sorted(start.directory.iterdir()) if p.is_file()}
+        out[stage.name] = entry
+    return out
+
+
 def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progress: bool) -> PreparedData:
     """Rank 0 prepares the data (or finds it cached); the other ranks then read the same cache."""
     prepared = None
+    data_spec = data_spec_for(spec)
     if ctx.is_main:
-        prepared = prepare_data(spec.data, seed=spec.seed, report_dir=run_dir / "data", progress=show_progress)
+        prepared = prepare_data(data_spec, seed=spec.seed, report_dir=run_dir / "data", progress=show_progress)
         mf.update_manifest(
             run_dir,
             data={
@@ -159,8 +178,29 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
         )
     parallel.barrier(ctx)
     if prepared is None:
-        prepared = prepare_data(spec.data, seed=spec.seed, report_dir=None, progress=False)
+        prepared = prepare_data(data_spec, seed=spec.seed, report_dir=None, progress=False)
     return prepared
+
+
+def prepare_stage_data(spec: JobSpec, stage, prepared: PreparedData, run_dir: Path,
+                       ctx: parallel.DistContext) -> PreparedInstruct | None:
+    """An sft or dpo stage's records, prepared with the tokenizer the run trains with (rank 0 first,
+    the others then read the same cache); None for a pretrain stage."""
+    if stage.kind == "pretrain":
+        return None
+    cache = Path(stage.data.cache_dir).expanduser() if stage.data.cache_dir else resolve_cache_dir(spec.data)
+
+    # The tokenizer file as it came (a model directory's, or data.tokenizer.path), so that its
+    # tokenizer_config.json (eos_token, chat_template) is beside it; else the BPE the data stage trained.
+    tokenizer_path = Path(data_spec_for(spec).tokenizer.path or prepared.tokenizer_path)
+
+    def prep(report: Path | None) -> PreparedInstruct:
+        return prepare_instruct(stage.data, stage.kind, tokenizer_path, stage.model.context_length, spec.seed,
+                                cache, report, where=f"stages[{stage.index}].data")
+
+    instruct = prep(run_dir / "data" / stage.name) if ctx.is_main else None
+    parallel.barrier(ctx)
+    return instruct if instruct is not None else prep(None)
 
 
 def _stage_summary(name: str, record: dict, metrics_rows: list[dict]) -> dict:
@@ -199,11 +239,13 @@ def run_stages(
         if record is None or restore:
             if only_stage is not None and name != only_stage and not restore:
                 raise GateFailed(f"stage {only_stage} needs stage {name} to pass first; it has not run yet")
-            last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress)
+            instruct = prepare_stage_data(spec, stage, prepared, run_dir, ctx)
+            last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress,
+                               instruct=instruct)
             record = {"passed": True}
             if ctx.is_main:
                 rows = MetricsLog(sdir / "metrics.jsonl").read()
-                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.model)
+                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.checkpointed_module)
                 record = write_gates(sdir, name, results)
             record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:
@@ -217,14 +259,32 @@ def run_stages(
 def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: parallel.DistContext):
     """The last stage's model as its final checkpoint holds it (for a run resumed after training)."""
     stage = resolved_stage(spec, spec.stages[-1].name)
-    family = get_family(stage.model.family)
     # A plain model, not build_setup's: this runs on rank 0 alone, where a DDP/FSDP wrapper would wait
     # for the other ranks.
-    config = family.config_from_spec(stage.model, vocab_size=prepared.vocab_size)
-    model = family.build(config).to(ctx.device)
     ref = final_checkpoint(stage_dir(run_dir, stage.name), stage.train.steps)  # never older weights
-    model.load_state_dict(checkpoint.read_model_weights(ref.path))
-    return model, config
+    return final_stage_model(spec, stage, prepared, ctx, ref.path, run_dir)
+
+
+def export_run_model(model, config, export_dir: Path, prepared: PreparedData, spec: JobSpec, run_dir: Path) -> Path:
+    """The export: a Hugging Face model directory with runyard.json. The tokenizer files are those of
+    the weights the run started from (tokenizer.json, tokenizer_config.json, generation_config.json as
+    they came), or the BPE the data stage trained. The chat template the last sft/dpo stage trained with
+    goes into tokenizer_config.json, where transformers' apply_chat_template and runyard's chat endpoint
+    read it."""
+    tokenizer_path, tokenizer_config, generation_config = prepared.tokenizer_path, None, None
+    directory = weights_tokenizer_dir(spec)
+    if directory is not None:
+        tokenizer_path, tokenizer_config = directory / TOKENIZER_FILE, read_tokenizer_config(directory)
+        if (directory / GENERATION_CONFIG_FILE).is_file():
+            generation_config = read_json(directory / GENERATION_CONFIG_FILE)
+    return write_export(
+        model, config, tokenizer_path, export_dir,
+        extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
+        family=resolved_stage(spec, spec.stages[-1].name).model.family,
+        tokenizer_config=tokenizer_config,
+        generation_config=generation_config,
+        chat_template=trained_chat_template([run_dir / "data" / s.name for s in spec.stages if s.kind != "pretrain"]),
+    )
 
 
 def evaluate_and_export(
@@ -237,7 +297,7 @@ def evaluate_and_export(
     sample covered."""
     device, precision = ctx.device, spec.resources.precision
     last_stage = resolved_stage(spec, spec.stages[-1].name)
-    seq, batch = config.context_length, last_stage.train.batch_size
+    seq, batch = last_stage.model.context_length, last_stage.train.batch_size
     seeds = evaluation_seeds(spec.seed)
     held = eval_sample(prepared.heldout_index, seq, batch, spec.eval.final_batches * batch, seeds["eval.final_heldout"])
     train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
@@ -251,9 +311,7 @@ def evaluate_and_export(
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})
 
     export_dir = run_dir / "export"
-    export_model(model, config, prepared.tokenizer_path, export_dir,
-                 extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
-                 family=last_stage.model.family)
+    export_run_model(model, config, export_dir, prepared, spec, run_dir)
     # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py).
     build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift")).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
@@ -268,7 +326,8 @@ def evaluate_and_export(
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     result = verdict(metrics, spec.eval, stage_metrics)
-    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries)
+    finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
+    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
 
 
@@ -284,6 +343,7 @@ def execute_run(
     names = [s.name for s in spec.stages]
     if only_stage is not None and only_stage not in names:
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
+    check_weights_in(spec)  # exit 2 before any work when the spec cannot run on its initial weights
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):

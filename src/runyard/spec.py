@@ -24,8 +24,10 @@ from pydantic import BaseModel, Field, ValidationError, field_validator, model_v
 
 from runyard import spec_paths
 from runyard.data.config import DataSpec
+from runyard.data.instruct_config import InstructDataSpec
 from runyard.errors import SpecError
 from runyard.spec_checks import task_problems
+from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 from runyard.spec_sections import (
     CheckpointSpec,
     EvalSpec,
@@ -155,6 +157,11 @@ class ResolvedStage(BaseModel):
     schedule: ScheduleSpec
     train: TrainSpec
     gates: GateSpec
+    kind: str = "pretrain"
+    data: InstructDataSpec | None = None
+    sft: SFTSpec = SFTSpec()
+    dpo: DPOSpec = DPOSpec()
+    lora: LoRASpec | None = None
 
 
 _SECTION_TYPES: dict[str, type[BaseModel]] = {
@@ -208,6 +215,11 @@ def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
                 name=stage.name,
                 index=i,
                 gates=stage.gates,
+                kind=stage.kind,
+                data=stage.data,
+                sft=stage.sft,
+                dpo=stage.dpo,
+                lora=stage.lora,
                 **{section: _merge(spec, stage, section) for section in _SECTION_TYPES},
             )
     raise KeyError(f"no stage named {name!r}; stages are {[s.name for s in spec.stages]}")
@@ -285,9 +297,30 @@ def parse_spec(raw: Any, source: str = "<spec>") -> JobSpec:
     if not isinstance(raw, dict):
         raise SpecError(source, [("(top level)", type(raw).__name__, "expected a mapping of spec sections")])
     try:
-        return JobSpec.model_validate(raw)
+        spec = JobSpec.model_validate(raw)
     except ValidationError as exc:
         raise SpecError(source, _problems(exc, raw)) from None
+    problems = _init_problems(spec)
+    if problems:
+        raise SpecError(source, problems)
+    return spec
+
+
+def _init_problems(spec: JobSpec) -> list[tuple[str, object, str]]:
+    """A stage may start only from a stage before it (`model.init: {from: stage}`)."""
+    problems = []
+    names = [s.name for s in spec.stages]
+    for i, stage in enumerate(spec.stages):
+        init = _merge(spec, stage, "model").init
+        if init is None or init.source != "stage" or init.name in names[:i]:
+            continue
+        where = f"stages[{i}].model.init.name" if "init" in stage.model else "model.init.name"
+        if init.name in names:
+            why = f"a stage before {stage.name!r}: a stage starts from the final weights of one trained before it"
+        else:
+            why = f"one of the spec's stages before {stage.name!r} ({names[:i] or 'there are none'})"
+        problems.append((where, init.name, f"{why} {reference_hint('model.init.name')}"))
+    return problems
 
 
 def load_spec(path: str | Path) -> JobSpec:

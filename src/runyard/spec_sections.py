@@ -10,9 +10,11 @@ from __future__ import annotations
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
+from runyard.data.instruct_config import InstructDataSpec
 from runyard.market.requirement import Requirement
+from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 from runyard.spec_tasks import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
 
 # The model families a spec may name (runyard.model.registry registers each under the same name).
@@ -23,10 +25,52 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class _InitRules(_Strict):
+    """Where a stage's initial weights come from instead of a random initialisation."""
+
+    @property
+    def source(self) -> str:
+        """The `from` field (a Python keyword, so the model is built by create_model below)."""
+        return getattr(self, "from")
+
+    @model_validator(mode="after")
+    def _fields_match_source(self) -> _InitRules:
+        if self.source == "stage":
+            if self.name is None or self.path is not None:
+                raise ValueError("{from: stage} takes `name` (an earlier stage) and no `path`")
+        elif self.path is None or self.name is not None:
+            raise ValueError(f"{{from: {self.source}}} takes `path` (a model directory) and no `name`")
+        return self
+
+
+InitSpec = create_model(
+    "InitSpec",
+    __base__=_InitRules,
+    __doc__="Where a stage's initial weights come from instead of a random initialisation.",
+    **{
+        "from": (Literal["stage", "export", "hf"], Field(
+            description="`stage`: an earlier stage's final weights (its verified last checkpoint); `export`: a "
+            "runyard export directory (checksums verified); `hf`: a local Hugging Face model directory "
+            "(config.json naming LlamaForCausalLM, MistralForCausalLM or Qwen2ForCausalLM, model.safetensors or "
+            "shards with model.safetensors.index.json, tokenizer.json, tokenizer_config.json). Nothing is "
+            "downloaded",
+        )),
+        "name": (str | None, Field(default=None, description="with `from: stage`: the earlier stage's name")),
+        "path": (str | None, Field(
+            default=None, description="with `from: export` or `from: hf`: the model directory (relative paths from "
+            "where runyard runs)",
+        )),
+    },
+)
+
+_NULL_FROM_WEIGHTS = "; with model.init, null takes the weights' value and a set value must equal it"
+
+
 class ModelSpec(_Strict):
     """The model. Language models: a Llama-style decoder (RMSNorm, rotary positions, SwiGLU, grouped-query
-    attention), shaped by the fields below. Tabular tasks: `lightgbm` or `linear` (section `trees` or
-    `linear`); images: `cnn` (section `cnn`)."""
+    attention), shaped by the fields below, trained from random weights or started from existing ones
+    (`init`). Tabular tasks: `lightgbm` or `linear` (section `trees` or `linear`); images: `cnn` (section
+    `cnn`)."""
 
     family: Family | None = Field(
         default=None,
@@ -35,46 +79,63 @@ class ModelSpec(_Strict):
         "(runyard.tasks.recommend_family: trees for tables of 100 rows or more, a linear model below; a CNN for "
         "images), recorded in the manifest. The flat fields below are the decoder's",
     )
+    init: InitSpec | None = Field(
+        default=None,
+        description="start from existing weights instead of random ones: `{from: stage, name: NAME}`, "
+        "`{from: export, path: DIR}` or `{from: hf, path: DIR}`. The model's shape comes from the weights, and "
+        "with an export or a Hugging Face directory so does the run's tokenizer (data is tokenized with it; "
+        "no BPE is trained). Set at the top level, every stage inherits it; null: random weights",
+    )
     vocab_size: int | None = Field(
         default=None,
         ge=2,
         description="rows of the embedding table (token ids the model knows); null takes the tokenizer's "
-        "vocabulary size. It must be at least the tokenizer's; rows beyond it are never used (warned)",
+        "vocabulary size. It must be at least the tokenizer's; rows beyond it are never used (warned)"
+        + _NULL_FROM_WEIGHTS,
     )
-    d_model: int = Field(default=256, ge=8, description="width of the residual stream (hidden size), in units")
-    n_layers: int = Field(default=4, ge=1, description="transformer blocks")
-    n_heads: int = Field(
-        default=4,
+    d_model: int | None = Field(
+        default=None, ge=8, description="width of the residual stream (hidden size), in units; null: 256" + _NULL_FROM_WEIGHTS
+    )
+    n_layers: int | None = Field(default=None, ge=1, description="transformer blocks; null: 4" + _NULL_FROM_WEIGHTS)
+    n_heads: int | None = Field(
+        default=None,
         ge=1,
         description="attention (query) heads; d_model must divide by it and d_model / n_heads must be "
-        "even (rotary embeddings)",
+        "even (rotary embeddings); null: 4" + _NULL_FROM_WEIGHTS,
     )
     n_kv_heads: int | None = Field(
         default=None,
         ge=1,
         description="key/value heads (grouped-query attention); null means n_heads. n_heads must be a "
-        "multiple of it",
+        "multiple of it" + _NULL_FROM_WEIGHTS,
     )
     ffn_hidden: int | None = Field(
         default=None,
         ge=1,
         description="width of the SwiGLU feed-forward layer; null means 8/3 d_model rounded up to a "
-        "multiple of 32",
+        "multiple of 32" + _NULL_FROM_WEIGHTS,
     )
     context_length: int = Field(
         default=256,
         ge=2,
         description="tokens per training sequence, and the most the model attends to when generating; "
-        "each split must hold at least context_length + 1 tokens",
+        "each split must hold at least context_length + 1 tokens. With model.init, at most the weights' "
+        "context (max_position_embeddings), which the model keeps",
     )
-    tie_embeddings: bool = Field(
-        default=True, description="share one matrix between the input embedding and the output projection"
+    tie_embeddings: bool | None = Field(
+        default=None,
+        description="share one matrix between the input embedding and the output projection; null: true"
+        + _NULL_FROM_WEIGHTS,
     )
     dropout: float = Field(
         default=0.0, ge=0.0, lt=1.0, description="dropout probability during training (0 turns it off)"
     )
-    rope_theta: float = Field(default=10000.0, gt=0, description="base of the rotary embedding frequencies")
-    norm_eps: float = Field(default=1e-5, gt=0, description="epsilon added inside RMSNorm")
+    rope_theta: float | None = Field(
+        default=None, gt=0, description="base of the rotary embedding frequencies; null: 10000" + _NULL_FROM_WEIGHTS
+    )
+    norm_eps: float | None = Field(
+        default=None, gt=0, description="epsilon added inside RMSNorm; null: 1e-5" + _NULL_FROM_WEIGHTS
+    )
     trees: TreesSpec | None = Field(default=None, description="family `lightgbm`: the boosting settings (null: the defaults)")
     linear: LinearSpec | None = Field(
         default=None, description="family `linear` (and the trees' baseline): the linear model's settings (null: the defaults)"
@@ -83,13 +144,16 @@ class ModelSpec(_Strict):
 
     @model_validator(mode="after")
     def _heads_divide(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
-            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        if (self.d_model // self.n_heads) % 2:
+        if self.init is not None:
+            return self  # the shape is the weights'; checked against them before the run starts
+        d_model, heads = self.d_model or 256, self.n_heads or 4
+        if d_model % heads:
+            raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({heads})")
+        if (d_model // heads) % 2:
             raise ValueError("head dimension d_model/n_heads must be even for rotary embeddings")
-        kv = self.n_kv_heads or self.n_heads
-        if self.n_heads % kv:
-            raise ValueError(f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({kv})")
+        kv = self.n_kv_heads or heads
+        if heads % kv:
+            raise ValueError(f"n_heads ({heads}) must be a multiple of n_kv_heads ({kv})")
         return self
 
 
@@ -174,6 +238,17 @@ class GateSpec(_Strict):
         gt=0,
         description="image_classification: floor on steady-state training throughput, images per second over all processes",
     )
+    min_reward_accuracy: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="dpo stages: floor on the held-out reward accuracy at the end (the fraction of pairs whose "
+        "chosen response gets the higher implicit reward)",
+    )
+    min_reward_margin: float | None = Field(
+        default=None,
+        description="dpo stages: floor on the held-out mean reward margin (chosen minus rejected) at the end",
+    )
 
 
 class StageSpec(_Strict):
@@ -196,6 +271,20 @@ class StageSpec(_Strict):
         default_factory=dict, description="fields of the top-level `train` this stage changes (same keys)"
     )
     gates: GateSpec = Field(default_factory=GateSpec, description="the checks this stage must pass")
+    kind: Literal["pretrain", "sft", "dpo"] = Field(
+        default="pretrain",
+        description="the objective: `pretrain` (next token on the top-level data), `sft` (instruction tuning: "
+        "the loss on the assistant's tokens only) or `dpo` (preference pairs against a frozen reference, the "
+        "stage's initial weights); sft and dpo read the stage's own `data`",
+    )
+    data: InstructDataSpec | None = Field(
+        default=None, description="the instruction (sft) or preference (dpo) records; only those kinds have it"
+    )
+    sft: SFTSpec = Field(default_factory=SFTSpec, description="sft stages: the task metric and samples")
+    dpo: DPOSpec = Field(default_factory=DPOSpec, description="dpo stages: beta")
+    lora: LoRASpec | None = Field(
+        default=None, description="train low-rank adapters on a frozen base instead of every weight; null: all"
+    )
 
     @field_validator("name")
     @classmethod
@@ -203,6 +292,16 @@ class StageSpec(_Strict):
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}", v):
             raise ValueError("a stage name is 1-64 letters, digits, '_', '.' or '-'")
         return v
+
+    @model_validator(mode="after")
+    def _kind_has_its_data(self) -> StageSpec:
+        if self.kind == "pretrain" and self.data is not None:
+            raise ValueError("a pretrain stage reads the top-level data; `data` is for sft and dpo stages")
+        if self.kind != "pretrain" and self.data is None:
+            raise ValueError(f"a {self.kind} stage needs its own `data` (instruction or preference records)")
+        if self.kind != "dpo" and (self.gates.min_reward_accuracy is not None or self.gates.min_reward_margin is not None):
+            raise ValueError("reward gates (min_reward_accuracy, min_reward_margin) apply to dpo stages only")
+        return self
 
 
 class EvalSpec(_Strict):

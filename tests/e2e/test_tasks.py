@@ -46,7 +46,7 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
         assert (run_dir / "data" / name).is_file()
     gates = json.loads((run_dir / "stages" / "main" / "gates.json").read_text())
     assert gates["passed"] and {g["name"] for g in gates["gates"]} >= {"loss_drop", "heldout_loss", "checkpoint_roundtrip"}
-    config = json.loads((run_dir / "export" / "config.json").read_text())
+    config = json.loads((run_dir / "export" / "runyard.json").read_text())
     assert config["kind"] == "table" and config["onnx"]["written"] and config["onnx"]["matches"]
 
     # Again: the passed stage is reused (its model verified), and the evaluation is the same.
@@ -119,7 +119,7 @@ def test_the_digits_cnn_trains_through_the_loop_and_beats_its_baseline(tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "run" / "stages" / "main" / "metrics.jsonl").read_text().splitlines()]
     assert rows[-1]["samples"] == 60 * 64 and "samples_per_s" in rows[-1] and "tokens_per_s" not in rows[-1]
     assert [c.name for c in sorted((tmp_path / "run" / "stages" / "main" / "checkpoints").glob("step_*"))][-1].endswith("60")
-    config = json.loads((tmp_path / "run" / "export" / "config.json").read_text())
+    config = json.loads((tmp_path / "run" / "export" / "runyard.json").read_text())
     assert config["kind"] == "image" and config["onnx"]["matches"] and "model.safetensors" in config["files"]
     assert (tmp_path / "run" / "data" / "samples.png").is_file()
     # Resumed after the fact: the passed stage is not trained again and the same model is evaluated.

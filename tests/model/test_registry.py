@@ -66,7 +66,7 @@ def test_decoder_export_files_round_trip(tmp_path):
     cfg = ModelConfig(vocab_size=50, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, context_length=16)
     torch.manual_seed(0)
     model = family.build(cfg).eval()
-    assert family.export_files(model, cfg, tmp_path) == ["model.safetensors"]
+    assert family.export_files(model, cfg, tmp_path) == ["config.json", "model.safetensors"]
     loaded = family.load_files(tmp_path, cfg)
     idx = torch.randint(0, 50, (2, 16))
     with torch.no_grad():

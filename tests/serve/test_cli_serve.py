@@ -53,7 +53,6 @@ def test_help_names_the_options(capsys):
         (["--retrain-spec", "spec.yaml"], "--retrain-spec and --control go together"),
         (["--retrain-spec", "spec.yaml", "--control", "http://127.0.0.1:9"], "needs --log-requests"),
         (["--drift-sustain", "-1"], "--drift-sustain must be >= 0"),
-        (["--engine", "vllm"], "names no 'architectures'"),
     ],
 )
 def test_contradictory_options_exit_2_before_loading(capsys, export, extra, message):

@@ -45,7 +45,14 @@ from runyard.data.report import write_report
 from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
 from runyard.data.split import SPLIT_METHOD, heldout_mask
 from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
-from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
+from runyard.data.tokenizer import (
+    EOS_TOKEN,
+    TOKENIZER_CONFIG_FILE,
+    eos_id,
+    eos_token_beside,
+    load_tokenizer,
+    train_bpe,
+)
 from runyard.errors import DataError
 from runyard.fsutil import atomic_write_json, sha256_file
 from runyard.lifetime import die_with_parent
@@ -116,6 +123,9 @@ def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> st
                 f"data.tokenizer.path {spec.tokenizer.path!r}: cannot read it ({exc.strerror})"
             ) from None
         settings["tokenizer_sha256"] = hashlib.sha256(tok_bytes).hexdigest()
+        beside = Path(spec.tokenizer.path).parent / TOKENIZER_CONFIG_FILE  # names the end-of-document token
+        if beside.is_file():
+            settings["tokenizer_config_sha256"] = hashlib.sha256(beside.read_bytes()).hexdigest()
     blob = json.dumps(
         {"v": PIPELINE_VERSION, "seed": seed, "settings": settings, "inputs": inputs}, sort_keys=True
     )
@@ -358,8 +368,9 @@ def _prepare(
 
     t = time.perf_counter()
     tok_path = dataset_dir / "tokenizer.json"
+    eos_token = eos_token_beside(spec.tokenizer.path) if spec.tokenizer.path else EOS_TOKEN
     if spec.tokenizer.path:
-        tok = load_tokenizer(spec.tokenizer.path)
+        tok = load_tokenizer(spec.tokenizer.path, eos_token)
         tok_source = str(spec.tokenizer.path)
     elif tok_path.exists():  # trained by an interrupted earlier attempt with the same fingerprint
         tok = load_tokenizer(tok_path)
@@ -378,7 +389,7 @@ def _prepare(
         tmp = tok_path.with_name(".tokenizer.json.tmp")
         tok.save(str(tmp))
         os.replace(tmp, tok_path)
-    eos = eos_id(tok)
+    eos = eos_id(tok, eos_token)
     vocab = tok.get_vocab_size()
     timings["tokenizer_s"] = time.perf_counter() - t
 

@@ -2,18 +2,25 @@
 
 Byte-level means every input is representable (no unknown token); the end-of-document token
 `<|endoftext|>` is special id 0 in a trained tokenizer, and for a loaded one it must exist in its vocab.
+A tokenizer that comes from a model directory (a Hugging Face model or a runyard export) is its
+`tokenizer.json` with the `tokenizer_config.json` beside it, whose `eos_token` is the end-of-document
+token; an export writes the same pair (`tokenizer_config_for`).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from runyard.errors import DataError
 
 EOS_TOKEN = "<|endoftext|>"
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 def vocab_shortfall(asked: int, got: int) -> str:
@@ -55,19 +62,92 @@ def train_bpe(texts: Iterable[str], vocab_size: int, min_frequency: int, max_byt
     return tok
 
 
-def load_tokenizer(path: str | Path) -> Tokenizer:
+def load_tokenizer(path: str | Path, eos_token: str = EOS_TOKEN) -> Tokenizer:
     """Load a `tokenizer.json`; raises DataError if it is unreadable or lacks the end-of-document token."""
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as exc:  # tokenizers raises a bare Exception on bad files
         raise DataError(f"cannot load tokenizer {path}: {exc}") from None
-    if tok.token_to_id(EOS_TOKEN) is None:
-        raise DataError(f"tokenizer {path} has no end-of-document token {EOS_TOKEN!r} in its vocabulary")
+    if tok.token_to_id(eos_token) is None:
+        raise DataError(f"tokenizer {path} has no end-of-document token {eos_token!r} in its vocabulary")
     return tok
 
 
-def eos_id(tok: Tokenizer) -> int:
-    token_id = tok.token_to_id(EOS_TOKEN)
+def eos_id(tok: Tokenizer, eos_token: str = EOS_TOKEN) -> int:
+    token_id = tok.token_to_id(eos_token)
     if token_id is None:
-        raise DataError(f"tokenizer has no {EOS_TOKEN!r} token")
+        raise DataError(f"tokenizer has no {eos_token!r} token")
     return token_id
+
+
+def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
+    """The `tokenizer_config.json` of a model directory; DataError naming the file when it is missing
+    or not a JSON object."""
+    path = Path(directory) / TOKENIZER_CONFIG_FILE
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise DataError(f"{path} is missing; a model directory's tokenizer needs it (its eos_token)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise DataError(f"{path} is not readable JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise DataError(f"{path} must hold a JSON object, not {type(data).__name__}")
+    return data
+
+
+def special_token(config: dict[str, Any], field: str) -> str | None:
+    """A special token of a tokenizer_config.json (`eos_token`, `bos_token`...): a string, or
+    transformers' {"content": ...} form; None when unset."""
+    value = config.get(field)
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def eos_token_beside(tokenizer_path: str | Path) -> str:
+    """The end-of-document token for `tokenizer_path`: the `eos_token` of a tokenizer_config.json in
+    the same directory, or runyard's `<|endoftext|>` when there is none."""
+    config_path = Path(tokenizer_path).parent / TOKENIZER_CONFIG_FILE
+    if not config_path.is_file():
+        return EOS_TOKEN
+    token = special_token(read_tokenizer_config(config_path.parent), "eos_token")
+    if token is None:
+        raise DataError(f"{config_path}: field 'eos_token' is missing; it names the end-of-document token")
+    return token
+
+
+def load_model_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict[str, Any]]:
+    """(tokenizer, tokenizer config) of a model directory: tokenizer.json and tokenizer_config.json,
+    whose eos_token must be in the vocabulary. DataError naming the file and field otherwise."""
+    directory = Path(directory)
+    path = directory / TOKENIZER_FILE
+    if not path.is_file():
+        raise DataError(f"{path} is missing; a model directory must hold its tokenizer")
+    config = read_tokenizer_config(directory)
+    return load_tokenizer(path, eos_token_beside(path)), config
+
+
+def token_ids(tok: Tokenizer, config: dict[str, Any]) -> dict[str, int | None]:
+    """bos/eos/pad token ids of a tokenizer and its config, as config.json and generation_config.json
+    carry them (None where the config names no such token)."""
+    out: dict[str, int | None] = {}
+    for kind in ("bos", "eos", "pad"):
+        token = special_token(config, f"{kind}_token")
+        out[f"{kind}_token_id"] = tok.token_to_id(token) if token is not None else None
+    return out
+
+
+def tokenizer_config_for(context_length: int, chat_template: str | None = None) -> dict[str, Any]:
+    """The tokenizer_config.json of a tokenizer runyard trained (byte-level BPE, `<|endoftext|>` ending
+    every document, no start token), so transformers' AutoTokenizer loads the export."""
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "eos_token": EOS_TOKEN,
+        "bos_token": None,
+        "unk_token": None,
+        "model_max_length": context_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config

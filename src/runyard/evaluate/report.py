@@ -11,6 +11,7 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
+from runyard.evaluate.finetune import finetune_markdown
 from runyard.evaluate.heldout import HeldoutMetrics
 from runyard.fsutil import atomic_write_text
 from runyard.spec import EvalSpec
@@ -127,7 +128,10 @@ def write_report(
     samples: list[dict],
     stage_metrics: dict[str, list[dict]],
     stage_summaries: list[dict],
+    finetune: dict[str, dict] | None = None,
 ) -> dict:
+    """Write report.json, report.md and the curves. `finetune` holds each sft/dpo stage's before/after
+    record (evaluate/finetune.py), shown side by side."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(stage_metrics, out_dir)
     report = {
@@ -140,6 +144,7 @@ def write_report(
         "stages": stage_summaries,
         "samples": samples,
         "plots": [p.name for p in plots],
+        "finetune": finetune or {},
     }
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out_dir / "report.md", _markdown(report))
@@ -197,6 +202,7 @@ def _markdown(report: dict) -> str:
             f"| {s['name']} | {s['steps']} | {s['final_loss']:.4f} | {held} | {s['tokens_per_s']:,.0f} | "
             f"{'passed' if s['gates_passed'] else 'FAILED'} |"
         )
+    lines += finetune_markdown(report.get("finetune") or {})
     lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in report["plots"]]
     lines += ["", "## Samples", ""]
     for s in report["samples"]:

@@ -1,9 +1,11 @@
 """The Llama-style decoder as a model family: the registry's first entry.
 
-Config: `ModelConfig` (model/config.py) from the spec's `model` section and the tokenizer's vocabulary.
-Model: `Transformer` (model/transformer.py, the math only). Sizing: counted on the meta device from the
-model's own definition, so there is no second copy of its arithmetic. Export: `model.safetensors` with
-runyard's parameter names (a tied output head stored once, as the embedding).
+Config: `ModelConfig` (model/config.py) from the spec's `model` section and the tokenizer's vocabulary,
+or from the weights a stage starts from. Model: `Transformer` (model/transformer.py, the math only).
+Sizing: counted on the meta device from the model's own definition, so there is no second copy of its
+arithmetic. Export: a Hugging Face model directory (model/hf/: config.json naming LlamaForCausalLM, or
+Qwen2ForCausalLM / MistralForCausalLM where the model needs them, and safetensors weights under the
+ecosystem's tensor names), which is also what `model.init` reads.
 """
 
 from __future__ import annotations
@@ -12,15 +14,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
 
+from runyard.model import hf
 from runyard.model.config import ModelConfig
 from runyard.model.registry import ExportError, ModelFamily, Sizing, register
 from runyard.model.transformer import Transformer
-
-WEIGHTS_FILE = "model.safetensors"
-_TIED_HEAD = "lm_head.weight"
 
 
 def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
@@ -66,40 +64,23 @@ class DecoderFamily(ModelFamily):
     def targets_per_sample(self, config: ModelConfig) -> int:
         return config.context_length  # next-token targets: one per position of a sequence
 
-    def export_files(self, model: torch.nn.Module, config: ModelConfig, directory: Path) -> list[str]:
+    def config_from_weights(self, spec: Any, weights_config: ModelConfig) -> ModelConfig:
+        return ModelConfig.from_spec_and_weights(spec, weights_config)
+
+    def config_from_directory(self, directory: Path) -> ModelConfig:
+        return hf.read_config(directory)
+
+    def load_directory_into(self, model: torch.nn.Module, directory: Path) -> None:
+        hf.load_weights_into(model, directory)
+
+    def export_files(self, model: torch.nn.Module, config: ModelConfig, directory: Path, *,
+                     metadata: dict[str, Any] | None = None) -> list[str]:
         if model.cfg != config:
             raise ExportError(f"the model was built with {model.cfg}, not the config given to export: {config}")
-        state = model.state_dict()
-        if config.tie_embeddings:
-            state.pop(_TIED_HEAD, None)  # the same tensor as tok_emb.weight; safetensors refuses shared storage
-        weights = {k: v.detach().to("cpu").contiguous() for k, v in state.items()}
-        save_file(weights, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
-        return [WEIGHTS_FILE]
+        return hf.write_model(model, config, directory, token_ids=metadata)
 
     def load_files(self, directory: Path, config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
-        path = directory / WEIGHTS_FILE
-        if not path.is_file():
-            raise ExportError(f"{path} is missing from the export")
-        try:
-            weights = load_file(str(path), device="cpu")
-        except (SafetensorError, OSError) as exc:
-            raise ExportError(f"{path} cannot be read: {exc}") from None
-        with torch.random.fork_rng(devices=[]):  # building must not advance the caller's RNG via init
-            model = Transformer(config)
-        expected = {k: v.shape for k, v in model.state_dict().items()}
-        if config.tie_embeddings:
-            expected.pop(_TIED_HEAD, None)
-        missing = sorted(set(expected) - set(weights))
-        unexpected = sorted(set(weights) - set(expected))
-        if missing or unexpected:
-            raise ExportError(f"{path} does not match its config: missing {missing}, unexpected {unexpected}")
-        for name, shape in expected.items():
-            if weights[name].shape != shape:
-                raise ExportError(
-                    f"{path}: tensor {name} has shape {tuple(weights[name].shape)}, config implies {tuple(shape)}"
-                )
-        model.load_state_dict(weights, strict=not config.tie_embeddings)
-        return model.to(device).eval()
+        return hf.load_model(directory, config, device)
 
 
 DECODER = register(DecoderFamily())

@@ -8,6 +8,9 @@ autograd (tests/model/test_ops.py); the math is unchanged.
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 
@@ -38,9 +41,32 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
-def rotary_tables(head_dim: int, length: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """The rotary inverse frequencies [head_dim/2], fp32, computed as transformers computes them: the
+    plain ones, or with `scaling` ({"rope_type": "linear" | "llama3", ...}, model/config.py)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if scaling is None:
+        return inv_freq
+    factor = scaling["factor"]
+    if scaling["rope_type"] == "linear":
+        return inv_freq / factor
+    # llama3: long wavelengths are divided by `factor`, short ones kept, the band between interpolated.
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen, high_freq_wavelen = old_context / low, old_context / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rotary_tables(
+    head_dim: int, length: int, theta: float, scaling: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin of each position times each rotary frequency, shape [length, 1, head_dim/2], fp32."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    inv_freq = rotary_frequencies(head_dim, theta, scaling)
     angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)
     return angles.cos().unsqueeze(1), angles.sin().unsqueeze(1)
 

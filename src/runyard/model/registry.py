@@ -44,6 +44,10 @@ class NotTrainedByLoop(RunyardError):
     """A family that is not trained by the torch training loop was asked for a loop-only part."""
 
 
+class NoInitFromWeights(RunyardError):
+    """A spec's `model.init` asks a family that cannot start from a model directory to do so."""
+
+
 @dataclass(frozen=True)
 class Sizing:
     """What a model of a given config costs, from its shape alone.
@@ -101,11 +105,28 @@ class ModelFamily(ABC):
         a classifier: one), so the loop normalises accumulated and multi-process losses the same way."""
         return 1
 
+    # -- starting from existing weights (`model.init`) ------------------------------------------------
+    def config_from_weights(self, spec: Any, weights_config: Any) -> Any:
+        """The config of a stage that starts from weights of `weights_config`, with the spec's training
+        settings; the family's ConfigContradiction naming each shape field the spec sets otherwise."""
+        raise NoInitFromWeights(f"model family {self.name!r} cannot start from existing weights")
+
+    def config_from_directory(self, directory: Path) -> Any:
+        """The config of the model held by a model directory (an export, or the ecosystem's format)."""
+        raise NoInitFromWeights(f"model family {self.name!r} cannot start from a model directory")
+
+    def load_directory_into(self, model: torch.nn.Module, directory: Path) -> None:
+        """Copy a model directory's weights into `model` (built from `config_from_directory`), in place."""
+        raise NoInitFromWeights(f"model family {self.name!r} cannot start from a model directory")
+
     # -- export and load -------------------------------------------------------------------------------
     @abstractmethod
-    def export_files(self, model: Any, config: Any, directory: Path) -> list[str]:
-        """Write the model's own files (weights, ...) into `directory`; return their names. The caller
-        (serve/export.py) adds the tokenizer and config.json with checksums and commits the directory."""
+    def export_files(self, model: Any, config: Any, directory: Path, *, metadata: dict[str, Any] | None = None
+                     ) -> list[str]:
+        """Write the model's own files (config and weights, in the ecosystem's format where there is one)
+        into `directory`; return their names. `metadata`: facts the caller knows that those files carry
+        (a language model's special token ids). The caller (serve/export.py) adds the tokenizer files
+        and runyard.json with checksums, and commits the directory."""
 
     @abstractmethod
     def load_files(self, directory: Path, config: Any, device: str | torch.device = "cpu") -> Any:

@@ -1,7 +1,8 @@
 """A Llama-style decoder-only transformer: the model math only.
 
-RMSNorm pre-normalisation, rotary position embeddings, grouped-query attention through
-`F.scaled_dot_product_attention`, and a SwiGLU feed-forward. Parallelism, compilation and the
+RMSNorm pre-normalisation, rotary position embeddings (optionally scaled, as Llama 3), grouped-query
+attention through `F.scaled_dot_product_attention` (optionally with query/key/value biases, as Qwen2),
+and a SwiGLU feed-forward. Parallelism, compilation and the
 training loop live elsewhere (train/); this module never knows how it is run.
 
 Speed notes: Q, K and V come from one fused projection and the SwiGLU gate and up projections are
@@ -45,7 +46,7 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.dropout = cfg.dropout
-        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
+        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
@@ -119,7 +120,7 @@ class Transformer(nn.Module):
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        cos, sin = rotary_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta)
+        cos, sin = rotary_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
         # Derived from the config, so not saved: checkpoints and exports carry only learned weights.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
@@ -137,6 +138,8 @@ class Transformer(nn.Module):
                     continue  # shares the embedding's tensor, already initialised
                 std = residual_std if name.endswith(("attn.wo", "ffn.w_down")) else INIT_STD
                 nn.init.normal_(module.weight, mean=0.0, std=std)
+                if getattr(module, "bias", None) is not None:
+                    nn.init.zeros_(module.bias)
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from runyard.data.footprint import TOKENIZER_BYTES_PER_TOKEN
 from runyard.diskspace import DiskNeed, human_bytes
-from runyard.model.config import ModelConfig
 from runyard.plan.sizing import count_parameters
+from runyard.plan.weights_in import stage_config
 from runyard.spec import JobSpec, resolved_stage
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
@@ -19,7 +19,7 @@ EXPORT_BYTES_PER_PARAM = 4  # fp32 safetensors
 
 
 def stage_parameters(spec: JobSpec, stage: str, vocab_size: int) -> int:
-    return count_parameters(ModelConfig.from_spec(resolved_stage(spec, stage).model, vocab_size))[0]
+    return count_parameters(stage_config(spec, stage, vocab_size), resolved_stage(spec, stage).model.family)[0]
 
 
 def checkpoint_bytes(parameters: int) -> int:

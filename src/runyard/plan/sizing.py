@@ -15,6 +15,7 @@ from typing import Any
 
 from runyard.market.requirement import Requirement
 from runyard.model.registry import DEFAULT_FAMILY, get_family
+from runyard.plan.weights_in import stage_config
 from runyard.spec import JobSpec, resolved_stage
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
@@ -47,10 +48,10 @@ def flops_per_token(cfg: Any, family: str = DEFAULT_FAMILY) -> float:
 def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int, tokens_per_s: float | None = None) -> StagePlan:
     stage = resolved_stage(spec, stage_name)
     family = get_family(stage.model.family)
-    cfg = family.config_from_spec(stage.model, vocab_size=vocab_size)
+    cfg = stage_config(spec, stage_name, vocab_size)  # the spec's shape, or its initial weights'
     size = family.sizing(cfg, micro_batch=stage.train.batch_size)
     world = spec.resources.nproc
-    tokens = stage.train.steps * stage.train.batch_size * stage.train.grad_accum * world * cfg.context_length
+    tokens = stage.train.steps * stage.train.batch_size * stage.train.grad_accum * world * stage.model.context_length
     states = size.parameters * BYTES_PER_PARAM_TRAINING
     if spec.resources.parallel == "fsdp":
         states //= world

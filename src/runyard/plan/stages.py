@@ -66,8 +66,21 @@ def evaluate_gates(
     checkpoint_path: Path | None,
     model: torch.nn.Module,
     samples_per_s: float = 0.0,
+    rewards: dict[str, float] | None = None,
 ) -> list[GateResult]:
+    """Each set gate against the stage's record. `rewards`: a dpo stage's last held-out reward accuracy
+    and margin (`heldout_reward_accuracy`, `heldout_reward_margin`)."""
     results: list[GateResult] = []
+    rewards = rewards or {}
+    for name, field, key, what in (
+        ("reward_accuracy", "min_reward_accuracy", "heldout_reward_accuracy", "held-out pairs whose chosen response gets the higher reward"),
+        ("reward_margin", "min_reward_margin", "heldout_reward_margin", "held-out mean reward margin (chosen - rejected)"),
+    ):
+        bound = getattr(gates, field)
+        if bound is not None:
+            value = rewards.get(key)
+            ok = value is not None and math.isfinite(value) and value >= bound
+            results.append(GateResult(name, ok, value, bound, what))
     if gates.require_finite:
         bad = [i for i, v in enumerate(losses) if not math.isfinite(v)]
         finite = not bad and (heldout_loss is None or math.isfinite(heldout_loss))
@@ -118,8 +131,14 @@ def evaluate_recorded_gates(
     """The stage's gates from its metrics log `rows` (one per step, in order) and its final checkpoint."""
     losses = [float(r["loss"]) for r in rows if "loss" in r]
     held = [r["heldout_loss"] for r in rows if r.get("heldout_loss") is not None]
+    rewards = {}
+    for key in ("heldout_reward_accuracy", "heldout_reward_margin"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            rewards[key] = float(values[-1])
     return evaluate_gates(gates, losses, held[-1] if held else None, steady_tokens_per_s(rows),
-                          checkpoint_path, model, samples_per_s=steady_tokens_per_s(rows, "samples_per_s"))
+                          checkpoint_path, model, samples_per_s=steady_tokens_per_s(rows, "samples_per_s"),
+                          rewards=rewards)
 
 
 def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:

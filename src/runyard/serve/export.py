@@ -1,11 +1,15 @@
-"""Export a trained model as a self-contained directory, and load it back without pickle.
+"""Export a trained model as a Hugging Face model directory, and load it back without pickle.
 
-An export holds:
-- the model family's own files (model/registry.py; for the decoder, `model.safetensors`: the learned
-  weights, a tied output head stored once, as the embedding);
-- `tokenizer.json`: the HF `tokenizers` tokenizer the model was trained with;
-- `config.json`: format version, the model family and its config, the sha256 of every other file, and
-  any caller-supplied `extra` (run name, step, held-out loss...).
+An export is what the ecosystem loads (`transformers.AutoModelForCausalLM.from_pretrained(DIR)`, vLLM):
+- the model family's own files (model/registry.py; for the decoder, model/hf/: `config.json` naming
+  the architecture, and `model.safetensors` under the ecosystem's tensor names, or shards of it with
+  `model.safetensors.index.json`);
+- `tokenizer.json` and `tokenizer_config.json` (with the chat template when the model has one);
+- `generation_config.json` (the end-of-sequence id generation stops at);
+- `runyard.json`: runyard's provenance beside them: format version, the model family and its config,
+  the sha256 of every other file, and the caller's `extra` (run name, spec hash...).
+
+`runyard generate`, `runyard serve` and the drift reference all load this one directory.
 
 The directory is written beside its destination under a temporary name, fsynced, then renamed into
 place, so a crash leaves either the old export or the new one, never a mix. Loading checks every
@@ -23,17 +27,20 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, special_token, token_ids, tokenizer_config_for
 from runyard.diskspace import nbytes_of, writing
 from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
 from runyard.model.registry import DEFAULT_FAMILY, ExportError, UnknownFamily, get_family
 
 EXPORT_FORMAT = "runyard-export"
-EXPORT_VERSION = 1
+EXPORT_VERSION = 2  # 1 was runyard's own layout (config.json holding runyard's config); 2 is a HF directory
 TOKENIZER_FILE = "tokenizer.json"
-CONFIG_FILE = "config.json"
+PROVENANCE_FILE = "runyard.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
-__all__ = ["CONFIG_FILE", "EXPORT_FORMAT", "EXPORT_VERSION", "TOKENIZER_FILE", "ExportError", "export_model",
-           "load_export", "read_export_config", "verify_files"]
+
+__all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "PROVENANCE_FILE", "TOKENIZER_FILE", "ExportError",
+           "export_model", "load_export", "read_export_config", "verify_export", "verify_files"]
 
 
 def export_model(
@@ -43,9 +50,17 @@ def export_model(
     out_dir: Path,
     extra_config: dict[str, Any] | None = None,
     family: str = DEFAULT_FAMILY,
+    tokenizer_config: dict[str, Any] | None = None,
+    chat_template: str | None = None,
+    generation_config: dict[str, Any] | None = None,
 ) -> Path:
-    """Write `out_dir` with the family's model files, tokenizer.json and config.json, atomically.
-    An existing `out_dir` is replaced only once the new export is complete. Returns `out_dir`."""
+    """Write `out_dir` as a Hugging Face model directory with runyard.json beside it, atomically.
+    An existing `out_dir` is replaced only once the new export is complete. Returns `out_dir`.
+
+    `tokenizer_config`: the tokenizer_config.json of the tokenizer (a model directory's, when the model
+    started from one); None writes the one of a tokenizer runyard trained. `chat_template` (Jinja, as
+    transformers renders it) is stored in it when given. `generation_config`: a model directory's
+    generation_config.json to carry over; None writes one from the tokenizer's special tokens."""
     out_dir, tokenizer_path = Path(out_dir), Path(tokenizer_path)
     kind = get_family(family)
     if not tokenizer_path.is_file():
@@ -58,16 +73,27 @@ def export_model(
         raise ExportError(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {cfg.vocab_size}"
         )
+    tok_config = dict(tokenizer_config) if tokenizer_config is not None else tokenizer_config_for(cfg.context_length)
+    if chat_template is not None:
+        tok_config["chat_template"] = chat_template
+    ids = token_ids(tokenizer, tok_config)
+    eos = special_token(tok_config, "eos_token")
+    if eos is not None and ids["eos_token_id"] is None:
+        raise ExportError(f"the tokenizer config's eos_token {eos!r} is not in {tokenizer_path}")
+    generation = dict(generation_config) if generation_config is not None else _generation_config(ids)
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")  # not mkdtemp: its 0700 would stick
     try:
         with writing(f"the export {out_dir}", out_dir.parent, needed=nbytes_of(model.state_dict())):
-            names = [*kind.export_files(model, cfg, tmp), TOKENIZER_FILE]
-        for name in names[:-1]:
+            names = kind.export_files(model, cfg, tmp, metadata=ids)
+        for name in names:
             match_umask(tmp / name)  # safetensors creates its files 0600
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
-        config = {
+        _write_json(tmp / TOKENIZER_CONFIG_FILE, tok_config)
+        _write_json(tmp / GENERATION_CONFIG_FILE, generation)
+        names += [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE]
+        provenance = {
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_VERSION,
             "family": kind.name,
@@ -76,11 +102,11 @@ def export_model(
             "extra": extra_config or {},
         }
         try:
-            text = json.dumps(config, indent=2, sort_keys=True)
+            text = json.dumps(provenance, indent=2, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise ExportError(f"extra_config must be JSON-serialisable: {exc}") from None
-        (tmp / CONFIG_FILE).write_text(text + "\n", encoding="utf-8")
-        for name in (*names, CONFIG_FILE):
+        (tmp / PROVENANCE_FILE).write_text(text + "\n", encoding="utf-8")
+        for name in (*names, PROVENANCE_FILE):
             fsync_file(tmp / name)
         fsync_dir(tmp)
         old = None
@@ -97,22 +123,74 @@ def export_model(
     return out_dir
 
 
+def _generation_config(ids: dict[str, int | None]) -> dict[str, Any]:
+    return {k: v for k, v in ids.items() if v is not None}
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+
+
 def read_export_config(export_dir: Path) -> dict[str, Any]:
-    """The parsed config.json of an export, checked for format and version."""
-    path = Path(export_dir) / CONFIG_FILE
+    """The parsed runyard.json of an export (format, family, model config, checksums, extra), checked
+    for format and version."""
+    export_dir = Path(export_dir)
+    path = export_dir / PROVENANCE_FILE
     if not path.is_file():
-        raise ExportError(f"{path} is missing; {export_dir} is not a runyard export")
+        hint = ""
+        if (export_dir / "config.json").is_file():
+            hint = (" (a Hugging Face model directory without runyard's provenance: start a stage from it with "
+                    "`model.init: {from: hf, path: ...}`; or an export written by an older runyard, in its "
+                    "own format: run the stage's export again)")
+        raise ExportError(f"{path} is missing; {export_dir} is not a runyard export{hint}")
     try:
         config = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ExportError(f"{path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict) or config.get("format") != EXPORT_FORMAT:
-        raise ExportError(f"{path} is not a runyard export config (expected format {EXPORT_FORMAT!r})")
+        raise ExportError(f"{path} is not a runyard export record (expected format {EXPORT_FORMAT!r})")
     if config.get("format_version") != EXPORT_VERSION:
         raise ExportError(
             f"{path} has format_version {config.get('format_version')!r}; this runyard reads {EXPORT_VERSION}"
         )
     return config
+
+
+def verify_export(export_dir: Path) -> dict[str, Any]:
+    """Check a language model's export: every file runyard.json records against its sha256; return
+    runyard.json. ExportError names the first missing or modified file, or a table/image export."""
+    export_dir = Path(export_dir)
+    if not export_dir.is_dir():
+        raise ExportError(f"export directory {export_dir} does not exist")
+    config = read_export_config(export_dir)
+    if config.get("kind", "language_model") != "language_model":  # a table or image model (serve/predict_export.py)
+        raise ExportError(f"{export_dir} holds a {config['kind']} model: `runyard serve` offers it at POST /v1/predict")
+    verify_files(export_dir, config, required=(TOKENIZER_FILE,))
+    return config
+
+
+def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, ...] = ()) -> None:
+    """Check every file runyard.json lists against its sha256 (and that `required` ones are listed);
+    ExportError naming the file that is missing, outside the export or modified."""
+    record = export_dir / PROVENANCE_FILE
+    checksums = config.get("files")
+    if not isinstance(checksums, dict):
+        raise ExportError(f"{record} has no 'files' checksum table")
+    for name in required:
+        if name not in checksums:
+            raise ExportError(f"{record} records no checksum for {name}")
+    for name, expected in checksums.items():
+        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
+            raise ExportError(f"{record} names {name!r}, not a file of the export")
+        path = export_dir / name
+        if not path.is_file():
+            raise ExportError(f"{path} is missing from the export")
+        actual = sha256_file(path)
+        if actual != expected:
+            raise ExportError(
+                f"{path} fails its checksum (sha256 {actual[:16]}..., {PROVENANCE_FILE} records "
+                f"{str(expected)[:16]}...): the file was modified or truncated"
+            )
 
 
 def load_export(
@@ -121,47 +199,18 @@ def load_export(
     """Load (model in eval mode, config, tokenizer) from an export directory, verifying checksums and
     shapes. Raises ExportError naming the file and the problem."""
     export_dir = Path(export_dir)
-    if not export_dir.is_dir():
-        raise ExportError(f"export directory {export_dir} does not exist")
-    config = read_export_config(export_dir)
-    if config.get("kind", "language_model") != "language_model":  # a table or image model (serve/predict_export.py)
-        raise ExportError(f"{export_dir} holds a {config['kind']} model: `runyard serve` offers it at POST /v1/predict")
+    config = verify_export(export_dir)
+    record = export_dir / PROVENANCE_FILE
     try:
         kind = get_family(config.get("family", DEFAULT_FAMILY))
     except UnknownFamily as exc:
-        raise ExportError(f"{export_dir / CONFIG_FILE}: {exc}") from None
+        raise ExportError(f"{record}: {exc}") from None
     try:
         cfg = kind.config_from_dict(config.get("model"))
     except (TypeError, ValueError) as exc:
-        raise ExportError(f"{export_dir / CONFIG_FILE}: bad model config: {exc}") from None
-
-    verify_files(export_dir, config, required=(TOKENIZER_FILE,))
-
+        raise ExportError(f"{record}: bad model config: {exc}") from None
     try:
         tokenizer = Tokenizer.from_file(str(export_dir / TOKENIZER_FILE))
     except Exception as exc:
         raise ExportError(f"{export_dir / TOKENIZER_FILE} cannot be loaded: {exc}") from None
     return kind.load_files(export_dir, cfg, device), cfg, tokenizer
-
-
-def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, ...] = ()) -> None:
-    """Check every file config.json lists against its sha256 (and that `required` ones are listed);
-    ExportError naming the file that is missing, outside the export or modified."""
-    checksums = config.get("files")
-    if not isinstance(checksums, dict):
-        raise ExportError(f"{export_dir / CONFIG_FILE} has no 'files' checksum table")
-    for name in required:
-        if name not in checksums:
-            raise ExportError(f"{export_dir / CONFIG_FILE} records no checksum for {name}")
-    for name, expected in checksums.items():
-        if not isinstance(name, str) or "/" in name or "\\" in name or name in ("", ".", ".."):
-            raise ExportError(f"{export_dir / CONFIG_FILE} names {name!r}, not a file of the export")
-        path = export_dir / name
-        if not path.is_file():
-            raise ExportError(f"{path} is missing from the export")
-        actual = sha256_file(path)
-        if actual != expected:
-            raise ExportError(
-                f"{path} fails its checksum (sha256 {actual[:16]}..., config.json records "
-                f"{str(expected)[:16]}...): the file was modified or truncated"
-            )

@@ -8,7 +8,7 @@ An export directory holds:
 - `feature_drift.json`: the training distribution that serving compares live inputs with
   (serve/feature_drift.py);
 - `model.onnx` where a converter exists (serve/onnx_export.py), with how closely it matched;
-- `config.json`: format and version, `kind` (table or image), task, family and its config, the sha256 of
+- `runyard.json`: format and version, `kind` (table or image), task, family and its config, the sha256 of
   every other file, the ONNX record and caller-supplied `extra`.
 Written under a temporary name beside its destination, fsynced, renamed into place; loading checks every
 checksum before anything is built.
@@ -29,7 +29,13 @@ import torch
 from runyard.data.table_schema import TableSchema, encode_records
 from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
 from runyard.model.registry import ExportError, UnknownFamily, get_family
-from runyard.serve.export import CONFIG_FILE, EXPORT_FORMAT, EXPORT_VERSION, read_export_config, verify_files
+from runyard.serve.export import (
+    EXPORT_FORMAT,
+    EXPORT_VERSION,
+    PROVENANCE_FILE,
+    read_export_config,
+    verify_files,
+)
 from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.onnx_export import write_onnx
 
@@ -50,7 +56,7 @@ def image_drift_features(pixels: np.ndarray) -> tuple[np.ndarray, list[str]]:
 def export_predictor(model: Any, config: Any, family: str, out_dir: Path, *, kind: str, task: str,
                      schema: dict[str, Any], reference: FeatureReference, check_x: np.ndarray,
                      expected: np.ndarray, extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write the export (see the module's docstring) atomically; return its config.json contents.
+    """Write the export (see the module's docstring) atomically; return its runyard.json contents.
     `check_x` and `expected` are rows (or images) and the model's predictions for the ONNX check."""
     if kind not in PREDICT_KINDS:
         raise ExportError(f"unknown export kind {kind!r}; one of {PREDICT_KINDS}")
@@ -72,8 +78,8 @@ def export_predictor(model: Any, config: Any, family: str, out_dir: Path, *, kin
             "model": family_impl.config_to_dict(config), "files": {n: sha256_file(tmp / n) for n in names},
             "onnx": onnx.to_dict(), "extra": extra or {},
         }
-        (tmp / CONFIG_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for name in (*names, CONFIG_FILE):
+        (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        for name in (*names, PROVENANCE_FILE):
             fsync_file(tmp / name)
         fsync_dir(tmp)
         old = None
@@ -140,13 +146,13 @@ def load_predictor(export_dir: Path, device: str = "cpu") -> Predictor:
     record = read_export_config(export_dir)
     kind = record.get("kind")
     if kind not in PREDICT_KINDS:
-        raise ExportError(f"{export_dir / CONFIG_FILE}: kind {kind!r} is not a table or image model")
+        raise ExportError(f"{export_dir / PROVENANCE_FILE}: kind {kind!r} is not a table or image model")
     verify_files(export_dir, record, required=(SCHEMA_FILE,))
     try:
         family = get_family(record["family"])
         config = family.config_from_dict(record["model"])
     except (UnknownFamily, KeyError, TypeError, ValueError) as exc:
-        raise ExportError(f"{export_dir / CONFIG_FILE}: {exc}") from None
+        raise ExportError(f"{export_dir / PROVENANCE_FILE}: {exc}") from None
     schema = json.loads((export_dir / SCHEMA_FILE).read_text(encoding="utf-8"))
     model = family.load_files(export_dir, config, device)
     return Predictor(kind, record.get("task", ""), family.name, config, model, schema,

@@ -1,14 +1,19 @@
 """The training loop for one stage: a plain `while` a person can follow, nanoGPT-style.
 
-Each optimizer step: set the learning rate, run `grad_accum` micro-batches (loss summed over every
-token of the accumulated batch and divided by their count, so accumulation equals one large batch),
-clip, AdamW step, log. Held-out evaluation (on a sample drawn across the whole held-out split, fixed
-for the run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a
-checkpoint at the next step boundary and raises `Preempted`.
+Each optimizer step: set the learning rate, take `grad_accum` micro-batches from the stage's objective
+(train/stage_kinds.py: pretrain, sft or dpo), sum each one's loss and divide by the step's global count
+(tokens, supervised tokens or pairs over every micro-batch and process, so accumulation and several
+processes equal one large batch), clip, AdamW step, log. Held-out evaluation (on a sample fixed for the
+run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a checkpoint at the
+next step boundary and raises `Preempted`. A LoRA stage (train/lora.py) trains and checkpoints its
+adapters alone; its result is the merged model.
 
-The model comes from its family in the model registry; the loop never names a model. Resume is exact:
-the checkpoint holds model, optimizer, step, loader position and every RNG state (train/checkpoint/),
-so on CPU a resumed stage ends bitwise identical to one that never stopped.
+The model comes from its family in the model registry; the loop never names a model. A stage starts
+from random weights or from its `model.init` weights (train/init_weights.py), loaded on a fresh start
+and on a resume alike (a LoRA stage's checkpoint holds only adapters, and a dpo stage's reference is
+its initial weights). Resume is exact: the checkpoint holds model (or adapters), optimizer, step, loader
+position and every RNG state (train/checkpoint/), so on CPU a resumed stage ends bitwise identical to
+one that never stopped.
 """
 
 from __future__ import annotations
@@ -24,21 +29,25 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from runyard.data.image_loader import ImageLoader
 from runyard.data.image_prep import PreparedImages
-from runyard.data.loader import TokenLoader
+from runyard.data.instruct import PreparedInstruct
 from runyard.data.pipeline import PreparedData
-from runyard.errors import Preempted
+from runyard.errors import Preempted, RunyardError
 from runyard.evaluate.heldout import evaluation_seeds
 from runyard.model.registry import get_family
+from runyard.plan.weights_in import stage_config
 from runyard.spec import JobSpec, ResolvedStage
-from runyard.train import batches, checkpoint, parallel
+from runyard.train import batches, checkpoint, finetune_eval, parallel
+from runyard.train.init_weights import load_initial_weights, load_state_checked
+from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
+from runyard.train.objectives import token_loss_sum
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
 from runyard.train.rng import derive_seed, seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
+from runyard.train.stage_kinds import PretrainObjective, dpo_reference, instruct_objective
 
 log = logging.getLogger(__name__)
 
@@ -52,9 +61,14 @@ class StageResult:
     tokens_per_s: float
     resumed_from: int | None
     checkpoint: Path
-    model: torch.nn.Module
+    model: torch.nn.Module  # the whole model as trained (LoRA merged into it)
     config: Any
     extra: dict = field(default_factory=dict)
+    checkpointed: torch.nn.Module | None = None  # what the checkpoint holds when not `model` (LoRA adapters)
+
+    @property
+    def checkpointed_module(self) -> torch.nn.Module:
+        return self.checkpointed if self.checkpointed is not None else self.model
 
 
 @dataclass
@@ -65,12 +79,19 @@ class TrainSetup:
     module: torch.nn.Module  # what forward runs on: the model, or its DDP/FSDP wrapper
     config: Any  # the model family's config
     optimizer: torch.optim.Optimizer
-    loader: TokenLoader | ImageLoader
+    loader: Any  # the objective's loader (a TokenLoader or ImageLoader, a SampleLoader for sft and dpo)
+    objective: Any = None  # PretrainObjective, SFTObjective or DPOObjective (train/stage_kinds.py)
+    adapters: AdapterSet | None = None  # LoRA: the only parameters that train and are checkpointed
+
+    @property
+    def trained(self) -> torch.nn.Module:
+        """The parameters the optimizer steps and checkpoints hold: the adapters, or the whole model."""
+        return self.adapters if self.adapters is not None else self.model
 
     @property
     def state(self) -> checkpoint.TrainingState:
-        """What a checkpoint saves and restores: model, optimizer, loader position and RNG."""
-        return checkpoint.TrainingState(self.model, self.optimizer, self.loader)
+        """What a checkpoint saves and restores: model (or adapters), optimizer, loader position and RNG."""
+        return checkpoint.TrainingState(self.trained, self.optimizer, self.loader)
 
 
 def autocast_for(device: torch.device, precision: str):
@@ -80,19 +101,65 @@ def autocast_for(device: torch.device, precision: str):
     return contextlib.nullcontext()
 
 
-def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages,
-                ctx: parallel.DistContext) -> TrainSetup:
+def build_model(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages,
+                ctx: parallel.DistContext, run_dir: Path | None):
+    """The stage's model at its start, on the device: built from the stage's seed, then (with `run_dir`)
+    loaded with its `model.init` weights before anything wraps it (DDP then broadcasts them, FSDP shards
+    them). The one place a stage's model is built. Returns (model, config); the config is the spec's
+    shape, or that of the weights the stage starts from. `run_dir=None` leaves the seeded random
+    initialisation (what the stage would be without `init`)."""
     family = get_family(stage.model.family)
     seed_everything(derive_seed(spec.seed, "init", stage.name))
-    config = family.config_from_spec(stage.model, **batches.data_facts(prepared))
-    model = family.build(config).to(ctx.device)
+    facts = batches.data_facts(prepared)
+    config = stage_config(spec, stage.name, **facts)
+    model = family.build(config)
+    if run_dir is not None:
+        load_initial_weights(model, spec, stage.name, run_dir, facts.get("vocab_size"))
+    return model.to(ctx.device), config
+
+
+def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages,
+                ctx: parallel.DistContext, run_dir: Path | None = None,
+                instruct: PreparedInstruct | None = None) -> TrainSetup:
+    """The stage's model (from build_model), its adapters, optimizer and objective. The same for a fresh
+    start and a resume: a resume then restores its checkpoint over it."""
+    family = get_family(stage.model.family)
+    model, config = build_model(spec, stage, prepared, ctx, run_dir)
+    reference = None
+    if stage.kind == "dpo":  # the stage's initial weights, before anything trains them
+        reference = dpo_reference(model, uses_lora=stage.lora is not None)
+    adapters = None
+    if stage.lora is not None:
+        if ctx.distributed and spec.resources.parallel == "fsdp":
+            raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
+        adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
     module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
     if spec.resources.compile and ctx.device.type == "cuda":
         module = torch.compile(module)
     o = stage.optim
-    optimizer = torch.optim.AdamW(family.optimizer_groups(model, o), lr=o.lr, betas=o.betas, eps=o.eps)
-    loader = batches.train_loader(prepared, config, stage.train.batch_size, derive_seed(spec.seed, "data", stage.name), ctx)
-    return TrainSetup(model, module, config, optimizer, loader)
+    if adapters is not None:
+        groups = [{"name": "lora", "params": list(adapters.parameters()), "weight_decay": o.weight_decay}]
+    else:
+        groups = family.optimizer_groups(model, o)
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps)
+    data_seed = derive_seed(spec.seed, "data", stage.name)
+    if stage.kind == "pretrain":
+        # Text: windows of the spec's training length (a model from weights may attend further,
+        # config.context_length); images: pixel batches. Held out: drawn across the whole held-out split,
+        # the same sample at every evaluation and after a resume.
+        loader = batches.train_loader(prepared, stage.model, stage.train.batch_size, data_seed, ctx)
+        heldout = batches.heldout_sample(prepared, stage.model, stage.train.batch_size,
+                                         spec.eval.batches * stage.train.batch_size,
+                                         evaluation_seeds(spec.seed)["eval.heldout"])
+        objective = PretrainObjective(loader, heldout, unit=family.sizing(config).unit)
+    else:
+        if instruct is None:
+            raise RunyardError(f"stage {stage.name} ({stage.kind}) has no prepared instruction data")
+        objective = instruct_objective(
+            stage.kind, instruct, stage.train.batch_size, spec.eval.batches * stage.train.batch_size, data_seed,
+            derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
+            stage.dpo.beta, reference)
+    return TrainSetup(model, module, config, optimizer, objective.loader, objective, adapters)
 
 
 def forward_backward(
@@ -103,7 +170,7 @@ def forward_backward(
     equal one large batch's."""
     with autocast_for(device, precision):
         logits = module(x)
-    loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") * loss_scale
+    loss = token_loss_sum(logits, y) * loss_scale
     loss.backward()
     return loss.detach()
 
@@ -132,30 +199,46 @@ def train_stage(
     ctx: parallel.DistContext,
     stop: StopRequest | None = None,
     show_progress: bool = True,
+    instruct: PreparedInstruct | None = None,
 ) -> StageResult:
     """Train one stage from scratch, or continue it from its newest good checkpoint. A checkpoint
-    still being written when training fails is waited for (its own failure only logged)."""
+    still being written when training fails is waited for (its own failure only logged). sft and dpo
+    stages train on `instruct`, their prepared records."""
     try:
-        return _train_stage(spec, stage, prepared, stage_dir, ctx, stop or StopRequest(), show_progress)
+        return _train_stage(spec, stage, prepared, stage_dir, ctx, stop or StopRequest(), show_progress, instruct)
     finally:
         checkpoint.wait_pending(raise_errors=False)
 
 
 def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages, stage_dir: Path,
-                 ctx: parallel.DistContext, stop: StopRequest, show_progress: bool) -> StageResult:
+                 ctx: parallel.DistContext, stop: StopRequest, show_progress: bool,
+                 instruct: PreparedInstruct | None) -> StageResult:
     family = get_family(stage.model.family)
-    setup = build_setup(spec, stage, prepared, ctx)
+    # Built the same way on a fresh start and a resume (its init weights loaded either way); a resume
+    # then restores its checkpoint over them.
+    setup = build_setup(spec, stage, prepared, ctx, run_dir=stage_dir.parent.parent, instruct=instruct)
+    objective = setup.objective
     device, precision = ctx.device, spec.resources.precision
+
+    def autocast():
+        return autocast_for(device, precision)
+
+    def heldout_loss_of(module, batches):
+        return evaluate_loss(module, batches, device, precision)
+
     ckpt_dir = stage_dir / "checkpoints"
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     train_cfg = stage.train
     total_steps = train_cfg.steps
-    # Drawn across the whole held-out split, the same sample at every evaluation and after a resume.
-    heldout = batches.heldout_sample(prepared, setup.config, train_cfg.batch_size,
-                                     spec.eval.batches * train_cfg.batch_size, evaluation_seeds(spec.seed)["eval.heldout"])
+    if instruct is not None and ctx.is_main:  # the base model's held-out figures, before any step
+        finetune_eval.record_before(setup, stage, instruct, stage_dir, device, autocast)
+    base_hash = setup.adapters.base_sha256 if setup.adapters is not None else None
 
     step, best_loss, best_step, resumed_from, last_heldout = 0, math.inf, None, None, None
     restored = checkpoint.load(setup.state, ckpt_dir, ctx)
+    if restored is not None and restored.values.get("lora_base_sha256") != base_hash:
+        raise LoRAError(f"stage {stage.name}: the checkpoint's adapters were trained on a base with sha256 "
+                        f"{restored.values.get('lora_base_sha256')}, this stage's base is {base_hash}")
     recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
     if restored is not None:
         saved = restored.values
@@ -171,14 +254,11 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
 
     # A "token" here is one target of the loss: a token of text, or an image's label (unit "sample").
     unit = family.sizing(setup.config).unit
-    tokens_per_micro = train_cfg.batch_size * family.targets_per_sample(setup.config)
+    seen_key = f"{unit}s"
+    tokens_seen = next((r[seen_key] for r in reversed(metrics.read()) if seen_key in r), 0) if ctx.is_main and step else 0
     # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
     grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx,
                                          restored.values if restored else None)
-    tokens_per_step = tokens_per_micro * grad_accum * ctx.world_size
-    # Each rank divides its summed loss by its own share of the step's tokens; DDP's mean over ranks
-    # then makes the gradient that of the whole global batch.
-    loss_scale = ctx.world_size / tokens_per_step
     flops_per_token = family.sizing(setup.config).flops_per_unit
     peak = device_peak_flops(device)
     params = [p for p in setup.model.parameters() if p.requires_grad]
@@ -196,6 +276,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "last_heldout_loss": last_heldout,
             "world_size": ctx.world_size,
             "grad_accum": grad_accum,
+            "kind": stage.kind,
+            "lora_base_sha256": base_hash,
         }
         retention = checkpoint.Retention(spec.checkpoint.keep_last, best_step if retention_keep_best else None)
         last_path = checkpoint.save(setup.state, ckpt_dir, at_step, values, ctx, retention=retention,
@@ -210,12 +292,17 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             for group in setup.optimizer.param_groups:
                 group["lr"] = lr
             step_loss = torch.zeros((), device=device)
-            for micro in range(grad_accum):
-                x, y = setup.loader.next_batch()
-                x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-                last_micro = micro == grad_accum - 1
-                with parallel.grad_sync(setup.module, ctx, last_micro):
-                    step_loss += forward_backward(setup.module, x, y, loss_scale, device, precision)
+            micro_batches = [objective.next_batch() for _ in range(grad_accum)]
+            # The step's loss is normalised by its global count (tokens, supervised tokens or pairs over
+            # every micro-batch and process). Each rank scales its sum by world_size / count; DDP's mean
+            # over ranks then gives the gradient of the whole global batch.
+            count, tokens_per_step = objective.global_counts(micro_batches, ctx)
+            loss_scale = ctx.world_size / count
+            for micro, batch in enumerate(micro_batches):
+                with parallel.grad_sync(setup.module, ctx, micro == grad_accum - 1):
+                    loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
+                    loss.backward()
+                step_loss += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
             setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)
@@ -227,24 +314,24 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             dt = time.perf_counter() - t0
             tok_s = tokens_per_step / dt
             throughput.append(tok_s)
+            tokens_seen += int(tokens_per_step)
             row = {
                 "step": step,
                 "loss": loss_value,
                 "lr": lr,
                 "grad_norm": float(grad_norm),
                 f"{unit}s_per_s": tok_s,
-                f"{unit}s": step * tokens_per_step,
+                f"{unit}s": tokens_seen,
                 "time": time.time(),
+                **objective.step_metrics(ctx),
             }
             step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
             if step_mfu is not None:
                 row["mfu"] = step_mfu
             if step % spec.eval.interval == 0 or step == total_steps:
-                last_heldout = parallel.all_reduce_mean(
-                    evaluate_loss(setup.module, heldout.batches, device, precision), ctx
-                )
-                row.update({"heldout_loss": last_heldout, f"heldout_{unit}s": heldout.tokens,
-                            "heldout_documents": heldout.documents})
+                evaluation = objective.evaluate(setup.module, device, autocast, heldout_loss_of)
+                last_heldout = parallel.all_reduce_mean(evaluation["heldout_loss"], ctx)
+                row.update(evaluation, heldout_loss=last_heldout)
                 if last_heldout < best_loss:
                     best_loss, best_step = last_heldout, step
             losses.append(loss_value)
@@ -264,6 +351,11 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput
+    model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
+    if setup.adapters is not None:
+        model = merged_model(family, setup.config, setup.model, device)
+    if instruct is not None and ctx.is_main:
+        finetune_eval.record_after(setup, model, stage, instruct, stage_dir, device, autocast)
     return StageResult(
         name=stage.name,
         steps=step,
@@ -272,6 +364,32 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
         tokens_per_s=sum(steady) / len(steady) if steady else 0.0,
         resumed_from=resumed_from,
         checkpoint=last_path,
-        model=parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx),
+        model=model,
         config=setup.config,
+        checkpointed=setup.adapters,
     )
+
+
+def merged_model(family, config, adapted: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A plain model of `config` holding `adapted`'s weights with its LoRA adapters merged in."""
+    with torch.random.fork_rng(devices=[]):  # building the copy must not move the training RNG
+        plain = family.build(config)
+    plain.load_state_dict(merged_state_dict(adapted))
+    return plain.to(device)
+
+
+def final_stage_model(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData, ctx: parallel.DistContext,
+                      checkpoint_path: Path, run_dir: Path | None) -> tuple[torch.nn.Module, Any]:
+    """A finished stage's model from its final checkpoint (no collectives): the weights it holds, or for
+    a LoRA stage its base (its `model.init` weights, from `run_dir`) with the checkpoint's adapters merged
+    in (the base is verified by its hash)."""
+    family = get_family(stage.model.family)
+    model, config = build_model(spec, stage, prepared, ctx, run_dir)
+    weights = checkpoint.read_model_weights(checkpoint_path)
+    if stage.lora is None:
+        load_state_checked(model, weights, str(checkpoint_path))
+        return model, config
+    trained_on = checkpoint.read_checkpoint(checkpoint_path)[1].get("lora_base_sha256")
+    attach_trained_adapters(model, stage.lora, derive_seed(spec.seed, "lora", stage.name), weights, trained_on,
+                            str(checkpoint_path))
+    return merged_model(family, config, model, ctx.device), config

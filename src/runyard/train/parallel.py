@@ -117,6 +117,15 @@ def all_reduce_mean(value: float, ctx: DistContext) -> float:
     return float(t.item()) / ctx.world_size
 
 
+def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
+    """The element-wise sum of `values` over all ranks (one collective for the whole list)."""
+    if not ctx.distributed:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
+    dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return [float(v) for v in t.tolist()]
+
+
 def all_reduce_max(value: float, ctx: DistContext) -> float:
     if not ctx.distributed:
         return value

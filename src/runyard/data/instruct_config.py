@@ -1,0 +1,88 @@
+"""The `data:` section of an instruction (sft) or preference (dpo) stage. Owned by the data stage;
+spec_sections.py embeds it in a stage.
+
+Records come from JSONL or Parquet (fields named below) or are built from Python sources
+(`python_functions`: one record per documented function, made with `ast` at data-prep time). The
+conversation text is normalised, exact and near duplicates are removed by conversation, and the
+held-out split is made by conversation (or by a named group, so that related records share a side).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from runyard.data.config import DedupSpec, NormalizeSpec
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InstructSourceSpec(_Strict):
+    """One input of instruction or preference records."""
+
+    path: str = Field(
+        description="a local file, a glob (`**` recurses) or an fsspec URL; `{stdlib}` expands to the "
+        "interpreter's standard library"
+    )
+    format: Literal["jsonl", "parquet", "python_functions"] = Field(
+        default="jsonl",
+        description="`jsonl` (one record per line), `parquet` (one record per row), or `python_functions`: "
+        "Python files whose documented functions become records (the prompt: the function's signature and "
+        "docstring; the response: its body; the group: its module), built with `ast` at data-prep time; for a dpo "
+        "stage the rejected response is the body of the module's next function",
+    )
+    group_field: str | None = Field(
+        default=None,
+        description="a record field whose value keeps records together in the held-out split (e.g. a "
+        "source module); null splits by conversation. `python_functions` records are grouped by module",
+    )
+    min_body_lines: int = Field(
+        default=2, ge=1, description="`python_functions` only: functions whose body is shorter are skipped"
+    )
+    max_body_lines: int = Field(
+        default=40, ge=1, description="`python_functions` only: functions whose body is longer are skipped"
+    )
+    exclude: list[str] = Field(default_factory=list, description="glob patterns of paths to leave out")
+
+
+class InstructDataSpec(_Strict):
+    """Instruction data (stage kind `sft`): records with `messages` (a list of {role, content}, roles
+    system/user/assistant, user and assistant alternating, ending with the assistant) or with `prompt`
+    and `response` (and an optional `system`). Preference data (kind `dpo`): records with `prompt`,
+    `chosen` and `rejected` (and an optional `system`)."""
+
+    sources: list[InstructSourceSpec] = Field(min_length=1, description="the inputs, read in order")
+    heldout_fraction: float = Field(
+        default=0.1,
+        gt=0.0,
+        lt=0.5,
+        description="fraction of conversations (or groups) held out for evaluation, chosen by a seeded hash",
+    )
+    chat_template: str | None = Field(
+        default=None,
+        description="a Jinja chat template (rendered as transformers renders them), or `default` for "
+        "runyard's instruction format (`### Instruction:` / `### Response:`, turns ended by the end-of-text "
+        "token); null takes the tokenizer's tokenizer_config.json template, else the default for "
+        "prompt/response data (messages without a template are an error)",
+    )
+    too_long: Literal["truncate", "drop"] = Field(
+        default="drop",
+        description="a conversation longer than the model's context: `drop` it, or `truncate` it to the "
+        "context (dropped all the same when no response token is left); both counted in the data report",
+    )
+    length_grouping: int = Field(
+        default=32,
+        ge=0,
+        description="batches are drawn from windows of this many global batches sorted by length, so a "
+        "batch pads less; 0 draws them in plain shuffled order",
+    )
+    normalize: NormalizeSpec = Field(default_factory=NormalizeSpec, description="text normalisation of every message")
+    dedup: DedupSpec = Field(
+        default_factory=DedupSpec, description="exact and near-duplicate removal by whole conversation"
+    )
+    cache_dir: str | None = Field(
+        default=None, description="where prepared records are kept; default the top-level data's cache"
+    )

@@ -1,0 +1,181 @@
+"""What each stage's model starts from (`model.init`), and the model config that follows from it.
+
+A stage starts from random weights, from an earlier stage's final weights (`{from: stage}`), from a
+runyard export (`{from: export}`) or from a Hugging Face model directory (`{from: hf}`). The model's
+shape is the weights': `stage_config` merges the spec's `model` section into the weights' config and
+reports every field the spec contradicts. A run has one tokenizer (its data is tokenized once), so the
+stages that start from a model directory must agree on it, and it replaces the trained BPE:
+`weights_tokenizer_dir`.
+
+`check_weights_in(spec)` runs all of this before any work, so a spec that cannot run on its weights is
+a spec error (exit 2) naming the field, the file and the value.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tokenizers import Tokenizer
+
+from runyard.data.tokenizer import TOKENIZER_FILE, eos_token_beside, load_model_tokenizer
+from runyard.errors import DataError, RunyardError, SpecError
+from runyard.model.config import ConfigContradiction
+from runyard.model.hf.config import HF_FIELDS
+from runyard.model.registry import get_family
+from runyard.serve.export import read_export_config
+from runyard.spec import JobSpec, reference_hint, resolved_stage
+
+SPEC_SOURCE = "(spec checked against its initial weights)"
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """Where one stage's weights come from. `field` is the spec path of its `model.init`."""
+
+    stage: str
+    source: str  # "random", "stage", "export" or "hf"
+    field: str
+    from_stage: str | None = None
+    directory: Path | None = None
+
+
+def stage_start(spec: JobSpec, stage_name: str) -> StageStart:
+    """The stage's `model.init`, resolved (top-level inheritance included)."""
+    stage = resolved_stage(spec, stage_name)
+    init = stage.model.init
+    field = f"stages[{stage.index}].model.init" if "init" in spec.stages[stage.index].model else "model.init"
+    if init is None:
+        return StageStart(stage_name, "random", field)
+    if init.source == "stage":
+        return StageStart(stage_name, "stage", field, from_stage=init.name)
+    return StageStart(stage_name, init.source, field, directory=Path(init.path))
+
+
+def _directory_problem(start: StageStart, message: str) -> SpecError:
+    return SpecError(SPEC_SOURCE, [(f"{start.field}.path", str(start.directory),
+                                    f"{message} {reference_hint('model.init.path')}")])
+
+
+def directory_config(spec: JobSpec, start: StageStart) -> Any:
+    """The config of the model in the stage's init directory; SpecError naming the file and field."""
+    family = get_family(resolved_stage(spec, start.stage).model.family)
+    directory = start.directory
+    if not directory.is_dir():
+        raise _directory_problem(start, "an existing model directory")
+    try:
+        if start.source == "export":
+            recorded = read_export_config(directory).get("family")
+            if recorded != family.name:
+                raise _directory_problem(start, f"an export of a {family.name} model; {directory} holds a "
+                                                f"{recorded!r} model")
+        return family.config_from_directory(directory)
+    except SpecError:
+        raise
+    except RunyardError as exc:
+        raise _directory_problem(start, f"a model directory runyard can start from: {exc}") from None
+
+
+def stage_config(spec: JobSpec, stage_name: str, vocab_size: int | None = None, **data_facts: Any) -> Any:
+    """The model config stage `stage_name` trains: from its spec alone (random start; `vocab_size`: the
+    tokenizer's, or for images the `data_facts` train/batches.py reads from the prepared data), or its
+    initial weights' config merged with its spec. SpecError naming each field the spec contradicts."""
+    stage = resolved_stage(spec, stage_name)
+    family = get_family(stage.model.family)
+    start = stage_start(spec, stage_name)
+    if start.source == "random":
+        facts = data_facts if vocab_size is None else {"vocab_size": vocab_size, **data_facts}
+        return family.config_from_spec(stage.model, **facts)
+    if start.source == "stage":
+        weights = stage_config(spec, start.from_stage, vocab_size, **data_facts)
+        origin = f"stage {start.from_stage!r}'s model"
+    else:
+        weights = directory_config(spec, start)
+        origin = f"{start.directory}/config.json"
+    try:
+        return family.config_from_weights(stage.model, weights)
+    except ConfigContradiction as exc:
+        where = f"stages[{stage.index}].model" if spec.stages[stage.index].model else "model"
+        raise SpecError(SPEC_SOURCE, [
+            (f"{where}.{name}", mine, _contradiction(name, theirs, origin)) for name, mine, theirs in exc.fields
+        ]) from None
+
+
+def _contradiction(name: str, theirs: Any, origin: str) -> str:
+    hf_name = HF_FIELDS.get(name, name)
+    if name == "context_length":
+        return (f"at most the context of the weights it starts from: {origin} has {hf_name} = {theirs} "
+                f"{reference_hint('model.context_length')}")
+    return (f"what the weights it starts from have, {origin}: {hf_name} = {theirs!r}; set it to that or "
+            f"leave it null {reference_hint('model.' + name)}")
+
+
+def directory_starts(spec: JobSpec) -> list[StageStart]:
+    """The stages that start from a model directory (an export or a Hugging Face model)."""
+    return [s for s in (stage_start(spec, st.name) for st in spec.stages) if s.directory is not None]
+
+
+def weights_tokenizer_dir(spec: JobSpec) -> Path | None:
+    """The model directory whose tokenizer the run uses (the first stage that starts from one), or None
+    when every stage starts from random weights or another stage (the data stage then trains a BPE)."""
+    starts = directory_starts(spec)
+    return starts[0].directory if starts else None
+
+
+def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
+    """Raise one SpecError listing every problem with the spec's initial weights, before any work: a
+    directory that is missing or malformed, an unsupported architecture or config value, a tokenizer
+    that is missing, disagrees between stages or with data.tokenizer.path, a vocabulary or context the
+    spec contradicts. `tokenizer_vocab` sizes stages that start from random weights (default: the
+    spec's data.tokenizer.vocab_size)."""
+    problems: list[tuple[str, object, str]] = []
+    starts = directory_starts(spec)
+    digests: dict[str, StageStart] = {}
+    vocab = tokenizer_vocab or spec.data.tokenizer.vocab_size
+    for start in starts:
+        try:
+            weights = directory_config(spec, start)
+            tok, _config = load_model_tokenizer(start.directory)
+        except SpecError as exc:
+            problems += exc.problems
+            continue
+        except DataError as exc:
+            problems.append((f"{start.field}.path", str(start.directory), f"a model directory with its tokenizer: "
+                             f"{exc} {reference_hint('model.init.path')}"))
+            continue
+        vocab = tok.get_vocab_size()
+        if tok.get_vocab_size() > weights.vocab_size:
+            problems.append((f"{start.field}.path", str(start.directory),
+                             f"a tokenizer that fits the model: {start.directory / TOKENIZER_FILE} has "
+                             f"{tok.get_vocab_size():,} tokens, config.json's vocab_size is {weights.vocab_size:,}"))
+        digest = _tokenizer_identity(start.directory / TOKENIZER_FILE)
+        first = next(iter(digests.values()), None)
+        if first is not None and digest not in digests:
+            problems.append((f"{start.field}.path", str(start.directory),
+                             f"a model directory with the same tokenizer as {first.directory} ({first.field}): "
+                             "the stages of one run share one tokenizer, as their data is tokenized once"))
+        digests.setdefault(digest, start)
+    if starts and spec.data.tokenizer.path and not problems:
+        theirs = _tokenizer_identity(starts[0].directory / TOKENIZER_FILE)
+        if _tokenizer_identity(Path(spec.data.tokenizer.path)) != theirs:
+            problems.append(("data.tokenizer.path", spec.data.tokenizer.path,
+                             f"null, or the tokenizer of {starts[0].directory} ({starts[0].field}): a stage that "
+                             "starts from a model directory brings its tokenizer"))
+    if not problems:
+        for stage in spec.stages:
+            try:
+                stage_config(spec, stage.name, vocab)
+            except SpecError as exc:
+                problems += [p for p in exc.problems if p not in problems]
+    if problems:
+        raise SpecError(SPEC_SOURCE, problems)
+
+
+def _tokenizer_identity(tokenizer_path: Path) -> tuple[str, str] | None:
+    """What decides how a tokenizer tokenizes data: its canonical serialisation (so a file re-saved with
+    other formatting is the same tokenizer) and its end-of-document token. None when unreadable."""
+    try:
+        return Tokenizer.from_file(str(tokenizer_path)).to_str(), eos_token_beside(tokenizer_path)
+    except Exception:  # noqa: BLE001 (tokenizers raises a bare Exception; unreadable is reported elsewhere)
+        return None

@@ -1,0 +1,173 @@
+"""What one optimizer step computes for each stage kind: pretrain (next token over the token stream),
+sft (the loss on assistant tokens of padded conversations) and dpo (preference pairs against a frozen
+reference). The loop (loop.py) stays one story; an objective gives it batches, the count each loss is
+normalised by, the summed loss of a micro-batch, and the held-out evaluation.
+
+Normalisation: the loop sums each micro-batch's loss and divides by the global count of the step (tokens
+for pretrain, supervised tokens for sft, pairs for dpo) over every micro-batch and process, so
+accumulation and several processes give the gradient of one large batch. Pretrain and dpo know that
+count in advance; sft sums it over the ranks (one small all-reduce per step).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from runyard.data.image_loader import ImageLoader
+from runyard.data.instruct import PreparedInstruct
+from runyard.data.loader import EvalSample, TokenLoader
+from runyard.data.samples import Batch, SampleLoader, eval_batches
+from runyard.evaluate.finetune import dpo_metrics, pair_logprobs, response_loss
+from runyard.train import parallel
+from runyard.train.lora import adapters_disabled
+from runyard.train.objectives import dpo_loss, sequence_logprobs, token_loss_sum
+
+Autocast = Callable[[], AbstractContextManager]
+
+
+class PretrainObjective:
+    """Next-token prediction on fixed-length windows of the token stream; for images, the label of each
+    image (the family's `unit` names what one target is: a token, or a sample)."""
+
+    kind = "pretrain"
+
+    def __init__(self, loader: TokenLoader | ImageLoader, heldout: EvalSample, unit: str = "token"):
+        self.loader, self.heldout, self.unit = loader, heldout, unit
+
+    def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.loader.next_batch()
+
+    def global_counts(self, batches: list, ctx: parallel.DistContext) -> tuple[float, float]:
+        """(loss normaliser, input tokens) of the step over every process (each rank reads as many)."""
+        tokens = float(sum(y.numel() for _, y in batches) * ctx.world_size)
+        return tokens, tokens
+
+    def loss_sum(self, module: torch.nn.Module, batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
+        x, y = (t.to(device, non_blocking=True) for t in batch)
+        with autocast():
+            logits = module(x)
+        return token_loss_sum(logits, y)
+
+    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
+        return {}
+
+    def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
+                 evaluate_loss: Callable) -> dict[str, Any]:
+        return {"heldout_loss": evaluate_loss(module, self.heldout.batches),
+                f"heldout_{self.unit}s": self.heldout.tokens, "heldout_documents": self.heldout.documents}
+
+
+class SFTObjective:
+    """Cross-entropy on the assistant's tokens of padded conversations (labels mask everything else)."""
+
+    kind = "sft"
+
+    def __init__(self, loader: SampleLoader, heldout: list[Batch]):
+        self.loader, self.heldout = loader, heldout
+        self._padding = self._positions = 0.0
+
+    def next_batch(self) -> Batch:
+        return self.loader.next_batch()
+
+    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext) -> tuple[float, float]:
+        supervised, tokens = parallel.all_reduce_sum(
+            [float(sum(b.supervised for b in batches)), float(sum(b.real_tokens for b in batches))], ctx)
+        if supervised == 0:
+            raise RuntimeError("a step's global batch holds no supervised token (the data stage drops such samples)")
+        return supervised, tokens
+
+    def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
+        self._padding += batch.inputs.numel() - batch.real_tokens
+        self._positions += batch.inputs.numel()
+        with autocast():
+            logits = module(batch.inputs.to(device, non_blocking=True))
+        return token_loss_sum(logits, batch.labels.to(device, non_blocking=True))
+
+    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
+        padding, positions = parallel.all_reduce_sum([self._padding, self._positions], ctx)
+        self._padding = self._positions = 0.0
+        return {"padding_fraction": padding / max(positions, 1.0)}
+
+    def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
+                 evaluate_loss: Callable) -> dict[str, Any]:
+        loss, tokens = response_loss(module, self.heldout, device, autocast)
+        return {"heldout_loss": loss, "heldout_response_tokens": tokens}
+
+
+class DPOObjective:
+    """The DPO loss of (chosen, rejected) pairs: both responses in one forward, the reference's
+    log-probabilities from the stage's initial weights (adapters switched off, or a frozen copy)."""
+
+    kind = "dpo"
+
+    def __init__(self, loader: SampleLoader, heldout: list[Batch], beta: float, reference: Callable):
+        self.loader, self.heldout, self.beta, self.reference = loader, heldout, beta, reference
+        self._heldout_reference: list | None = None
+        self._stats = [0.0, 0.0, 0.0]  # pairs, pairs ranked right, summed margin
+
+    def next_batch(self) -> Batch:
+        return self.loader.next_batch()
+
+    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext) -> tuple[float, float]:
+        tokens = parallel.all_reduce_sum([float(sum(b.real_tokens for b in batches))], ctx)[0]
+        return float(sum(b.pairs for b in batches) * ctx.world_size), tokens  # each rank reads as many
+
+    def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
+        ref_c, ref_r = self.reference(batch, device, autocast)
+        with autocast():
+            logits = module(batch.inputs.to(device, non_blocking=True))
+        logps = sequence_logprobs(logits, batch.labels.to(device, non_blocking=True))
+        terms = dpo_loss(logps[: batch.pairs], logps[batch.pairs :], ref_c, ref_r, self.beta)
+        self._stats[0] += batch.pairs
+        self._stats[1] += float((terms.margins > 0).sum())
+        self._stats[2] += float(terms.margins.sum())
+        return terms.losses.sum()
+
+    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
+        pairs, right, margin = parallel.all_reduce_sum(self._stats, ctx)
+        self._stats = [0.0, 0.0, 0.0]
+        return {"reward_accuracy": right / max(pairs, 1.0), "reward_margin": margin / max(pairs, 1.0)}
+
+    def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
+                 evaluate_loss: Callable) -> dict[str, Any]:
+        if self._heldout_reference is None:  # the reference never changes: scored once
+            self._heldout_reference = [self.reference(b, device, autocast) for b in self.heldout]
+        return dpo_metrics(module, self._heldout_reference, self.heldout, self.beta, device, autocast)
+
+
+def dpo_reference(model: torch.nn.Module, uses_lora: bool) -> Callable:
+    """The frozen reference's log-probabilities of a batch: the base model under the adapters when the
+    stage trains LoRA (no second copy), else a frozen copy of the model as it is now (the stage's
+    initial weights). Always in eval mode (no dropout)."""
+    reference = model if uses_lora else copy.deepcopy(model).requires_grad_(False).eval()
+
+    def logprobs(batch: Batch, device: torch.device, autocast: Autocast) -> tuple[torch.Tensor, torch.Tensor]:
+        was_training = reference.training
+        reference.eval()
+        try:
+            if uses_lora:
+                with adapters_disabled(reference):
+                    return pair_logprobs(reference, batch, device, autocast)
+            return pair_logprobs(reference, batch, device, autocast)
+        finally:
+            reference.train(was_training)
+
+    return logprobs
+
+
+def instruct_objective(kind: str, instruct: PreparedInstruct, batch_size: int, eval_samples: int, seed: int,
+                       eval_seed: int, grouping: int, ctx: parallel.DistContext, beta: float,
+                       reference: Callable | None) -> SFTObjective | DPOObjective:
+    """The sft or dpo objective over a prepared instruction dataset."""
+    loader = SampleLoader(instruct.stores("train"), batch_size, seed, instruct.pad_id, rank=ctx.rank,
+                          world_size=ctx.world_size, length_grouping=grouping)
+    heldout, _ids = eval_batches(instruct.stores("heldout"), batch_size, eval_samples, eval_seed, instruct.pad_id)
+    if kind == "sft":
+        return SFTObjective(loader, heldout)
+    assert reference is not None
+    return DPOObjective(loader, heldout, beta, reference)
