@@ -14,6 +14,7 @@ from runyard.errors import EXIT_BAD_SPEC, EXIT_FAILURE, RunyardError
 # Modules that add verbs, in the order they appear in `runyard --help`.
 VERB_MODULES = [
     "runyard.cli.run",
+    "runyard.cli.plan",
     "runyard.cli.serve",
     "runyard.cli.spec",
     "runyard.cli.data",
