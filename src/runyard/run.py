@@ -39,6 +39,7 @@ from runyard.model.registry import get_family
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
+from runyard.plan.runlife import run_lifetime
 from runyard.plan.stages import (
     evaluate_recorded_gates,
     format_failures,
@@ -267,7 +268,8 @@ def evaluate_and_export(
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     result = verdict(metrics, spec.eval, stage_metrics)
-    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries)
+    lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
+    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, lifetime)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
 
 

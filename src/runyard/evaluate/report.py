@@ -1,6 +1,7 @@
 """The evaluation report: fit-to-ship verdict, metrics, samples, and PNG curves.
 
-Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eval/*.png`.
+Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eval/*.png`; with the spec's
+`traffic`, also the training-against-inference section and `eval/lifetime.png` (runyard.plan.runlife).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from matplotlib.figure import Figure
 
 from runyard.evaluate.heldout import HeldoutMetrics
 from runyard.fsutil import atomic_write_text
+from runyard.plan.lifetime import Lifetime, plot_lifetime
 from runyard.spec import EvalSpec
 
 
@@ -127,6 +129,7 @@ def write_report(
     samples: list[dict],
     stage_metrics: dict[str, list[dict]],
     stage_summaries: list[dict],
+    lifetime: Lifetime | None = None,
 ) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(stage_metrics, out_dir)
@@ -141,6 +144,9 @@ def write_report(
         "samples": samples,
         "plots": [p.name for p in plots],
     }
+    if lifetime is not None:
+        plot = plot_lifetime(lifetime, out_dir / "lifetime.png")
+        report["lifetime"] = {**lifetime.to_dict(), "lines": lifetime.lines(), "plot": plot.name}
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out_dir / "report.md", _markdown(report))
     return report
@@ -197,6 +203,10 @@ def _markdown(report: dict) -> str:
             f"| {s['name']} | {s['steps']} | {s['final_loss']:.4f} | {held} | {s['tokens_per_s']:,.0f} | "
             f"{'passed' if s['gates_passed'] else 'FAILED'} |"
         )
+    if report.get("lifetime"):
+        lines += ["", "## Training against a lifetime of inference", ""]
+        lines += [line if not line or line.startswith("|") else f"- {line}" for line in report["lifetime"]["lines"]]
+        lines += ["", f"![{report['lifetime']['plot']}]({report['lifetime']['plot']})"]
     lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in report["plots"]]
     lines += ["", "## Samples", ""]
     for s in report["samples"]:

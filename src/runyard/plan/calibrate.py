@@ -256,9 +256,9 @@ def calibrate_stage(
         while not fbs or (len(fbs) < max_steps and time.perf_counter() - started < budget_s):
             fbs.append(_timed(fb, dev))
             opts.append(_timed(opt, dev))
-        fwd = _forward_times(model, x, dev, precision, started, budget_s)
+        fwd = forward_seconds(model, x, dev, precision, started, budget_s)
         peak = memory.peak()
-        decode_s = _decode_times(model, dev, started, budget_s) if decode else None
+        decode_s = decode_token_seconds(model, dev, started, budget_s) if decode else None
     steady = _median(fbs) + _median(opts)
     return StageCalibration(
         stage=stage,
@@ -294,8 +294,11 @@ class _PeakMemory:
         return None if hwm is None else max(0, hwm - self.base)
 
 
-def _forward_times(model: torch.nn.Module, x: torch.Tensor, dev: torch.device, precision: str, started: float,
-                   budget_s: float) -> float:
+def forward_seconds(model: torch.nn.Module, x: torch.Tensor, dev: torch.device, precision: str,
+                    started: float | None = None, budget_s: float = 1.0) -> float:
+    """Median seconds of a forward pass of batch `x` without gradients (1 to 3 passes within the budget)."""
+    started = time.perf_counter() if started is None else started
+    was_training = model.training
     model.eval()
 
     def fwd() -> None:
@@ -305,15 +308,20 @@ def _forward_times(model: torch.nn.Module, x: torch.Tensor, dev: torch.device, p
     times = [_timed(fwd, dev)]
     while len(times) < 3 and time.perf_counter() - started < budget_s:
         times.append(_timed(fwd, dev))
-    model.train()
+    model.train(was_training)
     return _median(times)
 
 
-def _decode_times(model: torch.nn.Module, dev: torch.device, started: float, budget_s: float) -> float | None:
-    """One token at a time with a KV cache, as the serving engine decodes (a model without one: None)."""
+def decode_token_seconds(model: torch.nn.Module, dev: torch.device, started: float | None = None,
+                         budget_s: float = 1.0) -> float | None:
+    """Median seconds of one token decoded at a time with a KV cache, as the serving engine decodes (at
+    least 4 tokens, more while `budget_s` since `started` lasts, at most 16); None for a model without a
+    KV cache. The model's training mode is restored."""
+    started = time.perf_counter() if started is None else started
     new_cache = getattr(model, "new_kv_cache", None)
     if new_cache is None:
         return None
+    was_training = model.training
     model.eval()
     cache = new_cache(batch_size=1)
     times: list[float] = []
@@ -325,5 +333,5 @@ def _decode_times(model: torch.nn.Module, dev: torch.device, started: float, bud
         while pos < min(limit, 17) and (len(times) < 4 or time.perf_counter() - started < budget_s):
             times.append(_timed(lambda p=pos: model(token, kv_cache=cache, start_pos=p), dev))
             pos += 1
-    model.train()
+    model.train(was_training)
     return _median(times) if times else None

@@ -32,6 +32,7 @@ from typing import Any
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
+from runyard.model.registry import get_family
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
     Machine,
@@ -185,19 +186,27 @@ def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, fac
     stage = resolved_stage(spec, plan.stage)
     family, config = sizing.stage_config(spec, stage, facts)
     size = family.sizing(config, micro_batch=stage.train.batch_size)
-    memory = sizing.MemoryEstimate(**{k: v for k, v in plan.memory.items() if k != "total"})
     calibration = None
     if calibrate and family.trains_with_loop and fits_here(size.parameters, size.activation_bytes, machine):
         calibration = calibrate_stage(plan.stage, family, config, stage.optim, stage.train.batch_size, machine,
                                       spec.resources.precision, spec.resources.threads, budget_s=budget_s,
                                       decode=plan.stage == spec.stages[-1].name)
+    phases, how = stage_phases(spec, plan, machine, calibration)
+    return StageEstimate(plan, phases, how, stage_memory(plan, calibration), calibration)
+
+
+def stage_phases(spec: JobSpec, plan: sizing.StagePlan, machine: Machine,
+                 calibration: StageCalibration | None) -> tuple[dict[str, float], str]:
+    """Seconds of a stage's training steps, periodic evaluations, checkpoints and setup on `machine`, from
+    its calibration (steps x (grad_accum x forward-backward + optimizer) + the first step's extra;
+    evaluations x eval.batches x a forward pass) or else from its FLOPs at the matmul rate times the
+    stated utilisation; and how they were found."""
+    stage = resolved_stage(spec, plan.stage)
     t = stage.train
-    world = spec.resources.nproc
-    # Ranks on one CPU share its cores: a step of `world` micro-batches takes `world` times as long.
-    shared = world if machine.kind == "cpu" else 1
+    # Ranks on one CPU share its cores: a step of `nproc` micro-batches takes `nproc` times as long.
+    shared = spec.resources.nproc if machine.kind == "cpu" else 1
     evaluations = t.steps // spec.eval.interval + (1 if t.steps % spec.eval.interval else 0)
     checkpoints = t.steps // spec.checkpoint.interval + (1 if t.steps % spec.checkpoint.interval else 0)
-    ckpt_s = checkpoint_bytes(plan.parameters) / machine.disk_write_bytes_s
     phases: dict[str, float] = {}
     if calibration is not None:
         step = t.grad_accum * calibration.forward_backward_s + calibration.optimizer_s
@@ -205,11 +214,6 @@ def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, fac
         phases["evaluation"] = evaluations * spec.eval.batches * calibration.forward_s * shared
         how = (f"calibrated: {calibration.steps} real step{'s' if calibration.steps != 1 else ''} of this model at "
                f"micro-batch {t.batch_size} here ({calibration.forward_backward_s + calibration.optimizer_s:.3g} s a step)")
-        if calibration.peak_bytes is not None:
-            activations = max(0, calibration.peak_bytes - memory.states)
-            memory = sizing.MemoryEstimate(memory.framework, memory.states, activations, 0, memory.loader,
-                                           "measured: the peak of real steps and a held-out forward here, over "
-                                           "the framework")
     else:
         util = UTILISATION["cpu_of_matmul_peak"] if machine.kind == "cpu" else UTILISATION["train_other"]
         rate = machine.matmul_flops * util
@@ -217,9 +221,22 @@ def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, fac
         phases["evaluation"] = plan.evaluation_flops / rate * shared
         how = (f"FLOPs at {util:.0%} of {'the measured' if machine.calibrated else 'the table'} matmul rate "
                f"({machine.matmul_flops / 1e9:.1f} GFLOP/s)")
-    phases["checkpoints"] = (checkpoints + 1) * ckpt_s if family.trains_with_loop else 0.0  # + the gate's read
+    if get_family(plan.family).trains_with_loop:
+        # Each checkpoint written, and the final one read back by the round-trip gate.
+        phases["checkpoints"] = (checkpoints + 1) * checkpoint_bytes(plan.parameters) / machine.disk_write_bytes_s
     phases["setup"] = STAGE_SETUP_S
-    return StageEstimate(plan, phases, how, memory, calibration)
+    return phases, how
+
+
+def stage_memory(plan: sizing.StagePlan, calibration: StageCalibration | None) -> sizing.MemoryEstimate:
+    """The stage's memory: stated (sizing.memory_estimate), or with activations and the evaluation batch
+    replaced by the calibration's measured peak over the framework, less the model state."""
+    memory = sizing.MemoryEstimate(**{k: v for k, v in plan.memory.items() if k != "total"})
+    if calibration is None or calibration.peak_bytes is None:
+        return memory
+    return sizing.MemoryEstimate(memory.framework, memory.states, max(0, calibration.peak_bytes - memory.states), 0,
+                                 memory.loader, "measured: the peak of real steps and a held-out forward here, "
+                                 "over what was resident before")
 
 
 def _final_phases(spec: JobSpec, last: StageEstimate, data: DataEstimate, machine: Machine, vocab: int) -> dict[str, float]:
