@@ -11,7 +11,11 @@ The peer is the measurement itself. A figure is the estimate's error factor, max
 measured / estimated), the median over rounds: 1.0 is exact, and the target (the issue's "within 25%")
 is <= 1.25. The raw estimated / measured ratios are kept in the record's detail.
 
-Run: python benchmarks/plan_accuracy.py [--spec FILE ...] [--repeats N] [--record]
+`--max-steps N` measures a shorter run of the same specs (each stage's steps capped at N; model, data,
+evaluation and export unchanged), for a machine too loaded to run the full ones in the time at hand; the
+figures' names say so (`..._steps<N>`).
+
+Run: python benchmarks/plan_accuracy.py [--spec FILE ...] [--max-steps N] [--repeats N] [--record]
 """
 
 from __future__ import annotations
@@ -20,14 +24,19 @@ import argparse
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Report, Samples, add_common_args  # noqa: E402
+
+from runyard.lifetime import die_with_parent  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -35,6 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec", action="append", type=Path, default=None,
                    help="a spec to measure (repeatable; default: examples/*.yaml and the starting spec)")
     p.add_argument("--timeout", type=float, default=3600, help="seconds one run may take (default 3600)")
+    p.add_argument("--max-steps", type=int, default=None, metavar="N",
+                   help="cap every stage's training steps at N (a shorter run of the same model and data)")
     add_common_args(p, repeats=1)
     return p.parse_args(argv)
 
@@ -50,6 +61,26 @@ def default_specs(work: Path) -> list[Path]:
     return [*specs, starter]
 
 
+def capped_spec(spec: Path, max_steps: int) -> Path:
+    """A copy of `spec` whose stages train at most `max_steps` steps (warmups capped to fit, gates
+    dropped), next to the original so that relative source paths still resolve."""
+    raw = yaml.safe_load(spec.read_text())
+    sections = [raw, *raw.get("stages", [])]
+    raw.setdefault("train", {}).setdefault("steps", max_steps)
+    for section in sections:
+        train, schedule = section.get("train") or {}, section.get("schedule") or {}
+        if "steps" in train:
+            train["steps"] = min(train["steps"], max_steps)
+        if "warmup_steps" in schedule:
+            schedule["warmup_steps"] = min(schedule["warmup_steps"], max_steps // 2)
+        if section is not raw:
+            section.pop("gates", None)  # a shortened stage need not pass the full one's gates to go on
+    raw["name"] = f"{raw.get('name', spec.stem)}-steps{max_steps}"
+    out = spec.parent / f".{spec.stem}-steps{max_steps}.{os.getpid()}.yaml"
+    out.write_text(yaml.safe_dump(raw, sort_keys=False))
+    return out
+
+
 def estimate(spec: Path, work: Path, env: dict) -> dict:
     """`runyard plan --json` in `work` on a cold cache: (seconds, peak bytes) and the plan."""
     out = subprocess.run(runyard_command("plan", str(spec), "--json"), cwd=work, env=env, capture_output=True,
@@ -63,18 +94,23 @@ def measure(spec: Path, work: Path, env: dict, timeout: float) -> tuple[float, i
     """Wall seconds and peak resident bytes of `runyard run SPEC` in its own process."""
     log = open(work / "run.log", "w")  # noqa: SIM115 - closed below, after the child exits
     t0 = time.perf_counter()
+    parent = os.getpid()
     proc = subprocess.Popen(runyard_command("run", str(spec), "--no-progress", "--run-dir", str(work / "run")),
-                            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT)
+                            cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM, parent))
     deadline = t0 + timeout
-    while True:
-        pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-        if pid:
-            break
-        if time.perf_counter() > deadline:
-            proc.kill()
-            pid, status, usage = os.wait4(proc.pid, 0)
-            raise RuntimeError(f"runyard run {spec} took over {timeout} s")
-        time.sleep(0.05)
+    try:
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.perf_counter() > deadline:
+                raise RuntimeError(f"runyard run {spec} took over {timeout} s")
+            time.sleep(0.05)
+    except BaseException:  # a timeout or an interrupt: the run stops (checkpointing) before we go on
+        proc.terminate()
+        proc.wait()
+        raise
     wall = time.perf_counter() - t0
     log.close()
     proc.returncode = os.waitstatus_to_exitcode(status)
@@ -103,6 +139,10 @@ def estimated_phases(plan: dict) -> dict[str, float]:
     return out
 
 
+def interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def fresh_env(cache: Path) -> dict:
     env = dict(os.environ, RUNYARD_CACHE_DIR=str(cache), PYTHONPATH=str(REPO / "src"))
     env.pop("RUNYARD_RUNS_DIR", None)
@@ -113,9 +153,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = Report("plan_accuracy", args)
     root = Path(tempfile.mkdtemp(prefix="runyard-plan-accuracy-"))
+    # SIGTERM unwinds like Ctrl-C, so the temporary specs and runs below are removed.
+    signal.signal(signal.SIGTERM, interrupt)
+    capped: list[Path] = []
     try:
         specs = [s.resolve() for s in args.spec] if args.spec else default_specs(root)
-        for spec in specs:
+        names = [spec.stem.replace("-", "_") for spec in specs]
+        if args.max_steps:
+            capped = [capped_spec(spec, args.max_steps) for spec in specs]
+            specs, names = capped, [f"{name}_steps{args.max_steps}" for name in names]
+        for spec, name in zip(specs, names, strict=True):
             time_error, memory_error = Samples(), Samples()
             rows = []
             for r in range(args.repeats):
@@ -140,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                              "estimated_peak_bytes": plan["peak_memory_bytes"], "measured_peak_bytes": peak,
                              "time_ratio": t_ratio, "memory_ratio": m_ratio, "calibration_s": plan["calibration_s"],
                              "phases": phases, "load_1min": os.getloadavg()[0]})
-                print(f"  {spec.name} round {r + 1}: time {plan['estimated_seconds']:.1f} s estimated / {wall:.1f} s "
+                print(f"  {name} round {r + 1}: time {plan['estimated_seconds']:.1f} s estimated / {wall:.1f} s "
                       f"measured = {t_ratio:.2f}; peak memory {plan['peak_memory_bytes'] / 2**20:.0f} MiB / "
                       f"{peak / 2**20:.0f} MiB = {m_ratio:.2f} (plan took {plan['calibration_s']:.1f} s)",
                       file=sys.stderr, flush=True)
@@ -148,7 +195,6 @@ def main(argv: list[str] | None = None) -> int:
                     got = phases["measured"].get(phase)
                     print(f"    {phase}: {seconds:.1f} s estimated" + (f" / {got:.1f} s recorded" if got else ""),
                           file=sys.stderr, flush=True)
-            name = spec.stem.replace("-", "_")
             report.ratio(f"plan_time_error_{name}", time_error, "measured wall time of `runyard run`", "<=", 1.25,
                          {"rounds": rows})
             report.ratio(f"plan_memory_error_{name}", memory_error, "measured peak resident memory of `runyard run`",
@@ -156,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         report.note("error factor = max(estimated/measured, measured/estimated); each round on cold data caches")
         return report.finish()
     finally:
+        for path in capped:
+            path.unlink(missing_ok=True)
         shutil.rmtree(root, ignore_errors=True)
 
 
