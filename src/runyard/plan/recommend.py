@@ -170,7 +170,7 @@ def training_hardware(
         hours /= 2
     count = _round_to_node(count)
     why = (f"{'images train' if kind == 'image' else 'a language model trains'} on GPUs: {chosen}, {memory_why}; "
-           f"~{_duration(hours * 3600)} at {utilisation:.0%} of its peak")
+           f"{_duration(hours * 3600)} at {utilisation:.0%} of its peak")
     if count > 1 and hours <= TARGET_TRAINING_HOURS and not why.endswith("(FSDP)"):
         why += f" (data parallel to stay within {TARGET_TRAINING_HOURS:.0f} h)"
     return Hardware(chosen, count, why, _interconnect(count))
@@ -195,11 +195,13 @@ def _interconnect(count: int) -> str:
 
 
 def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "under 1 s"  # a tiny model: "~0 s" would read as no work at all
     if seconds < 120:
-        return f"{seconds:.0f} s"
+        return f"~{seconds:.0f} s"
     if seconds < 7200:
-        return f"{seconds / 60:.0f} min"
-    return f"{seconds / 3600:.1f} h"
+        return f"~{seconds / 60:.0f} min"
+    return f"~{seconds / 3600:.1f} h"
 
 
 def _gib(n: float) -> str:
