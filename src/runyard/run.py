@@ -43,6 +43,7 @@ from runyard.model.hf.config import read_json
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.preflight import check_run_disk
+from runyard.plan.runlife import run_lifetime
 from runyard.plan.stages import (
     evaluate_recorded_gates,
     format_failures,
@@ -327,7 +328,8 @@ def evaluate_and_export(
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     result = verdict(metrics, spec.eval, stage_metrics)
     finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
-    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune)
+    lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
+    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
 
 

@@ -30,6 +30,7 @@ from runyard.spec_checks import task_problems
 from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 from runyard.spec_sections import (
     CheckpointSpec,
+    CostsSpec,
     EvalSpec,
     GateSpec,
     ModelSpec,
@@ -37,12 +38,14 @@ from runyard.spec_sections import (
     ResourcesSpec,
     ScheduleSpec,
     StageSpec,
+    TrafficSpec,
     TrainSpec,
     _Strict,
 )
 
 __all__ = [
     "CheckpointSpec",
+    "CostsSpec",
     "DataSpec",
     "EvalSpec",
     "GateSpec",
@@ -54,6 +57,7 @@ __all__ = [
     "ScheduleSpec",
     "StageSpec",
     "TASKS",
+    "TrafficSpec",
     "TrainSpec",
     "dump_spec",
     "load_spec",
@@ -110,6 +114,14 @@ class JobSpec(_Strict):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="checkpoint interval and retention")
     resources: ResourcesSpec = Field(
         default_factory=ResourcesSpec, description="devices, precision, processes and the hardware requirement"
+    )
+    costs: CostsSpec = Field(
+        default_factory=CostsSpec, description="prices per device-hour and power overhead, for the plan's costs"
+    )
+    traffic: TrafficSpec | None = Field(
+        default=None,
+        description="expected serving traffic; when given, the plan and the evaluation report weigh training "
+        "against the cumulative cost of inference",
     )
 
     @field_validator("name")

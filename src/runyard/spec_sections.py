@@ -1,5 +1,5 @@
 """The sections of a job spec other than `data` (runyard.data.config): model, optimizer, schedule,
-training length, stages and their gates, evaluation, checkpoints and resources.
+training length, stages and their gates, evaluation, checkpoints, resources, costs and traffic.
 
 `runyard.spec` assembles them into `JobSpec` and re-exports them. Every field carries a description (what
 it means, its unit); the spec reference and the JSON Schema are generated from them.
@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from runyard.data.instruct_config import InstructDataSpec
-from runyard.market.requirement import Requirement
+from runyard.market.requirement import ACCELERATOR_KINDS, Requirement
 from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
 from runyard.spec_tasks import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
 
@@ -396,4 +396,78 @@ class ResourcesSpec(_Strict):
     requirement: Requirement = Field(
         default_factory=Requirement,
         description="the hardware the run needs, where and when; the same schema as a market demand's",
+    )
+
+
+class CostsSpec(_Strict):
+    """What compute costs: prices per device-hour (rented on demand, or reserved at a discount) and the
+    facility's overhead on power. `runyard plan` prices training and serving with them."""
+
+    currency: str = Field(
+        default="USD",
+        pattern=r"^[A-Z]{3}$",
+        description="ISO 4217 code of the prices; every amount is in its minor units (cents for USD). runyard's "
+        "own price table is in USD, so another currency needs a price in costs.prices for every kind a plan uses",
+    )
+    prices: dict[str, int] = Field(
+        default_factory=dict,
+        description="price per device-hour in minor units, by accelerator kind (`cpu` is one core), e.g. "
+        "{h100-80gb: 299}; a kind not listed takes runyard's table (runyard.plan.devices, 2025 on-demand list "
+        "prices in US cents)",
+    )
+    capacity: Literal["rented", "reserved"] = Field(
+        default="rented",
+        description="`rented`: on-demand prices as they are; `reserved`: capacity committed ahead, at "
+        "reserved_discount off",
+    )
+    reserved_discount: float = Field(
+        default=0.35,
+        ge=0,
+        lt=1,
+        description="fraction off the rented price for reserved capacity (0.35: a typical one-year commitment); "
+        "used when capacity is `reserved`",
+    )
+    pue: float = Field(
+        default=1.0,
+        ge=1,
+        le=3,
+        description="power usage effectiveness: the facility's draw over the devices' own (cooling, power "
+        "conversion); energy in kWh is the devices' draw times time times this. 1.0 counts the devices alone",
+    )
+
+    @field_validator("prices")
+    @classmethod
+    def _known_kinds(cls, v: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(v) - set(ACCELERATOR_KINDS))
+        if unknown:
+            raise ValueError(f"unknown accelerator kind(s) {unknown}; expected some of {list(ACCELERATOR_KINDS)}")
+        negative = sorted(k for k, price in v.items() if price < 0)
+        if negative:
+            raise ValueError(f"prices must be 0 or more minor units per device-hour; {negative} are negative")
+        return v
+
+
+class TrafficSpec(_Strict):
+    """Expected inference traffic once the model serves: `runyard plan` and the evaluation report weigh the
+    training cost against the cumulative cost of serving it."""
+
+    requests_per_day: float = Field(ge=0, description="requests the served model answers per day, on average")
+    tokens_per_request: int | None = Field(
+        default=None,
+        ge=1,
+        description="language models: tokens each request processes, prompt and completion together (each "
+        "costs one forward pass of the model per token); null takes the final stage's context_length",
+    )
+    rows_per_request: int | None = Field(
+        default=None,
+        ge=1,
+        description="tabular and image models: rows (or images) each request predicts; null means 1",
+    )
+    peak_to_mean: float = Field(
+        default=2.0,
+        ge=1,
+        description="the busiest hour's traffic over the day's mean: serving hardware is provisioned for the peak",
+    )
+    horizon_days: int = Field(
+        default=365, ge=1, le=3650, description="days of serving the lifetime table and plot cover"
     )

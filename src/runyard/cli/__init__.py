@@ -21,9 +21,12 @@ VERBS: dict[str, tuple[str, str | None, str]] = {
     "run": ("runyard.cli.run", None, "run a spec end to end: data, gated stages, evaluation, export"),
     "train": ("runyard.cli.run", None, "train a spec's stages (no evaluation or export)"),
     "resume": ("runyard.cli.run", None, "continue a stopped run from its last good checkpoint"),
-    "plan": ("runyard.cli.run", None, "size a spec: parameters, FLOPs, memory, time, requirement"),
     "generate": ("runyard.cli.run", None, "sample a completion from a run's exported model"),
     "show": ("runyard.cli.run", None, "summarise a run directory"),
+    "plan": (
+        "runyard.cli.plan", None,
+        "size a spec: time, memory, hardware, energy, cost, requirement; training vs inference",
+    ),
     "serve": ("runyard.cli.serve", "serve", "serve a run's exported model over an OpenAI-compatible HTTP API"),
     "spec": ("runyard.cli.spec", None, "the job spec's reference (Markdown, JSON Schema) and a starting spec"),
     "prepare": ("runyard.cli.data", None, "run the data stage alone and print its report"),

@@ -1,4 +1,4 @@
-"""Verbs of a run's life: run, train, resume, plan, generate, show (serve: cli/serve.py)."""
+"""Verbs of a run's life: run, train, resume, generate, show (plan: cli/plan.py; serve: cli/serve.py)."""
 
 from __future__ import annotations
 
@@ -74,20 +74,6 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
     _add_launch_options(p)
     p.set_defaults(handler=cmd_resume, evaluate=True, stage=None)
-
-    p = verbs.add_parser(
-        "plan",
-        help="size a spec: parameters, FLOPs, memory, time, requirement",
-        description="Print the plan of a spec from the spec alone: parameters, tokens and training FLOPs "
-        "per stage, memory per device, an estimated wall time at a given throughput, and the requirement "
-        "(accelerators, duration, regions) a market or scheduler acts on. Before any work it resolves the "
-        "sources (a path or glob that matches no file is an error, exit 2) and estimates the disk the data "
-        "cache, the checkpoints and the export need against the space free on each filesystem.",
-    )
-    p.add_argument("spec", type=Path, help="job spec (YAML)")
-    p.add_argument("--tokens-per-s", type=float, default=None, help="throughput to estimate wall time with")
-    p.add_argument("--json", action="store_true", help="print JSON")
-    p.set_defaults(handler=cmd_plan)
 
     p = verbs.add_parser(
         "generate",
@@ -215,32 +201,6 @@ def _print_summary(summary) -> None:
         for i, s in enumerate(summary.samples, 1):
             console.print(f"\n[bold]sample {i}[/bold] prompt {s['prompt']!r}:")
             console.print(s["prompt"] + s["completion"], markup=False, highlight=False)
-
-
-def cmd_plan(args) -> int:
-    from runyard.plan.preflight import preflight
-    from runyard.plan.sizing import human_bytes, plan_run
-    from runyard.run import default_run_dir
-    from runyard.spec import load_spec
-
-    spec = load_spec(args.spec)
-    pre = preflight(spec, default_run_dir(spec))  # sources resolve (or exit 2) and disk estimates
-    plan = plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size, args.tokens_per_s)
-    if args.json:
-        print(json.dumps({**plan, "preflight": pre.to_dict()}, indent=2))
-        return 0
-    for line in pre.lines():
-        print(line)
-    for s in plan["stages"]:
-        eta = f"{s['estimated_seconds'] / 60:.1f} min" if s["estimated_seconds"] else "(give --tokens-per-s)"
-        print(
-            f"stage {s['stage']}: {s['parameters'] / 1e6:.2f}M params ({s['non_embedding_parameters'] / 1e6:.2f}M "
-            f"non-embedding), {s['tokens'] / 1e6:.2f}M tokens, {s['training_flops']:.3g} FLOPs, "
-            f"~{human_bytes(s['memory_per_device_bytes'])} per device, {eta}"
-        )
-    print(f"total training FLOPs: {plan['training_flops']:.3g}")
-    print("requirement:", json.dumps(plan["requirement"]))
-    return 0
 
 
 def cmd_generate(args) -> int:

@@ -1,6 +1,7 @@
 """The evaluation report: fit-to-ship verdict, metrics, samples, and PNG curves.
 
-Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eval/*.png`.
+Writes `eval/report.json` (for machines), `eval/report.md` (for people) and `eval/*.png`; with the spec's
+`traffic`, also the training-against-inference section and `eval/lifetime.png` (runyard.plan.runlife).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from matplotlib.figure import Figure
 from runyard.evaluate.finetune import finetune_markdown
 from runyard.evaluate.heldout import HeldoutMetrics
 from runyard.fsutil import atomic_write_text
+from runyard.plan.lifetime import Lifetime, plot_lifetime
 from runyard.spec import EvalSpec
 
 
@@ -129,6 +131,7 @@ def write_report(
     stage_metrics: dict[str, list[dict]],
     stage_summaries: list[dict],
     finetune: dict[str, dict] | None = None,
+    lifetime: Lifetime | None = None,
 ) -> dict:
     """Write report.json, report.md and the curves. `finetune` holds each sft/dpo stage's before/after
     record (evaluate/finetune.py), shown side by side."""
@@ -146,6 +149,9 @@ def write_report(
         "plots": [p.name for p in plots],
         "finetune": finetune or {},
     }
+    if lifetime is not None:
+        plot = plot_lifetime(lifetime, out_dir / "lifetime.png")
+        report["lifetime"] = {**lifetime.to_dict(), "lines": lifetime.lines(), "plot": plot.name}
     atomic_write_text(out_dir / "report.json", json.dumps(report, indent=2))
     atomic_write_text(out_dir / "report.md", _markdown(report))
     return report
@@ -203,6 +209,10 @@ def _markdown(report: dict) -> str:
             f"{'passed' if s['gates_passed'] else 'FAILED'} |"
         )
     lines += finetune_markdown(report.get("finetune") or {})
+    if report.get("lifetime"):
+        lines += ["", "## Training against a lifetime of inference", ""]
+        lines += [line if not line or line.startswith("|") else f"- {line}" for line in report["lifetime"]["lines"]]
+        lines += ["", f"![{report['lifetime']['plot']}]({report['lifetime']['plot']})"]
     lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in report["plots"]]
     lines += ["", "## Samples", ""]
     for s in report["samples"]:

@@ -32,6 +32,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 
 
 class DecoderFamily(ModelFamily):
     name = "decoder"
+    tasks = ("language_model",)
 
     def config_from_spec(self, spec: Any, *, vocab_size: int | None = None, **data_facts: Any) -> ModelConfig:
         if vocab_size is None:
@@ -50,7 +51,17 @@ class DecoderFamily(ModelFamily):
             flops_per_unit=model.flops_per_token(),
             unit="token",
             activation_bytes=activation_bytes(config, micro_batch),
+            cache_bytes_per_unit=2 * config.n_layers * config.n_kv_heads * config.head_dim * 2,  # K and V, bf16
         )
+
+    def units_per_example(self, config: ModelConfig) -> int:
+        return config.context_length
+
+    def synthetic_batch(
+        self, config: ModelConfig, micro_batch: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.randint(0, config.vocab_size, (micro_batch, config.context_length + 1), generator=generator)
+        return tokens[:, :-1], tokens[:, 1:]
 
     def build(self, config: ModelConfig) -> Transformer:
         return Transformer(config)

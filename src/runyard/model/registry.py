@@ -53,14 +53,26 @@ class Sizing:
     """What a model of a given config costs, from its shape alone.
 
     `flops_per_unit` counts training FLOPs (forward and backward) per `unit` of data: a token for a
-    language model, a sample for an image or tabular one. `activation_bytes` estimates the activations
-    one micro-batch keeps for backward."""
+    language model, a sample for an image one; for a family not trained by the loop (trees), the whole
+    fit's FLOPs per training row. `activation_bytes` estimates the activations one micro-batch keeps for
+    backward. `inference_flops_per_unit` is one prediction's FLOPs per unit; None means a forward pass,
+    a third of training's (forward 2, backward 4 FLOPs per weight). `cache_bytes_per_unit` is what serving
+    keeps per unit in flight (a decoder's KV cache per token, in bf16); 0 for a model without one."""
 
     parameters: int
     non_embedding_parameters: int
     flops_per_unit: float
     unit: str
     activation_bytes: int
+    inference_flops_per_unit: float | None = None
+    cache_bytes_per_unit: int = 0
+
+    @property
+    def forward_flops_per_unit(self) -> float:
+        """FLOPs of one prediction per unit of data."""
+        if self.inference_flops_per_unit is not None:
+            return self.inference_flops_per_unit
+        return self.flops_per_unit / 3
 
 
 class ModelFamily(ABC):
@@ -68,6 +80,7 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     trains_with_loop: ClassVar[bool] = True
+    tasks: ClassVar[tuple[str, ...]] = ()  # the spec's tasks this family can train (`plan` recommends by it)
 
     # -- config ----------------------------------------------------------------------------------------
     @abstractmethod
@@ -86,6 +99,10 @@ class ModelFamily(ABC):
     @abstractmethod
     def sizing(self, config: Any, micro_batch: int = 1) -> Sizing:
         """Parameters, FLOPs and activation memory of a model of this config."""
+
+    def units_per_example(self, config: Any) -> int:
+        """Units of `Sizing.unit` in one training example (a sequence's tokens for a language model)."""
+        return 1
 
     # -- training through the loop ---------------------------------------------------------------------
     def build(self, config: Any) -> torch.nn.Module:
@@ -118,6 +135,14 @@ class ModelFamily(ABC):
     def load_directory_into(self, model: torch.nn.Module, directory: Path) -> None:
         """Copy a model directory's weights into `model` (built from `config_from_directory`), in place."""
         raise NoInitFromWeights(f"model family {self.name!r} cannot start from a model directory")
+
+    def synthetic_batch(
+        self, config: Any, micro_batch: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Random (inputs, targets) of one micro-batch's real shapes, for `plan`'s calibration (a few real
+        training steps); targets are class indices over the model's last output dimension. None: this
+        family is not calibrated by steps, and `plan` estimates its time from FLOPs."""
+        return None
 
     # -- export and load -------------------------------------------------------------------------------
     @abstractmethod

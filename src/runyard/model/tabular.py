@@ -58,6 +58,7 @@ class TabularFamily(ModelFamily):
     """A family fit by its own library; `fit` replaces the loop."""
 
     trains_with_loop: ClassVar[bool] = False
+    tasks = ("tabular_classification", "tabular_regression")
 
     @abstractmethod
     def fit(self, config: Any, train_x: np.ndarray, train_y: np.ndarray, valid_x: np.ndarray, valid_y: np.ndarray,

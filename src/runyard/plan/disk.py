@@ -10,8 +10,7 @@ from pathlib import Path
 
 from runyard.data.footprint import TOKENIZER_BYTES_PER_TOKEN
 from runyard.diskspace import DiskNeed, human_bytes
-from runyard.plan.sizing import count_parameters
-from runyard.plan.weights_in import stage_config
+from runyard.plan.sizing import stage_config
 from runyard.spec import JobSpec, resolved_stage
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
@@ -19,7 +18,9 @@ EXPORT_BYTES_PER_PARAM = 4  # fp32 safetensors
 
 
 def stage_parameters(spec: JobSpec, stage: str, vocab_size: int) -> int:
-    return count_parameters(stage_config(spec, stage, vocab_size), resolved_stage(spec, stage).model.family)[0]
+    """Parameters of a stage's model, through its family in the registry."""
+    family, config = stage_config(spec, resolved_stage(spec, stage), {"vocab_size": vocab_size})
+    return family.sizing(config).parameters
 
 
 def checkpoint_bytes(parameters: int) -> int:

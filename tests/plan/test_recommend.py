@@ -1,0 +1,114 @@
+"""Recommendations along the seed's table: the family from the data, hardware sized by memory and time,
+and the requirement written from them."""
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from runyard.model import registry
+from runyard.model.registry import ModelFamily, Sizing
+from runyard.plan.devices import DEVICES, UTILISATION, usable_memory
+from runyard.plan.recommend import DataFacts, Hardware, recommend_family, training_hardware
+from runyard.plan.sizing import plan_run, requirement_for
+from runyard.spec import parse_spec
+
+GIB = 2**30
+
+
+class _Toy(ModelFamily):
+    """A family for the tests: `deep` says whether the loop trains it."""
+
+    def __init__(self, name: str, tasks: tuple[str, ...], deep: bool):
+        self.name, self.tasks, self.trains_with_loop = name, tasks, deep
+
+    def config_from_spec(self, spec: Any, **facts: Any) -> Any:
+        return facts
+
+    def config_from_dict(self, data: dict[str, Any]) -> Any:
+        return data
+
+    def sizing(self, config: Any, micro_batch: int = 1) -> Sizing:
+        return Sizing(10, 10, 60.0, "row", 0)
+
+    def export_files(self, model, config, directory):
+        return []
+
+    def load_files(self, directory, config, device="cpu"):
+        return torch.nn.Identity()
+
+
+@pytest.fixture
+def toy_families(monkeypatch):
+    for family in (_Toy("zz-trees", ("tabular_classification",), deep=False),
+                   _Toy("zz-cnn", ("image_classification",), deep=True),
+                   _Toy("zz-deep-tabular", ("tabular_classification",), deep=True)):
+        monkeypatch.setitem(registry._FAMILIES, family.name, family)
+
+
+def test_language_models_get_the_decoder():
+    choice = recommend_family("language_model", DataFacts("text", 10, 10**6))
+    assert choice.family == "decoder" and "deep network" in choice.why
+
+
+def test_tabular_data_gets_a_family_the_loop_does_not_train_and_images_one_it_does(toy_families):
+    tab = recommend_family("tabular_classification", DataFacts("tabular", 1, 100, rows=569, features=30))
+    assert tab.family == "zz-trees"  # not zz-deep-tabular: low-dimensional data needs no deep network
+    assert "569 rows x 30 features" in tab.why and "does not need a deep network" in tab.why
+    img = recommend_family("image_classification", DataFacts("image", 1, 100, rows=1797, image_shape=(1, 8, 8)))
+    assert img.family == "zz-cnn"
+
+
+def test_a_task_without_a_family_says_so():
+    choice = recommend_family("image_classification", DataFacts("image", 1, 100, rows=10))
+    assert choice.family is None and "no registered family trains 'image_classification'" in choice.why
+
+
+def test_tabular_trains_on_cpu_cores():
+    hw = training_hardware("tabular_regression", 10**6, 10**5, 1e12, 0.5, threads=None)
+    assert (hw.kind, hw.devices) == ("cpu", 4)
+    assert training_hardware("tabular_regression", 10**6, 10**5, 1e12, 0.5, threads=12).devices == 12
+
+
+def test_a_small_language_model_trains_on_one_high_memory_gpu():
+    hw = training_hardware("language_model", 2 * GIB, GIB, 1e15, 0.35, None)
+    assert (hw.kind, hw.devices, hw.interconnect) == ("h100-80gb", 1, "ethernet")
+
+
+def test_a_large_language_model_is_sharded_over_as_many_gpus_as_its_state_needs():
+    # 13e9 parameters x 16 bytes of state, 20 GiB of activations; little compute so time adds none.
+    states, activations = 16 * 13 * 10**9, 20 * GIB
+    hw = training_hardware("language_model", states + activations, states, 1e18, 0.35, None)
+    room = usable_memory(DEVICES["b200-192gb"]) - activations  # the largest kind cannot hold it alone
+    assert hw.kind == "b200-192gb" and hw.devices == math.ceil(states / room) == 1 + states // room
+    assert hw.interconnect == "nvlink"
+
+
+def test_more_gpus_while_training_would_take_longer_than_a_day():
+    # 1e21 FLOPs on h100s at 35% of 989 TFLOP/s: 802 h on one; doubling to <= 24 h gives 64, 8 per node.
+    flops = 1e21
+    hw = training_hardware("language_model", 10 * GIB, 5 * GIB, flops, UTILISATION["train_transformer"], None)
+    hours_on_one = flops / (989e12 * 0.35) / 3600
+    expected = 2 ** math.ceil(math.log2(hours_on_one / 24))
+    assert hw.devices == expected == 64 and hw.interconnect == "infiniband"
+
+
+def test_image_models_take_the_smallest_gpu_that_holds_them():
+    assert training_hardware("image_classification", 4 * GIB, GIB, 1e15, 0.2, None).kind == "l4"
+    assert training_hardware("image_classification", 30 * GIB, GIB, 1e15, 0.2, None).kind == "l40s"
+
+
+def test_the_requirement_takes_the_recommendation_where_the_spec_leaves_it_open():
+    base = {"name": "p", "data": {"sources": [{"path": "x"}]},
+            "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "context_length": 32}}
+    plan = plan_run(parse_spec(base), vocab_size=512)
+    assert plan["requirement"]["accelerator_kinds"] == ["h100-80gb"]
+    assert plan["requirement"]["device_count"] == 1 == plan["recommended_training"]["devices"]
+    mine = parse_spec({**base, "resources": {"requirement": {"accelerator_kinds": ["l4"], "duration_s": 60}}})
+    req = plan_run(mine, vocab_size=512)["requirement"]
+    assert req["accelerator_kinds"] == ["l4"]  # stated by the spec: kept
+    # A 10-hour estimate raises the duration to 1.2 x 10 h + 60 s.
+    hw = plan_run(mine, vocab_size=512)["recommended_training"]
+    raised = requirement_for(mine, Hardware(**hw), 36000.0)
+    assert raised.duration_s == int(36000 * 1.2) + 60 and raised.accelerator_kinds == ["l4"]
