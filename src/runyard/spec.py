@@ -198,12 +198,15 @@ class _StageOverrideError(ValueError):
         super().__init__(str(exc))
 
 
+REPLACED_WHOLE = {"init"}  # a stage's `model.init` is another source, not a tweak of the top level's
+
+
 def _merge(spec: JobSpec, stage: StageSpec, section: str) -> BaseModel:
     """The top-level section with the stage's overrides: field by field, and inside a sub-section
-    (`model.cnn`) field by field too."""
+    (`model.cnn`) field by field too, except `model.init`, which names one source and is replaced whole."""
     base = getattr(spec, section).model_dump()
     for key, value in getattr(stage, section).items():
-        if isinstance(value, dict) and isinstance(base.get(key), dict):
+        if isinstance(value, dict) and isinstance(base.get(key), dict) and key not in REPLACED_WHOLE:
             base[key] = {**base[key], **value}
         else:
             base[key] = value

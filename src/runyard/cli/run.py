@@ -263,7 +263,7 @@ def cmd_show(args) -> int:
         "heldout_perplexity": report["metrics"]["heldout_perplexity"] if report and "metrics" in report else None,
         "unigram_perplexity": report["metrics"]["unigram_perplexity"] if report and "metrics" in report else None,
         "test_metrics": report["prediction"]["metrics"] if report and "prediction" in report else None,
-        "exported": (run_dir / "export" / "config.json").is_file(),
+        "exported": (run_dir / "export" / "runyard.json").is_file(),  # its provenance record, written last
     }
     if args.json:
         print(json.dumps(summary, indent=2))

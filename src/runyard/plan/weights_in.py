@@ -164,6 +164,8 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
                              "starts from a model directory brings its tokenizer"))
     if not problems:
         for stage in spec.stages:
+            if stage_start(spec, stage.name).source == "random":  # nothing to check against (nor, for a
+                continue  # table or an image task, the data's facts yet)
             try:
                 stage_config(spec, stage.name, vocab)
             except SpecError as exc:
