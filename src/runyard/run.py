@@ -23,14 +23,13 @@ import torch
 
 from runyard import manifest as mf
 from runyard import rundir
-from runyard.data.loader import TokenLoader, eval_sample
-from runyard.data.pipeline import PreparedData, prepare_data
+from runyard.data.loader import eval_sample
+from runyard.data.pipeline import PreparedData, prepare_data, train_token_counts
 from runyard.errors import GateFailed, RunyardError, SpecError
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
     evaluation_seeds,
     summarise,
-    train_token_counts,
     unigram_loss,
 )
 from runyard.evaluate.report import verdict, write_report
@@ -242,9 +241,7 @@ def evaluate_and_export(
     train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
     heldout_loss = evaluate_loss(model, held.batches, device, precision)
     train_loss = evaluate_loss(model, train_sample.batches, device, precision)
-    counts = train_token_counts(
-        TokenLoader(prepared.train_index, seq_len=seq, batch_size=batch, seed=0, shuffle=False), prepared.vocab_size
-    )
+    counts = train_token_counts(prepared)  # counted while the data stage tokenized the training split
     unigram = unigram_loss(counts, [y for _, y in held.batches])
     metrics = summarise(heldout_loss, train_loss, unigram, held.tokens,
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+import runyard.data.tasks as tasks_module
 from runyard.data.loader import TokenLoader, TokenStream, eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data
 from runyard.data.shards import load_index, verify_index
@@ -25,6 +26,12 @@ def shard_hashes(prepared: PreparedData) -> dict[str, list[str]]:
         name: [s["sha256"] for s in load_index(idx)["shards"]]
         for name, idx in (("train", prepared.train_index), ("heldout", prepared.heldout_index))
     }
+
+
+def heldout_ids(prepared: PreparedData) -> list[str]:
+    split = json.loads((prepared.dataset_dir / "split.json").read_text())
+    lines = (prepared.dataset_dir / split["heldout_ids"]).read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def test_prepare_produces_a_usable_dataset(corpus: Path, tmp_path: Path):
@@ -179,10 +186,10 @@ def test_split_is_by_document_and_seeded(corpus: Path, tmp_path: Path):
     spec = spec_for(str(corpus / "*.txt"), heldout_fraction=0.3)
     a = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "c", progress=False)
     b = prepare_data(spec, seed=7, report_dir=None, cache_dir=tmp_path / "c", progress=False)
-    held_a = json.loads((a.dataset_dir / "split.json").read_text())["heldout"]
-    held_b = json.loads((b.dataset_dir / "split.json").read_text())["heldout"]
+    held_a, held_b = heldout_ids(a), heldout_ids(b)
     assert held_a and held_b and held_a != held_b
     assert a.stats["split"]["heldout"]["documents"] == len(held_a)
+    assert json.loads((a.dataset_dir / "split.json").read_text())["heldout_documents"] == len(held_a)
     # A held-out document's text is in the held-out stream and never in the train stream.
     tok = load_tokenizer(a.tokenizer_path)
     train = TokenStream(a.train_index)
@@ -212,17 +219,15 @@ def test_process_count_does_not_change_the_dataset(tmp_path: Path):
 
 
 def test_clean_step_is_reused_when_only_later_settings_change(corpus: Path, tmp_path: Path, monkeypatch):
-    import runyard.data.pipeline as pipeline_module
-
     calls = []
-    real = pipeline_module.clean_part
-    monkeypatch.setattr(pipeline_module, "clean_part", lambda *a: calls.append(1) or real(*a))
+    real = tasks_module.clean_part
+    monkeypatch.setattr(tasks_module, "clean_part", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "c"
     a = prepare_data(
         spec_for(str(corpus / "*.txt")), seed=0, report_dir=None, cache_dir=cache, progress=False
     )
     first = len(calls)
-    assert first >= 1 and list((cache / "steps" / "clean").glob("*.npz"))
+    assert first >= 1 and list((cache / "steps" / "clean").glob("*/meta.json"))
     b = prepare_data(
         spec_for(str(corpus / "*.txt"), tokenizer={"vocab_size": 400}, heldout_fraction=0.3),
         seed=0,
