@@ -30,13 +30,16 @@ PROCESS_BASE = 128 * MIB
 
 # Working bytes per byte of text (measured: normalise + filters ~6, MinHash ~40 over a batch's bytes).
 CLEAN_BYTES_PER_TEXT_BYTE = 64
-# encode_batch's Encoding objects and the token arrays, per byte of text encoded at once (measured ~20).
-TOKENIZE_BYTES_PER_TEXT_BYTE = 48
+# encode_batch's Encoding objects and the token arrays, per byte of text encoded at once (measured: ~30
+# over a batch of source files; ~110 for one 4 MB document of short tokens, a JSON blob).
+TOKENIZE_BYTES_PER_TEXT_BYTE = 128
 # Sorting a block of fixed-size records in memory: the block, the sort order and a reordered copy.
 SORT_BYTES_PER_RECORD_BYTE = 4
 
-MAX_MINHASH_BATCH = 4 << 20  # past ~4 MB a batch is no faster (the intermediate arrays leave the cache)
-MAX_ENCODE_BATCH = 4 << 20
+# Larger batches are no faster (measured on the stdlib: MinHash 4.2 MB/s at 0.25-1 MB, 3.2 MB/s at 4 MB;
+# encode_batch 1.6 MB/s at 1 MB, 0.9 MB/s at 4 MB) and hold more: their intermediates leave the cache.
+MAX_MINHASH_BATCH = 1 << 20
+MAX_ENCODE_BATCH = 1 << 20
 MAX_IO_BLOCK = 64 * MIB
 MIN_TASK_BUFFERS = 48 * MIB
 
@@ -86,8 +89,9 @@ class MemoryBudget:
     # -- what each step may hold at once ------------------------------------------------------------------
     @property
     def max_document_bytes(self) -> int:
-        """The largest single document a worker can clean (it is held whole, and MinHashed whole)."""
-        return self.task_buffers // CLEAN_BYTES_PER_TEXT_BYTE
+        """The largest single document a worker can clean and tokenize (it is held whole, MinHashed whole
+        and encoded whole)."""
+        return self.task_buffers // max(CLEAN_BYTES_PER_TEXT_BYTE, TOKENIZE_BYTES_PER_TEXT_BYTE)
 
     @property
     def minhash_batch_bytes(self) -> int:
@@ -112,7 +116,7 @@ class MemoryBudget:
     @property
     def sort_block_bytes(self) -> int:
         """Bytes of fixed-size records the main process sorts in memory at once (one spill bucket)."""
-        return max(1 << 20, self.main_buffers // (2 * SORT_BYTES_PER_RECORD_BYTE))
+        return max(64 << 10, self.main_buffers // (2 * SORT_BYTES_PER_RECORD_BYTE))
 
     @property
     def spill_buffer_bytes(self) -> int:

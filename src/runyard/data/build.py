@@ -32,6 +32,7 @@ from runyard.data.split import SPLIT_METHOD
 from runyard.data.tasks import Task
 from runyard.data.tokenize import assemble_splits
 from runyard.data.tokenizer import eos_id, load_tokenizer, train_bpe
+from runyard.diskspace import writing
 from runyard.errors import DataError
 from runyard.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
 
@@ -84,8 +85,9 @@ def _tokenizer(spec: DataSpec, corpus: Corpus, dataset_dir: Path, budget: Memory
         source = "trained"
     if not tok_path.exists():
         tmp = tok_path.with_name(".tokenizer.json.tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, tok_path)
+        with writing("the tokenizer", dataset_dir):
+            tok.save(str(tmp))
+            os.replace(tmp, tok_path)
     return tok, source
 
 

@@ -110,11 +110,11 @@ def clean_part(files: list[InputFile], spec: DataSpec, out: Path, budget: Memory
                         kept.append(failed.sample(doc_id, text[:SAMPLE_CHARS]))
                     continue
                 text = scrub_pii(text, spec.pii, pii, pii_samples)
+                if batch.texts and batch.size + len(text) > budget.minhash_batch_bytes:
+                    flush()  # a batch holds at most minhash_batch_bytes, or one larger document alone
                 batch.ids.append(doc_id)
                 batch.texts.append(text)
                 batch.size += len(text)
-                if batch.size >= budget.minhash_batch_bytes:
-                    flush()
         if batch.texts:
             flush()
         meta = {

@@ -214,7 +214,8 @@ class DataSpec(_Strict):
         default=DEFAULT_MEMORY_LIMIT,
         ge=MIN_MEMORY_LIMIT,
         description="peak memory of the whole data stage on one machine (the preparing process and its "
-        "workers together; with Slurm, of each array task), as bytes or with a unit (`4GiB`, `800MB`). "
+        "workers together; with Slurm, of each array task), as bytes or with a unit (`4GiB`, `800MB`); at least "
+        "512 MiB. "
         "Every buffer is sized from it, whatever the corpus size; a single document too large for a "
         "worker's share is a clear error. Not in the dataset fingerprint",
     )

@@ -37,6 +37,7 @@ from runyard.data.dedup import optimal_bands
 from runyard.data.errors import MemoryBudgetTooSmall
 from runyard.data.minhash import EMPTY
 from runyard.data.spill import FlagFile, SortedRuns, as_records, field
+from runyard.diskspace import writing
 
 _NODE_BYTES = 8 + 8 + 8  # a node's document number, its label, and a scratch copy during a round
 
@@ -169,7 +170,8 @@ def _confirm(corpus: Corpus, pairs: SortedRuns, threshold: float, edges_path: Pa
             a, b = field(block, 0, "u8").astype(np.int64), field(block, 8, "u8").astype(np.int64)
             agree = (corpus.signature_rows(a) == corpus.signature_rows(b)).mean(axis=1)
             ok = agree >= threshold
-            edges.write(np.stack([a[ok], b[ok]], axis=1).astype("<u8").tobytes())
+            with writing("near-duplicate pairs", edges_path.parent):
+                edges.write(np.stack([a[ok], b[ok]], axis=1).astype("<u8").tobytes())
 
         for block in pairs.merged():
             raw = block.view(np.uint8).reshape(len(block), block.dtype.itemsize)

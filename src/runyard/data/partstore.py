@@ -16,6 +16,7 @@ it asked for.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -51,7 +52,7 @@ class PartWriter:
     def add(self, ids: list[str], texts: list[bytes], chars: np.ndarray, exact: list[bytes],
             signatures: np.ndarray | None) -> None:
         """Append a batch of documents (UTF-8 text, character counts, exact hashes, signatures)."""
-        with writing(f"cleaned part {self.path.name}", self.tmp):
+        with writing(f"cleaned part {self.path.name}", self.path.parent):
             sizes = np.fromiter((len(t) for t in texts), dtype=np.uint64, count=len(texts))
             ends = np.cumsum(sizes, dtype=np.uint64) + np.uint64(self.text_bytes)
             docs = np.zeros(len(texts), dtype=DOC)
@@ -68,7 +69,7 @@ class PartWriter:
     def commit(self, meta: dict[str, Any]) -> None:
         """Flush, fsync and rename into place. If another writer committed the same part first (same key,
         so the same content), theirs is kept."""
-        with writing(f"cleaned part {self.path.name}", self.tmp):
+        with writing(f"cleaned part {self.path.name}", self.path.parent):
             for f in self._files.values():
                 f.flush()
                 os.fsync(f.fileno())
@@ -89,8 +90,10 @@ class PartWriter:
         fsync_dir(self.path.parent)
 
     def abort(self) -> None:
+        """Remove the unfinished part (after an error; a full disk may fail even the close)."""
         for f in self._files.values():
-            f.close()
+            with contextlib.suppress(OSError):
+                f.close()
         for child in self.tmp.iterdir() if self.tmp.exists() else ():
             child.unlink()
         if self.tmp.exists():

@@ -303,7 +303,7 @@ class _Plan:
             self.budget = MemoryBudget(limit, 0)
             self.task_budget = (limit + PROCESS_BASE, 1)
         self.executor = make_executor(self.choice, spec.workers if self.choice.kind != "local" else
-                                      self.budget.workers, limit, root / "steps" / "logs")
+                                      self.budget.workers, limit, root / "steps" / "logs" / listing[:16])
 
     def file_hashes(self, metas: list[dict[str, Any]]) -> dict[str, str]:
         """Every file's sha256 as its part read it; InputChanged if one file was read with two contents."""

@@ -19,6 +19,7 @@ shard under the real name.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -180,7 +181,8 @@ class ShardWriter:
     def abort(self) -> None:
         """Close and remove the shard being written (after an error)."""
         if self._file is not None:
-            self._file.close()
+            with contextlib.suppress(OSError):  # a full disk fails the flush in close(): the file goes anyway
+                self._file.close()
             self._file = None
         if self._tmp is not None:
             self._tmp.unlink(missing_ok=True)

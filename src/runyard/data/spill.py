@@ -22,7 +22,7 @@ import numpy as np
 
 from runyard.diskspace import writing
 
-MIN_WINDOW_RECORDS = 4096
+MIN_WINDOW_RECORDS = 256
 
 
 def as_records(columns: list[np.ndarray]) -> np.ndarray:
@@ -139,7 +139,7 @@ class _RunCursor:
 
 
 def _merge(runs: list[tuple[Path, int]], record_bytes: int, block_records: int) -> Iterator[np.ndarray]:
-    window = max(MIN_WINDOW_RECORDS // 4, block_records // (2 * max(1, len(runs))))
+    window = max(MIN_WINDOW_RECORDS, block_records // (2 * max(1, len(runs))))
     cursors = [_RunCursor(p, n, record_bytes, window) for p, n in runs]
     while True:
         for c in cursors:

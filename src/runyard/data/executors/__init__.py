@@ -23,7 +23,14 @@ EXECUTORS = ("local", "slurm", "ray")
 
 
 class Executor(Protocol):
+    """Runs tasks; used as a context manager around a whole preparation (the local one keeps its worker
+    pool for every step)."""
+
     name: str
+
+    def __enter__(self) -> Executor: ...
+
+    def __exit__(self, *exc) -> None: ...
 
     def run(self, label: str, tasks: list[Task], on_done: Callable[[Task], None]) -> None: ...
 
@@ -39,12 +46,12 @@ class ExecutorChoice:
     retries: int = 2  # reruns of a failed task (slurm, ray)
 
 
-def make_executor(choice: ExecutorChoice | None, workers: int, memory_limit: int, log_dir) -> Executor:
+def make_executor(choice: ExecutorChoice | None, workers: int | None, memory_limit: int, log_dir) -> Executor:
     """The executor `choice` names, for `workers` parallel tasks of at most `memory_limit` bytes each
     (slurm, ray) or in all (local)."""
     choice = choice or ExecutorChoice()
     if choice.kind == "local":
-        return LocalExecutor(workers)
+        return LocalExecutor(workers or 1)
     if choice.kind == "slurm":
         return SlurmExecutor(log_dir, workers, memory_limit, choice.partition, choice.sbatch_args, choice.retries)
     if choice.kind == "ray":

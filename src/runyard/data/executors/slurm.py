@@ -31,7 +31,6 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import replace
 from pathlib import Path
 
 from runyard.data.errors import TaskFailed
@@ -128,7 +127,7 @@ class SlurmExecutor:
                     size = max(1, max_array_size() - 1)
                     jobs = []
                     for piece, start in enumerate(range(0, len(todo), size)):
-                        batch = [replace(t) for t in todo[start : start + size]]
+                        batch = todo[start : start + size]
                         job_id, tasks_file = self._submit(label, batch, attempt, piece)
                         jobs.append(job_id)
                         for k, t in enumerate(batch):
@@ -136,7 +135,6 @@ class SlurmExecutor:
                     waiting = list(todo)
                     while jobs:
                         time.sleep(POLL_S)
-                        stop.check()
                         waiting = self._report(waiting, on_done)
                         jobs = [j for j in jobs if self._active(j)]
                     waiting = self._report(waiting, on_done)
@@ -169,8 +167,8 @@ class SlurmExecutor:
 
 
 class _CancelOnSignal:
-    """While active, SIGTERM raises KeyboardInterrupt in the main thread (so the array is cancelled on
-    the way out); `check()` is a no-op hook for the polling loop."""
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so the array is cancelled on
+    the way out."""
 
     def __enter__(self) -> _CancelOnSignal:
         self._previous = None
@@ -180,9 +178,6 @@ class _CancelOnSignal:
 
     def _on_term(self, signum, frame) -> None:
         raise KeyboardInterrupt(f"signal {signum}")
-
-    def check(self) -> None:
-        pass
 
     def __exit__(self, *exc) -> None:
         if self._previous is not None:
