@@ -21,6 +21,7 @@ to spare; `tests/data/test_memory.py` checks the resulting peak against the limi
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 from runyard.data.errors import MemoryBudgetTooSmall
@@ -42,6 +43,21 @@ MAX_MINHASH_BATCH = 1 << 20
 MAX_ENCODE_BATCH = 1 << 20
 MAX_IO_BLOCK = 64 * MIB
 MIN_TASK_BUFFERS = 48 * MIB
+
+try:  # glibc: malloc_trim hands freed heap pages back to the system
+    _LIBC = ctypes.CDLL("libc.so.6")
+    _malloc_trim = _LIBC.malloc_trim
+except (OSError, AttributeError):  # another C library: freed memory stays with the process
+    _malloc_trim = None
+
+
+def release_freed_memory() -> None:
+    """Give the memory a finished step freed back to the system. glibc keeps freed heap pages in the
+    process (and tokenizers' Rust allocations use the same heap), so without this a process's resident
+    size is the sum of its steps' peaks, not the largest of them: a task run in the main process (one
+    worker) followed by deduplication and tokenizer training would pass the limit."""
+    if _malloc_trim is not None:
+        _malloc_trim(0)
 
 
 @dataclass(frozen=True)

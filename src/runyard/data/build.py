@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from runyard.data.budget import MemoryBudget
+from runyard.data.budget import MemoryBudget, release_freed_memory
 from runyard.data.config import DataSpec
 from runyard.data.corpus import Corpus, corpus_stats, split_corpus, training_texts
 from runyard.data.dedup_external import exact_dedup, near_dedup
@@ -128,6 +128,7 @@ def build_dataset(
             dedup["exact_removed"] = exact_dedup(corpus, work, budget)
         if spec.dedup.near and corpus.n_docs:
             dedup.update(near_dedup(corpus, spec.dedup, work, budget))
+    release_freed_memory()
     timings["dedup_s"] = time.perf_counter() - t
     kept = corpus.n_docs - dedup["exact_removed"] - dedup["near_removed"]
     if kept < 2:
@@ -145,6 +146,7 @@ def build_dataset(
     t = time.perf_counter()
     tok, tok_source = _tokenizer(spec, corpus, dataset_dir, budget, progress)
     eos, vocab = eos_id(tok), tok.get_vocab_size()
+    release_freed_memory()  # the trainer's word and pair counts
     timings["tokenizer_s"] = time.perf_counter() - t
 
     t = time.perf_counter()

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from runyard.data.budget import MemoryBudget
+from runyard.data.budget import MemoryBudget, release_freed_memory
 from runyard.data.clean import clean_part
 from runyard.data.config import DataSpec
 from runyard.data.sources import InputFile
@@ -48,7 +48,14 @@ class Task:
 
 
 def run_task(task: Task) -> None:
-    """Run one task in this process."""
+    """Run one task in this process (and give back what it freed: the process runs more afterwards)."""
+    try:
+        _run(task)
+    finally:
+        release_freed_memory()
+
+
+def _run(task: Task) -> None:
     budget = MemoryBudget(*task.budget)
     a = task.args
     if task.step == "clean":
