@@ -6,7 +6,6 @@ import argparse
 from pathlib import Path
 
 from runyard.cli.readers import export_dir_of, say_if_live
-from runyard.serve.server import ServeOptions, serve_export
 
 DESCRIPTION = """\
 Serve RUN_DIR/export to many clients at once: OpenAI's POST /v1/completions and
@@ -70,6 +69,10 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    # Imported here, as the other verbs import their engines: it loads torch, and every other verb
+    # (`runyard prepare`, whose forked workers would each carry it) would pay for it.
+    from runyard.serve.server import ServeOptions, serve_export
+
     say_if_live(args.run_dir)
     serve_export(
         export_dir_of(args.run_dir),
