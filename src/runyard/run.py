@@ -25,8 +25,8 @@ from runyard import manifest as mf
 from runyard import rundir
 from runyard.data.config import DataSpec
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
-from runyard.data.loader import TokenLoader, eval_sample
-from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir
+from runyard.data.loader import eval_sample
+from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
 from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
 from runyard.errors import GateFailed, SpecError
 from runyard.evaluate.finetune import read_record as read_finetune_record
@@ -34,7 +34,6 @@ from runyard.evaluate.heldout import (
     HeldoutMetrics,
     evaluation_seeds,
     summarise,
-    train_token_counts,
     unigram_loss,
 )
 from runyard.evaluate.report import verdict, write_report
@@ -304,9 +303,7 @@ def evaluate_and_export(
     train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
     heldout_loss = evaluate_loss(model, held.batches, device, precision)
     train_loss = evaluate_loss(model, train_sample.batches, device, precision)
-    counts = train_token_counts(
-        TokenLoader(prepared.train_index, seq_len=seq, batch_size=batch, seed=0, shuffle=False), prepared.vocab_size
-    )
+    counts = train_token_counts(prepared)  # counted while the data stage tokenized the training split
     unigram = unigram_loss(counts, [y for _, y in held.batches])
     metrics = summarise(heldout_loss, train_loss, unigram, held.tokens,
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import time
 from pathlib import Path
 
 from runyard.data.config import DataSpec
@@ -57,12 +59,22 @@ def make_doc(rng: random.Random, n_words: int) -> str:
 def write_corpus(
     directory: Path, n_docs: int = 40, seed: int = 0, words: tuple[int, int] = (80, 200)
 ) -> Path:
-    """n_docs distinct text files of random words under directory; returns the directory."""
+    """n_docs distinct text files of random words under directory; returns the directory. Their
+    modification times are set a minute back, as for files that existed before the data stage ran (a
+    file modified just before it is read is "racy": see data/clean.py)."""
     rng = random.Random(seed)
     directory.mkdir(parents=True, exist_ok=True)
     for i in range(n_docs):
-        (directory / f"doc_{i:04d}.txt").write_text(f"# document {i}\n" + make_doc(rng, rng.randint(*words)))
+        path = directory / f"doc_{i:04d}.txt"
+        path.write_text(f"# document {i}\n" + make_doc(rng, rng.randint(*words)))
+        age_file(path)
     return directory
+
+
+def age_file(path: Path, seconds: float = 60.0) -> None:
+    """Set a file's modification time `seconds` back."""
+    then = time.time() - seconds
+    os.utime(path, (then, then))
 
 
 def spec_for(path: str, **overrides) -> DataSpec:

@@ -28,23 +28,24 @@ _SLOW_PREPARE = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[4])
     import runyard.data.pipeline as pipeline
+    import runyard.data.tasks as tasks
     from tests.data.data_fixtures import spec_for
 
-    real_clean = pipeline.clean_part
+    real_clean = tasks.clean_part
 
-    def slow_clean(files, spec):
+    def slow_clean(*args, **kwargs):
         Path(sys.argv[3], f"worker-{os.getpid()}").touch()
         time.sleep(120)
-        return real_clean(files, spec)
+        return real_clean(*args, **kwargs)
 
-    pipeline.clean_part = slow_clean
+    tasks.clean_part = slow_clean
     pipeline.prepare_data(spec_for(sys.argv[1], workers=2), seed=0, report_dir=None, cache_dir=Path(sys.argv[2]),
                           progress=False)
 """)
 
 
 def test_killing_the_main_process_ends_its_workers_and_frees_the_dataset(tmp_path: Path):
-    corpus = write_corpus(tmp_path / "corpus", n_docs=16)
+    corpus = write_corpus(tmp_path / "corpus", n_docs=16, words=(20_000, 24_000))  # several parts
     pattern = str(corpus / "*.txt")
     script = tmp_path / "slow_prepare.py"
     script.write_text(_SLOW_PREPARE)

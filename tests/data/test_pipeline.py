@@ -10,12 +10,18 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 
-from runyard.data.loader import TokenLoader, TokenStream, eval_sample
-from runyard.data.pipeline import PreparedData, prepare_data
+import runyard.data.tasks as tasks_module
+from runyard.data.dedup import exact_duplicates, near_duplicates
+from runyard.data.loader import DocumentIndex, TokenLoader, TokenStream, eval_sample
+from runyard.data.partstore import PartReader
+from runyard.data.pipeline import PreparedData, prepare_data, train_token_counts
 from runyard.data.shards import load_index, verify_index
-from runyard.data.tokenizer import load_tokenizer
+from runyard.data.split import heldout_mask
+from runyard.data.tokenize import encode_documents
+from runyard.data.tokenizer import load_tokenizer, train_bpe
 from runyard.errors import DataError
 from tests.data.data_fixtures import spec_for, write_corpus
 
@@ -25,6 +31,12 @@ def shard_hashes(prepared: PreparedData) -> dict[str, list[str]]:
         name: [s["sha256"] for s in load_index(idx)["shards"]]
         for name, idx in (("train", prepared.train_index), ("heldout", prepared.heldout_index))
     }
+
+
+def heldout_ids(prepared: PreparedData) -> list[str]:
+    split = json.loads((prepared.dataset_dir / "split.json").read_text())
+    lines = (prepared.dataset_dir / split["heldout_ids"]).read_text().splitlines()
+    return [json.loads(line) for line in lines]
 
 
 def test_prepare_produces_a_usable_dataset(corpus: Path, tmp_path: Path):
@@ -179,10 +191,10 @@ def test_split_is_by_document_and_seeded(corpus: Path, tmp_path: Path):
     spec = spec_for(str(corpus / "*.txt"), heldout_fraction=0.3)
     a = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "c", progress=False)
     b = prepare_data(spec, seed=7, report_dir=None, cache_dir=tmp_path / "c", progress=False)
-    held_a = json.loads((a.dataset_dir / "split.json").read_text())["heldout"]
-    held_b = json.loads((b.dataset_dir / "split.json").read_text())["heldout"]
+    held_a, held_b = heldout_ids(a), heldout_ids(b)
     assert held_a and held_b and held_a != held_b
     assert a.stats["split"]["heldout"]["documents"] == len(held_a)
+    assert json.loads((a.dataset_dir / "split.json").read_text())["heldout_documents"] == len(held_a)
     # A held-out document's text is in the held-out stream and never in the train stream.
     tok = load_tokenizer(a.tokenizer_path)
     train = TokenStream(a.train_index)
@@ -212,17 +224,15 @@ def test_process_count_does_not_change_the_dataset(tmp_path: Path):
 
 
 def test_clean_step_is_reused_when_only_later_settings_change(corpus: Path, tmp_path: Path, monkeypatch):
-    import runyard.data.pipeline as pipeline_module
-
     calls = []
-    real = pipeline_module.clean_part
-    monkeypatch.setattr(pipeline_module, "clean_part", lambda *a: calls.append(1) or real(*a))
+    real = tasks_module.clean_part
+    monkeypatch.setattr(tasks_module, "clean_part", lambda *a, **k: calls.append(1) or real(*a, **k))
     cache = tmp_path / "c"
     a = prepare_data(
         spec_for(str(corpus / "*.txt")), seed=0, report_dir=None, cache_dir=cache, progress=False
     )
     first = len(calls)
-    assert first >= 1 and list((cache / "steps" / "clean").glob("*.npz"))
+    assert first >= 1 and list((cache / "steps" / "clean").glob("*/meta.json"))
     b = prepare_data(
         spec_for(str(corpus / "*.txt"), tokenizer={"vocab_size": 400}, heldout_fraction=0.3),
         seed=0,
@@ -241,3 +251,45 @@ def test_clean_step_is_reused_when_only_later_settings_change(corpus: Path, tmp_
         progress=False,
     )
     assert len(calls) == 2 * first  # a cleaning setting changed: cleaned again
+
+
+def test_the_dataset_is_the_in_memory_pipelines(tmp_path: Path):
+    """Every step computed again in memory from the cleaned parts (the way pipeline version 1 held the
+    corpus): the same documents kept, the same split, the same tokenizer, the same tokens, documents
+    and counts."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=50)
+    for i in range(6):  # exact and near copies, so both dedup steps remove something
+        text = (corpus / f"doc_{i:04d}.txt").read_text()
+        (corpus / f"copy_{i}.txt").write_text(text if i % 2 else text.replace("alpha", "omega", 1))
+    spec = spec_for(str(corpus / "*.txt"), shard_tokens=1024, dedup={"threshold": 0.7})
+    prepared = prepare_data(spec, seed=3, report_dir=None, cache_dir=tmp_path / "c", progress=False)
+
+    parts = [PartReader(d) for d in sorted((tmp_path / "c" / "steps" / "clean").iterdir(), key=part_order)]
+    texts = [t for p in parts for t in p.texts(0, p.n_docs)]
+    ids = [i for p in parts for i in p.ids()]
+    hashes = [bytes(h) for p in parts for h in p.exact()]
+    sigs = np.concatenate([p.signatures() for p in parts])
+    keep = ~exact_duplicates(hashes)
+    kept_idx = np.flatnonzero(keep)
+    keep[kept_idx[near_duplicates(sigs[kept_idx], 0.7).duplicate]] = False
+    assert prepared.stats["dedup"]["exact_removed"] >= 1 and prepared.stats["dedup"]["near_removed"] >= 1
+    kept = [i for i in range(len(texts)) if keep[i]]
+    held = heldout_mask([hashes[i] for i in kept], 3, spec.heldout_fraction)
+    assert heldout_ids(prepared) == [ids[i] for i, h in zip(kept, held, strict=True) if h]
+    train = [texts[i] for i, h in zip(kept, held, strict=True) if not h]
+    reference_tok = train_bpe(train, 320, 2, spec.tokenizer.train_max_bytes)
+    assert json.loads(prepared.tokenizer_path.read_text()) == json.loads(reference_tok.to_str())
+
+    tok = load_tokenizer(prepared.tokenizer_path)
+    tokens, lengths = encode_documents(tok, train, prepared.eos_id, np.dtype(np.uint16))
+    stream = TokenStream(prepared.train_index)
+    np.testing.assert_array_equal(stream.read(0, stream.total), tokens)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    np.testing.assert_array_equal(DocumentIndex(stream).starts(), starts)
+    np.testing.assert_array_equal(train_token_counts(prepared), np.bincount(tokens, minlength=prepared.vocab_size))
+    assert prepared.stats["split"]["train"]["documents"] == len(train)
+
+
+def part_order(path: Path) -> str:
+    """The order of a dataset's parts: by the first file each read (parts hold consecutive files)."""
+    return json.loads((path / "meta.json").read_text())["files"][0]["path"]

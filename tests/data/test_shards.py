@@ -14,6 +14,7 @@ from runyard.data.shards import (
     dtype_for_vocab,
     load_index,
     open_shard,
+    read_doc_offsets,
     verify_index,
     write_index,
     write_shard,
@@ -43,8 +44,10 @@ def test_writer_cuts_fixed_shards_and_records_document_starts(tmp_path: Path):
     w.add_tokens(np.concatenate(docs[2:]), np.array([1500, 10]))
     entries = w.finish()
     assert [e["tokens"] for e in entries] == [1024, 1024, 462]
-    # Global document starts 0, 700, 1000, 2500 -> shard 0 holds 0,700,1000; shard 2 holds 2500-2048.
-    assert [e["doc_starts"] for e in entries] == [[0, 700, 1000], [], [452]]
+    # Global document starts 0, 700, 1000, 2500 -> shard 0 holds 0,700,1000; shard 2 holds 2500-2048,
+    # each in the offsets file beside its shard; the index holds only their count and checksum.
+    assert [read_doc_offsets(tmp_path / e["docs_file"]).tolist() for e in entries] == [[0, 700, 1000], [], [452]]
+    assert [e["documents"] for e in entries] == [3, 0, 1] and all("doc_starts" not in e for e in entries)
     write_index(
         tmp_path / "train.json",
         entries,

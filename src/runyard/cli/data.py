@@ -15,6 +15,8 @@ def register(subparsers) -> None:
         help="run the data stage alone and print its report",
         description="Read, clean, deduplicate, split and tokenize the spec's data into token shards in the "
         "data cache (reused when inputs and settings are unchanged), and print the data report. "
+        "Memory stays under data.memory_limit whatever the corpus size; the clean and tokenize steps run "
+        "as tasks on the chosen executor, resumable task by task. "
         "With data.store set, the shards are also published to that store.",
     )
     p.add_argument("spec", help="job spec YAML file")
@@ -26,6 +28,26 @@ def register(subparsers) -> None:
         help="data cache (default: data.cache_dir, $RUNYARD_CACHE_DIR or ~/.cache/runyard/data)",
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument(
+        "--executor",
+        choices=["local", "slurm", "ray"],
+        default="local",
+        help="where the clean and tokenize tasks run: local worker processes (default), a Slurm job array "
+        "per step (sbatch; the data cache must be on storage every node sees), or a Ray cluster "
+        "(--ray-address). The dataset is the same on each",
+    )
+    p.add_argument("--partition", default=None, help="Slurm partition for the array tasks")
+    p.add_argument(
+        "--sbatch-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra sbatch argument for the array tasks (repeat for several, e.g. --sbatch-arg=--account=x)",
+    )
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (ray://head:10001, or auto)")
+    p.add_argument(
+        "--retries", type=int, default=2, help="reruns of a failed Slurm or Ray task before giving up (default 2)"
+    )
     p.set_defaults(handler=_prepare)
 
     h = subparsers.add_parser(
@@ -52,14 +74,17 @@ def register(subparsers) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
+    from runyard.data.executors import ExecutorChoice
     from runyard.data.hydrate import publish_dataset
     from runyard.data.pipeline import prepare_data
     from runyard.data.report import markdown_report
     from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
+    executor = ExecutorChoice(args.executor, args.partition, args.sbatch_arg, args.ray_address, args.retries)
     prepared = prepare_data(
-        spec.data, spec.seed, args.report_dir, cache_dir=args.cache_dir, progress=not args.no_progress
+        spec.data, spec.seed, args.report_dir, cache_dir=args.cache_dir, progress=not args.no_progress,
+        executor=executor,
     )
     console = Console()
     console.print(Markdown(markdown_report(prepared.stats)))

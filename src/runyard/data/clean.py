@@ -1,48 +1,40 @@
-"""The per-part cleaning step: read -> normalise -> filter -> scrub PII -> hash -> MinHash.
+"""The per-part cleaning step: read -> normalise -> filter -> scrub PII -> hash -> MinHash, streamed.
 
-`clean_part` is a pure function of (its files' bytes, the data spec): it runs in a worker process, and
-the same call could run as one task of a Slurm array (`part = SLURM_ARRAY_TASK_ID`) or a Ray task, its
-result written next to the others; nothing in it depends on other parts. Results are cached under
-`<cache>/steps/clean/<part_key>.npz` (`save_part` / `load_part`), so a dataset that differs only in later
-settings (tokenizer, split, dedup threshold) reuses them. The global steps after it
-(deduplication, split) only need the small per-document hashes and signatures it returns.
+`clean_part` is a pure function of (its files' bytes, the data spec): it runs in a worker process, as
+one task of a Slurm array or as a Ray task, and writes its result as a part directory (partstore.py)
+keyed by `part_key`: the part's files as listed (path and identity) and every setting it reads. Nothing
+in it depends on other parts. Documents stream through it: one document and one MinHash batch are held
+at a time, so its memory does not depend on the part's size. Each file's sha256 is computed from the
+bytes as they are read and recorded in the part, so the dataset's fingerprint comes from what was
+cleaned, and a file is read once.
+
+A part whose files changed while it was read is not committed (`InputChanged`); a part one of whose
+files was modified just before it was read (racy: its identity cannot vouch for its content later) is
+committed for this preparation but not reused by a later one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import json
+import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from runyard.data import minhash
+from runyard.data.budget import MemoryBudget
 from runyard.data.config import DataSpec
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
+from runyard.data.partstore import PartReader, PartWriter, is_complete
 from runyard.data.pii import scrub_pii
-from runyard.data.sources import InputFile, iter_file_documents
-from runyard.fsutil import atomic_write_bytes
+from runyard.data.sources import InputFile, ReadLimits, iter_file_documents
 
 SAMPLE_CHARS = 300
-
-
-@dataclass
-class PartResult:
-    """What one part yields: kept documents (ids, texts, exact hashes, signatures) and counters."""
-
-    ids: list[str] = field(default_factory=list)
-    texts: list[str] = field(default_factory=list)
-    exact: list[bytes] = field(default_factory=list)
-    signatures: np.ndarray | None = None
-    counts: Counter = field(default_factory=Counter)
-    removed: Counter = field(default_factory=Counter)
-    pii: Counter = field(default_factory=Counter)
-    samples: dict[str, list[dict]] = field(default_factory=dict)
-    pii_samples: dict[str, list[dict]] = field(default_factory=dict)
 
 
 def text_hash(text: str) -> bytes:
@@ -50,33 +42,9 @@ def text_hash(text: str) -> bytes:
     return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
 
 
-def clean_part(files: list[InputFile], spec: DataSpec) -> PartResult:
-    """Read and clean every document of `files`; see the module doc."""
-    out = PartResult()
-    for file in files:
-        source = spec.sources[file.source]
-        for doc_id, raw in iter_file_documents(source, file, out.counts):
-            out.counts["documents_read"] += 1
-            out.counts["chars_read"] += len(raw)
-            text = normalize_text(raw, spec.normalize)
-            failed = check_document(text, spec.filters)
-            if failed is not None:
-                out.removed[failed.reason] += 1
-                samples = out.samples.setdefault(failed.reason, [])
-                if len(samples) < spec.filters.samples_per_reason:
-                    samples.append(failed.sample(doc_id, text[:SAMPLE_CHARS]))
-                continue
-            text = scrub_pii(text, spec.pii, out.pii, out.pii_samples)
-            out.ids.append(doc_id)
-            out.texts.append(text)
-            out.exact.append(text_hash(text))
-    if spec.dedup.near:
-        out.signatures = minhash.signatures(out.texts, spec.dedup.num_perm, spec.dedup.ngram, spec.dedup.seed)
-    return out
-
-
-def part_key(files: list[InputFile], file_hashes: dict[str, str], spec: DataSpec, version: int) -> str:
-    """Fingerprint of one part's cleaning: its files' bytes and every setting clean_part reads."""
+def part_key(files: list[InputFile], spec: DataSpec, version: int) -> str:
+    """Fingerprint of one part's cleaning: its files as listed (path and identity) and every setting
+    clean_part reads."""
     settings = {
         "v": version,
         "sources": {
@@ -87,55 +55,93 @@ def part_key(files: list[InputFile], file_hashes: dict[str, str], spec: DataSpec
         "filters": spec.filters.model_dump(mode="json"),
         "pii": spec.pii.model_dump(mode="json"),
         "minhash": [spec.dedup.near, spec.dedup.num_perm, spec.dedup.ngram, spec.dedup.seed],
-        "files": [[f.source, f.path, file_hashes[f.path]] for f in files],
+        "files": [[f.source, f.path, f.identity] for f in files],
     }
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
-def _json_bytes(obj) -> np.ndarray:
-    return np.frombuffer(json.dumps(obj).encode(), dtype=np.uint8)
+class _Batch:
+    """Documents gathered until a MinHash batch is full."""
+
+    def __init__(self) -> None:
+        self.ids: list[str] = []
+        self.texts: list[str] = []
+        self.size = 0
 
 
-def save_part(path: Path, part: PartResult) -> None:
-    """Store a PartResult as one .npz (no pickle), atomically."""
-    encoded = [t.encode("utf-8") for t in part.texts]
-    arrays = {
-        "text": np.frombuffer(b"".join(encoded), dtype=np.uint8),
-        "offsets": np.cumsum([0] + [len(e) for e in encoded]).astype(np.int64),
-        "exact": np.frombuffer(b"".join(part.exact), dtype=np.uint8).reshape(-1, 16),
-        "meta": _json_bytes(
-            {
-                "ids": part.ids,
-                "counts": part.counts,
-                "removed": part.removed,
-                "pii": part.pii,
-                "samples": part.samples,
-                "pii_samples": part.pii_samples,
-            }
-        ),
-    }
-    if part.signatures is not None:
-        arrays["signatures"] = part.signatures
-    buf = io.BytesIO()
-    np.savez(buf, **arrays)
-    atomic_write_bytes(path, buf.getvalue())
+def clean_part(files: list[InputFile], spec: DataSpec, out: Path, budget: MemoryBudget,
+               temp_dir: str | None = None) -> dict[str, Any]:
+    """Read and clean every document of `files` into the part directory `out`; see the module doc.
+    Returns the part's meta (counters and the files' digests)."""
+    num_perm = spec.dedup.num_perm if spec.dedup.near else 0
+    writer = PartWriter(out, num_perm)
+    counts: Counter = Counter()
+    removed: Counter = Counter()
+    pii: Counter = Counter()
+    samples: dict[str, list[dict]] = {}
+    pii_samples: dict[str, list[dict]] = {}
+    limits = ReadLimits(max_document_bytes=budget.max_document_bytes,
+                        parquet_batch_bytes=budget.io_block_bytes, temp_dir=temp_dir)
+    batch = _Batch()
+    read_times: dict[str, float] = {}
+
+    def flush() -> None:
+        encoded = [t.encode("utf-8") for t in batch.texts]
+        sigs = (minhash.signatures(batch.texts, spec.dedup.num_perm, spec.dedup.ngram, spec.dedup.seed)
+                if spec.dedup.near else None)
+        chars = np.fromiter((len(t) for t in batch.texts), dtype=np.int64, count=len(batch.texts))
+        exact = [hashlib.blake2b(e, digest_size=16).digest() for e in encoded]
+        writer.add(batch.ids, encoded, chars, exact, sigs)
+        batch.__init__()
+
+    try:
+        for file in files:
+            source = spec.sources[file.source]
+            read_times[file.path] = time.time()
+            for doc_id, raw in iter_file_documents(source, file, counts, limits):
+                counts["documents_read"] += 1
+                counts["chars_read"] += len(raw)
+                text = normalize_text(raw, spec.normalize)
+                failed = check_document(text, spec.filters)
+                if failed is not None:
+                    removed[failed.reason] += 1
+                    kept = samples.setdefault(failed.reason, [])
+                    if len(kept) < spec.filters.samples_per_reason:
+                        kept.append(failed.sample(doc_id, text[:SAMPLE_CHARS]))
+                    continue
+                text = scrub_pii(text, spec.pii, pii, pii_samples)
+                if batch.texts and batch.size + len(text) > budget.minhash_batch_bytes:
+                    flush()  # a batch holds at most minhash_batch_bytes, or one larger document alone
+                batch.ids.append(doc_id)
+                batch.texts.append(text)
+                batch.size += len(text)
+        if batch.texts:
+            flush()
+        meta = {
+            "counts": dict(counts),
+            "removed": dict(removed),
+            "pii": dict(pii),
+            "samples": samples,
+            "pii_samples": pii_samples,
+            "files": [
+                {"source": f.source, "path": f.path, "identity": f.identity, **asdict(limits.digests[f.path]),
+                 "read_at": read_times[f.path]}
+                for f in files
+            ],
+        }
+        writer.commit(meta)
+    except BaseException:
+        writer.abort()
+        raise
+    return meta
 
 
-def load_part(path: Path) -> PartResult:
-    with np.load(path, allow_pickle=False) as z:
-        meta = json.loads(z["meta"].tobytes())
-        text, offsets = z["text"].tobytes(), z["offsets"]
-        texts = [text[offsets[i] : offsets[i + 1]].decode("utf-8") for i in range(len(offsets) - 1)]
-        exact = [bytes(row) for row in z["exact"]]
-        sigs = z["signatures"] if "signatures" in z.files else None
-    return PartResult(
-        ids=meta["ids"],
-        texts=texts,
-        exact=exact,
-        signatures=sigs,
-        counts=Counter(meta["counts"]),
-        removed=Counter(meta["removed"]),
-        pii=Counter(meta["pii"]),
-        samples=meta["samples"],
-        pii_samples=meta.get("pii_samples", {}),
-    )
+def reusable_part(path: Path) -> dict[str, Any] | None:
+    """The meta of a committed part that a later preparation may reuse: None if it is absent, or if one
+    of its files was racy when read (see the module doc)."""
+    if not is_complete(path):
+        return None
+    meta = PartReader(path).meta
+    if any(f.get("racy") for f in meta["files"]):
+        return None
+    return meta

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
 from runyard.data.task_config import ImagesSpec, TableSpec
+
+DEFAULT_MEMORY_LIMIT = 4 << 30
+MIN_MEMORY_LIMIT = 512 << 20  # an interpreter with numpy, tokenizers and pyarrow, twice, and room to work
 
 
 class _Strict(BaseModel):
@@ -206,11 +209,26 @@ class DataSpec(_Strict):
         default=None, description="token cache; default $RUNYARD_CACHE_DIR, else ~/.cache/runyard/data"
     )
     residency: list[str] | None = Field(default=None, description="regions where the data may sit; null: anywhere")
-    workers: int | None = Field(default=None, ge=1, description="processes; default the core count")
+    workers: int | None = Field(
+        default=None,
+        ge=1,
+        description="processes that clean and tokenize at once (local executor), or the most array tasks "
+        "running at once (Slurm); default the core count locally, Slurm's choice on a cluster",
+    )
+    memory_limit: ByteSize = Field(
+        default=DEFAULT_MEMORY_LIMIT,
+        ge=MIN_MEMORY_LIMIT,
+        description="peak memory of the whole data stage on one machine (the preparing process and its "
+        "workers together; with Slurm, of each array task), as bytes or with a unit (`4GiB`, `800MB`); at least "
+        "512 MiB. "
+        "Every buffer is sized from it, whatever the corpus size; a single document too large for a "
+        "worker's share is a clear error. Not in the dataset fingerprint",
+    )
     chunk_bytes: int = Field(
         default=1 << 22,
         ge=1,
-        description="text per tokenization chunk, in bytes (the unit of resume; not in the fingerprint)",
+        description="text per tokenization chunk, in bytes (the unit of resume; not in the fingerprint; "
+        "capped by what a worker's share of memory_limit can hold)",
     )
     normalize: NormalizeSpec = Field(default_factory=NormalizeSpec, description="text normalisation")
     filters: FilterSpec = Field(default_factory=FilterSpec, description="quality filters")

@@ -1,9 +1,11 @@
 """The disk a data preparation fills at its peak, estimated from the input files before any work: the
-cleaned parts (text, hashes, MinHash signatures), the token shards, and the tokenized chunks that sit
-beside the shards until they are assembled. `check_cache_space` refuses a preparation that will not fit.
+cleaned parts (text, per-document records, ids, MinHash signatures), the near-duplicate search's sorted
+runs (LSH band records, merged once more while being sorted), the token shards, and the tokenized chunks
+that sit beside the shards until they are assembled. `check_cache_space` refuses a preparation that
+will not fit.
 
-The estimate errs high (on the stdlib demo's 12.1 MB of sources it is 1.4x the cache's measured peak):
-a preparation refused with room to spare costs a retry; one that fills the disk half-way costs the work.
+The estimate errs high: a preparation refused with room to spare costs a retry; one that fills the disk
+half-way costs the work (and is then a clear error, nothing half-written reading as good).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from runyard.data.config import DataSpec
+from runyard.data.dedup import optimal_bands
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.diskspace import DiskNeed, check_disk
@@ -40,7 +43,13 @@ def data_cache_bytes(spec: DataSpec, files: list[InputFile]) -> int:
     """Bytes the data cache needs, at its peak, to prepare `files` under `spec`."""
     text = _text_bytes(spec, files)
     docs = _documents(spec, files)
-    per_doc = 16 + 64 + (8 * spec.dedup.num_perm if spec.dedup.near else 0)  # hash, id, signature
+    per_doc = 32 + 64 + 8  # offsets, characters and hash; id; its flags
+    if spec.dedup.near:
+        bands, rows = (
+            (spec.dedup.bands, spec.dedup.num_perm // spec.dedup.bands) if spec.dedup.bands
+            else optimal_bands(spec.dedup.threshold, spec.dedup.num_perm)
+        )
+        per_doc += 4 * spec.dedup.num_perm + 2 * bands * (2 + 4 * rows + 8)  # signature; LSH runs, twice
     cleaned = text + docs * per_doc
     vocab = spec.tokenizer.vocab_size if spec.tokenizer.path is None else 1 << 17  # loaded: assume wide ids
     tokens = int(text / MIN_BYTES_PER_TOKEN) * dtype_for_vocab(vocab).itemsize + docs * 8

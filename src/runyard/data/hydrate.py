@@ -2,9 +2,10 @@
 into the local cache next to the compute.
 
 - Publish (`publish_dataset`) copies a prepared dataset directory into `<store>/<fingerprint>/`.
-- Hydrate (`hydrate_dataset`) copies it back into `<cache>/datasets/<fingerprint>/`: shards in parallel
-  threads, each into `<name>.partial` and resumed from its current length after an interruption, every
-  shard checked against the sha256 in its index before it is renamed into place; the index files and
+- Hydrate (`hydrate_dataset`) copies it back into `<cache>/datasets/<fingerprint>/`: shards, their
+  document offsets and the other large files in parallel threads, each into `<name>.partial` and
+  resumed from its current length after an interruption, every file checked against the sha256 its
+  index (or prepared.json) records before it is renamed into place; the index files and
   `prepared.json` are written last, so a cache entry is usable exactly when `prepared.json` exists.
 - Eviction: with a size limit, whole least-recently-used datasets are removed from the cache before
   the copy starts, never the one being hydrated.
@@ -27,9 +28,16 @@ import fsspec
 
 from runyard.data import residency
 from runyard.data.config import DataSpec
-from runyard.data.pipeline import PreparedData, load_prepared, resolve_cache_dir
+from runyard.data.pipeline import (
+    PreparedData,
+    dataset_fingerprint,
+    fingerprint_inputs,
+    load_prepared,
+    resolve_cache_dir,
+)
 from runyard.data.progress import progress_bars
 from runyard.data.shards import HEADER, ShardCorrupt
+from runyard.data.sources import list_input_files
 from runyard.errors import DataError
 from runyard.fsutil import atomic_write_bytes, sha256_file
 
@@ -63,6 +71,27 @@ def _store_region(spec: DataSpec, store_url: str | None) -> tuple[str, str | Non
     return spec.store.url, spec.store.region
 
 
+def payload_files(meta: dict[str, bytes]) -> list[tuple[str, int, str]]:
+    """(name, bytes, sha256) of every file of a dataset besides its small metadata (`meta`: the
+    contents of META_FILES and prepared.json): the shards and their document offsets (from the
+    indexes), and the files prepared.json lists (token counts, held-out ids)."""
+    out = []
+    for idx in ("train.json", "heldout.json"):
+        index = json.loads(meta[idx])
+        itemsize = 2 if index["dtype"] == "uint16" else 4
+        offset_size = 4 if index["shard_tokens"] < 1 << 32 else 8
+        for e in index["shards"]:
+            out.append((e["file"], HEADER.size + e["tokens"] * itemsize, e["sha256"]))
+            if "docs_file" in e:  # pipeline version 2 on
+                out.append((e["docs_file"], HEADER.size + e["documents"] * offset_size, e["docs_sha256"]))
+    for name, info in json.loads(meta["prepared.json"]).get("files", {}).items():
+        out.append((name, info["bytes"], info["sha256"]))
+    for name, _, _ in out:
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", str(name)):
+            raise DataError(f"the dataset lists a file {name!r} that is not a plain file name")
+    return out
+
+
 def publish_dataset(prepared: PreparedData, spec: DataSpec, store_url: str | None = None) -> str:
     """Copy a prepared dataset into the cold store; returns its URL there. Refused before any write if
     the store's region is outside data.residency."""
@@ -70,11 +99,8 @@ def publish_dataset(prepared: PreparedData, spec: DataSpec, store_url: str | Non
     residency.check_store(spec, url, region)
     fs, root = fsspec.core.url_to_fs(_join(url, prepared.fingerprint[:32]))
     fs.makedirs(root, exist_ok=True)
-    names = [
-        e["file"]
-        for idx in ("train.json", "heldout.json")
-        for e in json.loads((prepared.dataset_dir / idx).read_text())["shards"]
-    ]
+    meta = {name: (prepared.dataset_dir / name).read_bytes() for name in (*META_FILES, "prepared.json")}
+    names = [name for name, _, _ in payload_files(meta)]
     for name in [*names, *META_FILES, "prepared.json"]:  # prepared.json last: marks the copy complete
         fs.put_file(str(prepared.dataset_dir / name), f"{root}/{name}")
     return _join(url, prepared.fingerprint[:32])
@@ -162,18 +188,8 @@ def hydrate_dataset(
     if not fs.exists(f"{root}/prepared.json"):
         raise DataError(f"the store has no complete dataset {key} (no {src_root}/prepared.json)")
     meta = {name: fs.cat_file(f"{root}/{name}") for name in (*META_FILES, "prepared.json")}
-    shards = [e for idx in ("train.json", "heldout.json") for e in json.loads(meta[idx])["shards"]]
-    for e in shards:
-        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", str(e["file"])):
-            raise DataError(f"the store's index of {key} names a shard {e['file']!r} that is not a plain file name")
-    itemsize = {
-        idx: 2 if json.loads(meta[idx])["dtype"] == "uint16" else 4 for idx in ("train.json", "heldout.json")
-    }
-    sizes = {
-        e["file"]: HEADER.size
-        + e["tokens"] * itemsize["train.json" if e["file"].startswith("train") else "heldout.json"]
-        for e in shards
-    }
+    payload = payload_files(meta)
+    sizes = {name: size for name, size, _ in payload}
     dest = cache_root / "datasets" / key
     evicted: list[str] = []
     if max_cache_bytes is not None:
@@ -184,17 +200,16 @@ def hydrate_dataset(
     start = time.perf_counter()
     copied = reused = 0
     with progress_bars(progress, bytes_mode=True) as bars:
-        task = bars.add_task("hydrate", total=sum(sizes.values()), info=f"{len(shards)} shards from {url}")
+        task = bars.add_task("hydrate", total=sum(sizes.values()), info=f"{len(payload)} files from {url}")
 
-        def one(entry: dict) -> tuple[int, int]:
-            result = _copy_resumable(
-                fs, f"{root}/{entry['file']}", dest / entry["file"], sizes[entry["file"]], entry["sha256"]
-            )
-            bars.advance(task, sizes[entry["file"]])
+        def one(item: tuple[str, int, str]) -> tuple[int, int]:
+            name, size, sha = item
+            result = _copy_resumable(fs, f"{root}/{name}", dest / name, size, sha)
+            bars.advance(task, size)
             return result
 
         with ThreadPoolExecutor(max(1, threads)) as pool:
-            for c, r in pool.map(one, shards):
+            for c, r in pool.map(one, payload):
                 copied, reused = copied + c, reused + r
     for name in (*META_FILES, "prepared.json"):
         atomic_write_bytes(dest / name, meta[name])
@@ -208,9 +223,6 @@ def hydrate_dataset(
 def find_fingerprint(spec: DataSpec, seed: int, store_url: str | None = None) -> str:
     """The dataset to hydrate: from the spec's sources when they are readable here, else the store's only
     dataset; a clear error when neither decides."""
-    from runyard.data.pipeline import dataset_fingerprint, fingerprint_inputs
-    from runyard.data.sources import list_input_files
-
     try:
         files = list_input_files(spec.sources)
         return dataset_fingerprint(spec, seed, fingerprint_inputs(spec, files))

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from runyard.data.shards import load_index, open_shard
+from runyard.data.shards import load_index, open_shard, shard_doc_starts
 from runyard.errors import DataError
 
 STATE_VERSION = 1
@@ -234,28 +235,95 @@ class EvalSample:
 SAMPLE_METHOD = "stratified: one sequence drawn from each of n equal stretches of the split, in stream order"
 
 
-def _document_starts(stream: TokenStream) -> np.ndarray | None:
-    """Global token offsets at which the split's documents start, from the shard index."""
-    starts = []
-    for entry, offset in zip(stream.index["shards"], stream.offsets[:-1], strict=True):
-        if "doc_starts" not in entry:
-            return None
-        starts.extend(int(offset) + int(s) for s in entry["doc_starts"])
-    return np.asarray(sorted(starts), dtype=np.int64)
-
-
 def documents_covered(doc_starts: np.ndarray, ids: np.ndarray, width: int) -> int:
     """How many documents the windows `ids * width .. + width` read from (a window crossing a
-    document boundary counts every document it touches)."""
+    document boundary counts every document it touches), given every document's global start."""
     if len(doc_starts) == 0 or len(ids) == 0:
         return 0
     first = np.searchsorted(doc_starts, ids * width, side="right") - 1
     last = np.searchsorted(doc_starts, ids * width + width - 1, side="right") - 1
-    first, last = np.clip(first, 0, None), np.clip(last, 0, None)
-    touched = np.zeros(len(doc_starts) + 1, dtype=np.int64)
-    np.add.at(touched, first, 1)
-    np.add.at(touched, last + 1, -1)
-    return int((np.cumsum(touched)[:-1] > 0).sum())
+    return _union_length(np.clip(first, 0, None), np.clip(last, 0, None))
+
+
+def _union_length(first: np.ndarray, last: np.ndarray) -> int:
+    """The number of integers in the union of the intervals [first[i], last[i]]."""
+    order = np.argsort(first, kind="stable")
+    first, last = first[order], last[order]
+    reach = np.maximum.accumulate(last)
+    # An interval starts a new stretch unless it begins within what the intervals before it reached.
+    new = np.ones(len(first), dtype=bool)
+    new[1:] = first[1:] > reach[:-1]
+    stretch = np.cumsum(new) - 1
+    ends = np.zeros(int(stretch[-1]) + 1, dtype=np.int64)
+    np.maximum.at(ends, stretch, last)
+    return int((ends - first[new] + 1).sum())
+
+
+class DocumentIndex:
+    """Where a split's documents start, read from the shards' offsets files one shard at a time: a
+    global document number for any token position, without holding every document's start."""
+
+    def __init__(self, stream: TokenStream):
+        self.stream = stream
+        entries = stream.index["shards"]
+        self.available = all("docs_file" in e or "doc_starts" in e for e in entries)
+        counts = [int(e.get("documents", len(e.get("doc_starts", [])))) for e in entries]
+        self.docs_before = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+
+    @property
+    def num_documents(self) -> int:
+        return int(self.docs_before[-1])
+
+    def shard_starts(self, shard: int) -> np.ndarray:
+        starts = shard_doc_starts(self.stream.index_path, self.stream.index["shards"][shard])
+        return np.zeros(0, np.int64) if starts is None else starts
+
+    def document_at(self, positions: np.ndarray) -> np.ndarray:
+        """The global number of the document each token position belongs to (a position before the
+        first document start counts as document 0)."""
+        positions = np.asarray(positions, dtype=np.int64)
+        shard = np.searchsorted(self.stream.offsets, positions, side="right") - 1
+        out = np.empty(len(positions), dtype=np.int64)
+        for s in np.unique(shard):
+            sel = np.flatnonzero(shard == s)
+            local = positions[sel] - self.stream.offsets[s]
+            out[sel] = self.docs_before[s] + np.searchsorted(self.shard_starts(int(s)), local, side="right") - 1
+        return np.clip(out, 0, None)
+
+    def documents_covered(self, ids: np.ndarray, width: int) -> int:
+        """documents_covered() for this split, reading only the offsets of the shards the windows touch."""
+        if self.num_documents == 0 or len(ids) == 0:
+            return 0
+        starts = np.asarray(ids, dtype=np.int64) * width
+        return _union_length(self.document_at(starts), self.document_at(starts + width - 1))
+
+    def starts(self) -> np.ndarray:
+        """Every document's global start (8 bytes per document: for the few who need them all)."""
+        parts = [self.shard_starts(s) + self.stream.offsets[s] for s in range(len(self.stream.shards))]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
+class SplitDocuments(Sequence):
+    """A split's documents as token arrays, read on demand (shard boundaries joined)."""
+
+    def __init__(self, index_path: str | Path):
+        self.stream = TokenStream(Path(index_path))
+        starts = DocumentIndex(self.stream).starts()
+        self.bounds = np.concatenate([np.union1d(starts, [0]), [self.stream.total]]).astype(np.int64)
+        if self.stream.total == 0:
+            self.bounds = np.zeros(1, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        i %= len(self)
+        a, b = int(self.bounds[i]), int(self.bounds[i + 1])
+        return self.stream.read(a, b - a)
 
 
 def eval_sample(index_path: str | Path, seq_len: int, batch_size: int, sequences: int, seed: int) -> EvalSample:
@@ -280,13 +348,13 @@ def eval_sample(index_path: str | Path, seq_len: int, batch_size: int, sequences
     for lo in range(0, n, batch_size):
         rows = torch.from_numpy(stream.windows(ids[lo : lo + batch_size], width))
         batches.append((rows[:, :-1].contiguous(), rows[:, 1:].contiguous()))
-    doc_starts = _document_starts(stream)
+    documents = DocumentIndex(stream)
     return EvalSample(
         batches=batches,
         sequences=n,
         tokens=n * seq_len,
-        documents=None if doc_starts is None else documents_covered(doc_starts, ids, width),
-        split_documents=None if doc_starts is None else len(doc_starts),
+        documents=documents.documents_covered(ids, width) if documents.available else None,
+        split_documents=documents.num_documents if documents.available else None,
         split_sequences=total,
         seed=seed,
     )

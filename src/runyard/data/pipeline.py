@@ -1,19 +1,21 @@
 """prepare_data: run the data stage and return where its outputs are.
 
-Steps (each a pure function of its inputs and settings, so any of them can move to a cluster engine):
-  1. list + fingerprint inputs (main process; sha256 of every file's bytes)
-  2. clean parts in N processes (clean.py: read, normalise, filter, PII, exact hash, MinHash)
-  3. exact + near-duplicate removal over all parts (dedup.py; needs only hashes and signatures)
-  4. split train/held-out by a seeded hash of each document (split.py)
-  5. tokenizer: train BPE on the train split (capped by train_max_bytes) or load one
-  6. tokenize in chunks and assemble shards + index per split (tokenize.py; resumable chunk by chunk)
-The outputs live in a content-addressed directory `<cache>/datasets/<fingerprint>/`; a second call
-with the same inputs and settings finds `prepared.json` there and returns at once.
+Steps (each a pure function of its inputs and settings; the two heavy ones run as tasks on an executor):
+  1. list the inputs with their identities (size, mtime, inode; or a store's ETag/generation)
+  2. clean: one task per part of the inputs (clean.py: read once while hashing, normalise, filter,
+     PII, exact hash, MinHash), each writing a part directory keyed by its files' identities
+  3. fingerprint: the dataset's fingerprint from the sha256 of every file as its part read it
+  4. exact + near-duplicate removal over all parts (dedup_external.py: sorted runs on disk)
+  5. split train/held-out by a seeded hash of each document (corpus.py, split.py)
+  6. tokenizer: train BPE on the train split (capped by train_max_bytes) or load one
+  7. tokenize: one task per part (tokenize.py; resumable chunk by chunk), then the shards of both
+     splits assembled in one pass that also counts the training split's tokens
+The outputs live in a content-addressed directory `<cache>/datasets/<fingerprint>/`. A second call with
+the same inputs finds every part by the files' identities, the fingerprint from the hashes recorded in
+them, and `prepared.json` in that directory: it returns without reading a byte of the sources.
 
-On a cluster: step 2 becomes a Slurm array (`--array=0-<parts-1>`, each task runs `clean_part` on its
-part and writes its PartResult as files keyed by the part's fingerprint) or `ray.remote(clean_part)`;
-step 3 is one small task reading every part's hashes and signatures; step 6's chunks are again an
-array. Only the executor changes; the step functions stay as they are.
+Executors (executors/): `local` worker processes, a `slurm` job array per step, or `ray`; the tasks and
+the dataset are the same on each. Memory: `data.memory_limit` bounds the whole tree (budget.py).
 """
 
 from __future__ import annotations
@@ -21,47 +23,51 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import multiprocessing
 import os
 import shutil
-import signal
+import socket
 import time
-from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from multiprocessing import get_context
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from runyard.data import residency
-from runyard.data.clean import PartResult, clean_part, load_part, part_key, save_part
+from runyard.data.budget import PROCESS_BASE, MemoryBudget
+from runyard.data.build import build_dataset
+from runyard.data.clean import part_key, reusable_part
 from runyard.data.config import DataSpec
-from runyard.data.dedup import exact_duplicates, near_duplicates
+from runyard.data.errors import InputChanged
+from runyard.data.executors import ExecutorChoice, make_executor
 from runyard.data.footprint import check_cache_space
+from runyard.data.partstore import PartReader
 from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
-from runyard.data.sources import InputFile, expand_path_template, list_input_files, read_bytes
-from runyard.data.split import SPLIT_METHOD, heldout_mask
-from runyard.data.tokenize import assemble_shards, cpu_count, tokenize_chunks
-from runyard.data.tokenizer import (
-    EOS_TOKEN,
-    TOKENIZER_CONFIG_FILE,
-    eos_id,
-    eos_token_beside,
-    load_tokenizer,
-    train_bpe,
+from runyard.data.shards import load_index, open_shard
+from runyard.data.sources import (
+    InputFile,
+    current_identity,
+    expand_path_template,
+    hash_file,
+    list_input_files,
 )
+from runyard.data.tasks import Task
+from runyard.data.tokenize import cpu_count
+from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_json, sha256_file
-from runyard.lifetime import die_with_parent
 from runyard.locking import LockHolder, ProcessLock
 
 log = logging.getLogger(__name__)
 
-PIPELINE_VERSION = 1  # bump when a step's output changes for the same inputs
-_NOT_FINGERPRINTED = {"cache_dir", "workers", "residency", "store", "cache_region", "chunk_bytes"}
+PIPELINE_VERSION = 2  # bump when a step's output changes for the same inputs (2: offsets beside shards)
+_NOT_FINGERPRINTED = {
+    "cache_dir", "workers", "residency", "store", "cache_region", "chunk_bytes", "memory_limit",
+}
+PARTS_TARGET = 64  # parts of a corpus: enough for any machine's workers to share evenly
+MIN_PART_BYTES = 512 << 10
+MAX_PART_BYTES = 256 << 20
 
 
 @dataclass(frozen=True)
@@ -77,6 +83,7 @@ class PreparedData:
     stats: dict[str, Any]
     input_fingerprints: dict[str, str]
     dataset_dir: Path = field(default=Path("."))
+    train_token_counts: Path | None = None  # int64 .npy: the training split's tokens per id
 
 
 def resolve_cache_dir(spec: DataSpec, cache_dir: Path | str | None = None) -> Path:
@@ -97,20 +104,26 @@ def _source_base(pattern: str) -> str:
     return base if any(c in pattern for c in "*?[") else os.path.dirname(base)
 
 
-def fingerprint_inputs(
-    spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str] | None = None
-) -> dict[str, str]:
-    """sha256 per source over (relative path, sha256 of bytes) of its files, in path order. Per-file
-    digests are stored into `file_hashes` when given."""
-    per_source: dict[int, hashlib._Hash] = {}
-    file_hashes = {} if file_hashes is None else file_hashes
+def fingerprint_from_hashes(spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str]) -> dict[str, str]:
+    """sha256 per source over (relative path, sha256 of bytes) of its files, in path order."""
+    per_source: dict[int, Any] = {}
     for f in files:
         base = _source_base(spec.sources[f.source].path)
         rel = os.path.relpath(f.path, base) if base and "://" not in f.path else f.path
         h = per_source.setdefault(f.source, hashlib.sha256())
-        file_hashes[f.path] = hashlib.sha256(read_bytes(f.path)).hexdigest()
         h.update(f"{rel}\0{file_hashes[f.path]}\n".encode())
     return {f"sources[{i}] {spec.sources[i].path}": h.hexdigest() for i, h in sorted(per_source.items())}
+
+
+def fingerprint_inputs(
+    spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str] | None = None
+) -> dict[str, str]:
+    """fingerprint_from_hashes, reading (in blocks) each file whose hash `file_hashes` lacks."""
+    file_hashes = {} if file_hashes is None else file_hashes
+    for f in files:
+        if f.path not in file_hashes:
+            file_hashes[f.path] = hash_file(f).sha256
+    return fingerprint_from_hashes(spec, files, file_hashes)
 
 
 def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> str:
@@ -132,17 +145,35 @@ def dataset_fingerprint(spec: DataSpec, seed: int, inputs: dict[str, str]) -> st
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
+def plan_parts(files: list[InputFile]) -> list[list[InputFile]]:
+    """Consecutive files grouped into parts of about equal bytes: PARTS_TARGET of them, each between
+    MIN_PART_BYTES and MAX_PART_BYTES. Depends on the listing alone (never on the worker count), so a
+    later preparation finds the same parts whatever runs it."""
+    total = sum(f.size for f in files)
+    target = min(MAX_PART_BYTES, max(MIN_PART_BYTES, total // PARTS_TARGET))
+    parts: list[list[InputFile]] = [[]]
+    size = 0
+    for f in files:
+        if size >= target and parts[-1]:
+            parts.append([])
+            size = 0
+        parts[-1].append(f)
+        size += f.size
+    return parts
+
+
 @contextmanager
-def _locked(directory: Path):
-    """One preparer per dataset directory (e.g. several ranks started at once): the others wait.
-    The lock dies with its holder and is never held by the holder's worker processes (runyard.locking),
-    so a killed preparer never leaves a later one waiting."""
+def _locked(lock_path: Path, what: str):
+    """One preparer at a time (e.g. several ranks started at once): the others wait. The lock dies with
+    its holder and is never held by its worker processes (runyard.locking), so a killed preparer never
+    leaves a later one waiting."""
 
     def waiting(holder: LockHolder | None) -> None:
         who = holder.describe() if holder else "another process"
-        log.info("waiting for the data cache %s: %s is preparing this dataset", directory, who)
+        log.info("waiting for %s: %s is preparing it", what, who)
 
-    lock = ProcessLock(directory / ".lock", purpose="preparing this dataset")
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    lock = ProcessLock(lock_path, purpose=f"preparing {what}")
     lock.acquire(blocking=True, on_wait=waiting)
     try:
         yield
@@ -150,28 +181,56 @@ def _locked(directory: Path):
         lock.release()
 
 
-def _is_temp(name: str) -> bool:
-    # fsutil's `.NAME.tmp-PID` and the tokenizer's `.tokenizer.json.tmp`
-    return name.startswith(".") and (".tmp-" in name or name.endswith(".tmp"))
+def _temp_writer(name: str) -> tuple[str | None, int] | None:
+    """(host or None, pid) of an unfinished write's temporary name (`.X.tmp-PID`, `.X.tmp-HOST-PID`)."""
+    if not name.startswith(".") or ".tmp-" not in name:
+        return None
+    tail = name.rpartition(".tmp-")[2]
+    host, _, pid = tail.rpartition("-")
+    return (host or None, int(pid)) if pid.isdigit() else None
+
+
+def _is_stale(path: Path) -> bool:
+    writer = _temp_writer(path.name)
+    if writer is None:
+        return False
+    host, pid = writer
+    if host not in (None, socket.gethostname()):
+        return time.time() - path.stat().st_mtime > 24 * 3600  # another node's: only when long abandoned
+    return not os.path.exists(f"/proc/{pid}")
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale_writes(clean_step_dir: Path) -> list[Path]:
+    """Remove the clean step's unfinished parts whose writer (the host and PID in their name) is gone:
+    the directory is shared by every dataset, so a live writer's are left alone."""
+    removed = []
+    if clean_step_dir.is_dir():
+        for path in clean_step_dir.iterdir():
+            if _is_stale(path):
+                _remove(path)
+                removed.append(path)
+    return removed
 
 
 def clean_interrupted(dataset_dir: Path, clean_step_dir: Path) -> list[Path]:
     """Remove temporary files that interrupted writes left. Called under the dataset's lock, so every
-    temporary file in the dataset directory is stale; the clean step's directory is shared by all
-    datasets, so there only files whose writer (the PID in their name) is gone are removed."""
+    temporary file in the dataset directory is stale; in the clean step's directory see
+    remove_stale_writes."""
     removed = []
     for directory in (dataset_dir, dataset_dir / "work"):
         if directory.is_dir():
             for path in directory.iterdir():
-                if path.is_file() and _is_temp(path.name):
-                    path.unlink(missing_ok=True)
+                if path.name.startswith(".") and (".tmp-" in path.name or path.name.endswith(".tmp")):
+                    _remove(path)
                     removed.append(path)
-    if clean_step_dir.is_dir():
-        for path in clean_step_dir.iterdir():
-            pid = path.name.rpartition(".tmp-")[2]
-            if _is_temp(path.name) and pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-                path.unlink(missing_ok=True)
-                removed.append(path)
+    removed += remove_stale_writes(clean_step_dir)
     if removed:
         log.info("removed %d temporary file(s) left by an interrupted data preparation", len(removed))
     return removed
@@ -186,6 +245,7 @@ def load_prepared(dataset_dir: Path) -> PreparedData | None:
     paths = {k: dataset_dir / meta[k] for k in ("tokenizer_path", "train_index", "heldout_index")}
     if not all(p.exists() for p in paths.values()):
         return None
+    counts = meta.get("train_token_counts")
     return PreparedData(
         vocab_size=meta["vocab_size"],
         eos_id=meta["eos_id"],
@@ -193,8 +253,82 @@ def load_prepared(dataset_dir: Path) -> PreparedData | None:
         stats=meta["stats"],
         input_fingerprints=meta["input_fingerprints"],
         dataset_dir=dataset_dir,
+        train_token_counts=dataset_dir / counts if counts else None,
         **paths,
     )
+
+
+def train_token_counts(prepared: PreparedData) -> np.ndarray:
+    """The training split's tokens per id (int64, vocab_size long), as the tokenize step counted them;
+    for a dataset prepared before they were kept, counted from its shards a shard at a time."""
+    if prepared.train_token_counts is not None and prepared.train_token_counts.exists():
+        counts = np.load(prepared.train_token_counts, allow_pickle=False)
+        if counts.shape == (prepared.vocab_size,):
+            return counts.astype(np.int64)
+    counts = np.zeros(prepared.vocab_size, dtype=np.int64)
+    index = load_index(prepared.train_index)
+    for entry in index["shards"]:
+        tokens = open_shard(prepared.train_index.parent / entry["file"])
+        for lo in range(0, len(tokens), 1 << 24):
+            counts += np.bincount(tokens[lo : lo + (1 << 24)], minlength=prepared.vocab_size)[: prepared.vocab_size]
+    return counts
+
+
+def _vouch(files: list[InputFile]) -> list[InputFile]:
+    """Files whose listing cannot vouch for their content (a store that reports no version) are read
+    once now and known by their sha256 instead."""
+    out = []
+    for f in files:
+        if f.identity.startswith("unversioned:"):
+            log.info("%s: the store reports no version for it; reading it to know its content", f.path)
+            f = InputFile(f.source, f.path, f.size, f"sha256:{hash_file(f).sha256}")
+        out.append(f)
+    return out
+
+
+class _Plan:
+    """The inputs, their parts and where everything goes, for one call of prepare_data."""
+
+    def __init__(self, spec: DataSpec, seed: int, root: Path, executor: ExecutorChoice | None):
+        self.spec, self.seed, self.root = spec, seed, root
+        self.choice = executor or ExecutorChoice()
+        self.files = _vouch(list_input_files(spec.sources))
+        self.parts = plan_parts(self.files)
+        self.clean_dir = root / "steps" / "clean"
+        self.part_dirs = [self.clean_dir / part_key(p, spec, PIPELINE_VERSION) for p in self.parts]
+        listing = hashlib.sha256("\n".join(d.name for d in self.part_dirs).encode()).hexdigest()
+        self.listing_lock = root / "steps" / "locks" / f"{listing[:32]}.lock"
+        limit = int(spec.memory_limit)
+        if self.choice.kind == "local":
+            workers = spec.workers or cpu_count()
+            self.budget = MemoryBudget.for_local(limit, workers)
+            self.task_budget = (limit, workers)
+        else:  # tasks run elsewhere, each alone with the whole limit; this process is alone here
+            self.budget = MemoryBudget(limit, 0)
+            self.task_budget = (limit + PROCESS_BASE, 1)
+        self.executor = make_executor(self.choice, spec.workers if self.choice.kind != "local" else
+                                      self.budget.workers, limit, root / "steps" / "logs" / listing[:16])
+
+    def file_hashes(self, metas: list[dict[str, Any]]) -> dict[str, str]:
+        """Every file's sha256 as its part read it; InputChanged if one file was read with two contents."""
+        hashes: dict[str, str] = {}
+        for meta in metas:
+            for f in meta["files"]:
+                if hashes.setdefault(f["path"], f["sha256"]) != f["sha256"]:
+                    raise InputChanged(
+                        f"{f['path']} was read twice (it is in two sources) and changed in between; "
+                        "run the data stage again once the source is stable"
+                    )
+        return hashes
+
+    def cached(self) -> PreparedData | None:
+        """The prepared dataset, found from the parts alone (no source read), or None."""
+        metas = [reusable_part(d) for d in self.part_dirs]
+        if any(m is None for m in metas):
+            return None
+        inputs = fingerprint_from_hashes(self.spec, self.files, self.file_hashes(metas))
+        fp = dataset_fingerprint(self.spec, self.seed, inputs)
+        return load_prepared(self.root / "datasets" / fp[:32])
 
 
 def prepare_data(
@@ -203,271 +337,67 @@ def prepare_data(
     report_dir: Path | None,
     cache_dir: Path | None = None,
     progress: bool = True,
+    executor: ExecutorChoice | None = None,
 ) -> PreparedData:
-    """Run (or reuse) the data stage for `data_spec`; write the data report to `report_dir` if given."""
+    """Run (or reuse) the data stage for `data_spec`; write the data report to `report_dir` if given.
+    `executor` says where the clean and tokenize tasks run (default: local worker processes)."""
     root = resolve_cache_dir(data_spec, cache_dir)
     residency.check_cache(data_spec, root)
-    files = list_input_files(data_spec.sources)
-    file_hashes: dict[str, str] = {}
-    inputs = fingerprint_inputs(data_spec, files, file_hashes)
-    fp = dataset_fingerprint(data_spec, seed, inputs)
-    dataset_dir = root / "datasets" / fp[:32]
-    with _locked(dataset_dir):
-        prepared = load_prepared(dataset_dir)
-        if prepared is None:
-            check_cache_space(data_spec, files, root)
-            clean_interrupted(dataset_dir, root / "steps" / "clean")
-            started = time.perf_counter()
-            parts = _clean_all(data_spec, files, file_hashes, root / "steps" / "clean", progress)
-            timings = {"clean_s": time.perf_counter() - started}
-            prepared = _prepare(
-                data_spec, seed, parts, len(files), inputs, fp, dataset_dir, progress, timings
-            )
-        (dataset_dir / ".last_used").touch()  # for least-recently-used eviction
+    plan = _Plan(data_spec, seed, root, executor)
+    prepared = plan.cached()
+    if prepared is None:
+        with _locked(plan.listing_lock, "these inputs"), plan.executor:
+            prepared = plan.cached() or _prepare(plan, progress)
+    (prepared.dataset_dir / ".last_used").touch()  # for least-recently-used eviction
     if report_dir is not None:
         write_report(Path(report_dir), prepared.stats)
     return prepared
 
 
-def _worker_context():
-    """fork where there is one (no re-import of the caller's __main__, no interpreter start-up per
-    worker; the workers use only numpy and the standard library), else spawn."""
-    return get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
-
-
-def _clean_all(
-    spec: DataSpec, files: list[InputFile], file_hashes: dict[str, str], step_dir: Path, progress: bool
-) -> list[PartResult]:
-    """Clean every part, reusing cached part results; new ones run in up to `workers` processes."""
-    workers = min(spec.workers or cpu_count(), max(1, len(files)))
-    # Parts of about equal bytes, several per worker so a slow part does not hold the others up.
-    n_parts = max(1, min(len(files), workers * 4))
-    target = sum(f.size for f in files) / n_parts
-    parts: list[list[InputFile]] = [[]]
-    size = 0
-    for f in files:
-        if size >= target and parts[-1]:
-            parts.append([])
-            size = 0
-        parts[-1].append(f)
-        size += f.size
-    paths = [step_dir / f"{part_key(p, file_hashes, spec, PIPELINE_VERSION)}.npz" for p in parts]
-    results: list[PartResult | None] = [load_part(p) if p.exists() else None for p in paths]
-    todo = [i for i, r in enumerate(results) if r is None]
-    with progress_bars(progress) as bars:
-        task = bars.add_task(
-            "clean + minhash",
-            total=len(parts),
-            completed=len(parts) - len(todo),
-            info=f"{len(files)} files, {len(todo)} parts to do, {min(workers, max(1, len(todo)))} procs",
-        )
-        if workers == 1 or len(todo) <= 1:
-            done = (clean_part(parts[i], spec) for i in todo)
-            pool = None
-        else:
-            # Workers die with this process, however it dies: left alone they would wait for work forever.
-            pool = ProcessPoolExecutor(min(workers, len(todo)), mp_context=_worker_context(),
-                                       initializer=die_with_parent, initargs=(signal.SIGKILL, os.getpid()))
-            done = (f.result() for f in [pool.submit(clean_part, parts[i], spec) for i in todo])
-        try:
-            for i, result in zip(todo, done, strict=True):  # in order: independent of scheduling
-                save_part(paths[i], result)
-                results[i] = result
-                bars.advance(task)
-        finally:
-            if pool is not None:
-                pool.shutdown(cancel_futures=True)
-    return [r for r in results if r is not None]
-
-
-def _prepare(
-    spec: DataSpec,
-    seed: int,
-    parts: list[PartResult],
-    n_files: int,
-    inputs: dict[str, str],
-    fp: str,
-    dataset_dir: Path,
-    progress: bool,
-    timings: dict[str, float],
-) -> PreparedData:
-
-    counts: dict[str, int] = {}
-    removed: dict[str, int] = {}
-    pii: dict[str, int] = {}
-    samples: dict[str, list] = {}
-    pii_samples: dict[str, list] = {}
-    for p in parts:
-        for target, source in ((counts, p.counts), (removed, p.removed), (pii, p.pii)):
-            for k, v in source.items():
-                target[k] = target.get(k, 0) + v
-        for reason, s in p.samples.items():
-            samples.setdefault(reason, []).extend(s)
-        for kind, s in p.pii_samples.items():
-            pii_samples.setdefault(kind, []).extend(s)
-    samples = {r: s[: spec.filters.samples_per_reason] for r, s in samples.items()}
-    pii_samples = {k: s[: spec.pii.samples_per_kind] for k, s in pii_samples.items()}
-    ids = [i for p in parts for i in p.ids]
-    texts = [t for p in parts for t in p.texts]
-    hashes = [h for p in parts for h in p.exact]
-    if counts.get("documents_read", 0) == 0:
-        raise DataError(
-            f"the data sources hold no documents ({counts.get('files', 0)} files read); "
-            "check data.sources and their encoding_errors policy"
-        )
-    sizes = np.array([len(t.encode("utf-8")) for t in texts], dtype=np.int64)
-    steps = [
-        {"step": "read", "documents": counts.get("documents_read", 0), "bytes": counts.get("bytes_read", 0)},
-        {"step": "filter", "documents": len(texts), "bytes": int(sizes.sum())},
-    ]
-
-    t = time.perf_counter()
-    keep = np.ones(len(texts), dtype=bool)
-    dedup_stats: dict[str, Any] = {"exact_removed": 0, "near_removed": 0, "threshold": spec.dedup.threshold}
-    if spec.dedup.exact:
-        dup = exact_duplicates(hashes)
-        keep &= ~dup
-        dedup_stats["exact_removed"] = int(dup.sum())
-        steps.append({"step": "exact_dedup", "documents": int(keep.sum()), "bytes": int(sizes[keep].sum())})
-    if spec.dedup.near and texts:
-        sigs = np.concatenate([p.signatures for p in parts if p.signatures is not None])
-        kept_idx = np.flatnonzero(keep)
-        near = near_duplicates(sigs[kept_idx], spec.dedup.threshold, spec.dedup.bands)
-        keep[kept_idx[near.duplicate]] = False
-        dedup_stats.update(
-            near_removed=int(near.duplicate.sum()),
-            bands=near.bands,
-            rows=near.rows,
-            candidate_pairs=near.candidate_pairs,
-            clusters=len(near.clusters),
-            largest_clusters=[
-                {"size": len(c), "kept": ids[kept_idx[c[0]]], "members": [ids[kept_idx[i]] for i in c[1:6]]}
-                for c in near.clusters[: spec.dedup.report_clusters]
-            ],
-        )
-        steps.append({"step": "near_dedup", "documents": int(keep.sum()), "bytes": int(sizes[keep].sum())})
-    timings["dedup_s"] = time.perf_counter() - t
-    ids = [i for i, k in zip(ids, keep, strict=True) if k]
-    texts = [x for x, k in zip(texts, keep, strict=True) if k]
-    hashes = [h for h, k in zip(hashes, keep, strict=True) if k]
-    if len(texts) < 2:
-        raise DataError(
-            f"only {len(texts)} document(s) left after filtering and deduplication; "
-            "a train/held-out split needs at least 2"
-        )
-
-    held = heldout_mask(hashes, seed, spec.heldout_fraction)
-    split_docs = {
-        "train": [x for x, h in zip(texts, held, strict=True) if not h],
-        "heldout": [x for x, h in zip(texts, held, strict=True) if h],
-    }
-    heldout_ids = sorted(i for i, h in zip(ids, held, strict=True) if h)
-    atomic_write_json(
-        dataset_dir / "split.json", {"method": SPLIT_METHOD, "seed": seed, "heldout": heldout_ids}
-    )
-
-    t = time.perf_counter()
-    tok_path = dataset_dir / "tokenizer.json"
-    eos_token = eos_token_beside(spec.tokenizer.path) if spec.tokenizer.path else EOS_TOKEN
-    if spec.tokenizer.path:
-        tok = load_tokenizer(spec.tokenizer.path, eos_token)
-        tok_source = str(spec.tokenizer.path)
-    elif tok_path.exists():  # trained by an interrupted earlier attempt with the same fingerprint
-        tok = load_tokenizer(tok_path)
-        tok_source = "trained"
-    else:
-        with progress_bars(progress) as bars:
-            bars.add_task("train BPE tokenizer", total=None, info=f"vocab {spec.tokenizer.vocab_size}")
-            tok = train_bpe(
-                split_docs["train"],
-                spec.tokenizer.vocab_size,
-                spec.tokenizer.min_frequency,
-                spec.tokenizer.train_max_bytes,
+def _prepare(plan: _Plan, progress: bool) -> PreparedData:
+    spec = plan.spec
+    remove_stale_writes(plan.clean_dir)
+    check_cache_space(spec, plan.files, plan.root)
+    started = time.perf_counter()
+    metas = _clean(plan, progress)
+    for f in plan.files:  # a file that changed after its part read it must not be taken as read
+        if f.identity and not f.identity.startswith("sha256:") and current_identity(f.path) != f.identity:
+            raise InputChanged(
+                f"{f.path} (data.sources[{f.source}]) changed or disappeared while the data stage ran; the "
+                "cleaned parts of the other files are kept. Run the data stage again once the source is stable"
             )
-        tok_source = "trained"
-    if not tok_path.exists():
-        tmp = tok_path.with_name(".tokenizer.json.tmp")
-        tok.save(str(tmp))
-        os.replace(tmp, tok_path)
-    eos = eos_id(tok, eos_token)
-    vocab = tok.get_vocab_size()
-    timings["tokenizer_s"] = time.perf_counter() - t
-
-    t = time.perf_counter()
-    work = dataset_dir / "work"
-    split_stats = {}
-    with progress_bars(progress, bytes_mode=True) as bars:
-        for split, docs in split_docs.items():
-            total = sum(len(d) for d in docs)
-            task = bars.add_task(f"tokenize {split}", total=total, info=f"{len(docs)} docs")
-            chunks = tokenize_chunks(
-                tok,
-                docs,
-                eos,
-                work,
-                split,
-                spec.chunk_bytes,
-                on_chunk=lambda n, task=task: bars.advance(task, n),
+    inputs = fingerprint_from_hashes(spec, plan.files, plan.file_hashes(metas))
+    fp = dataset_fingerprint(spec, plan.seed, inputs)
+    dataset_dir = plan.root / "datasets" / fp[:32]
+    timings = {"clean_s": time.perf_counter() - started}
+    with _locked(dataset_dir / ".lock", f"the data cache {dataset_dir}"):
+        prepared = load_prepared(dataset_dir)
+        if prepared is None:
+            clean_interrupted(dataset_dir, plan.clean_dir)
+            build_dataset(
+                spec, plan.seed, plan.part_dirs, metas, len(plan.files), inputs, fp,
+                dataset_dir, plan.budget, plan.executor, plan.task_budget, progress, timings,
             )
-            result = assemble_shards(
-                chunks, dataset_dir, split, shard_tokens=spec.shard_tokens, vocab_size=vocab, eos=eos
-            )
-            chars = sum(len(d) for d in docs)
-            utf8 = sum(len(d.encode("utf-8")) for d in docs)
-            split_stats[split] = {
-                **result,
-                "chars": chars,
-                "bytes": utf8,
-                "bytes_per_token": round(utf8 / max(1, result["tokens"] - result["documents"]), 4),
-            }
-    timings["tokenize_s"] = time.perf_counter() - t
-    shutil.rmtree(work, ignore_errors=True)
-
-    lengths = np.array([len(x) for x in texts], dtype=np.int64)
-    edges = np.unique(np.logspace(0, np.log10(max(10, lengths.max()) + 1), 31).astype(np.int64))
-    hist, _ = np.histogram(lengths, bins=edges)
-    stats = {
-        "fingerprint": fp,
-        "seed": seed,
-        "input_files": n_files,
-        "read": counts,
-        "steps": steps,
-        "removed": removed,
-        "removal_samples": samples,
-        "filters": spec.filters.model_dump(mode="json"),
-        "pii": pii,
-        "pii_samples": pii_samples,
-        "dedup": dedup_stats,
-        "split": {
-            "method": SPLIT_METHOD,
-            "heldout_fraction": spec.heldout_fraction,
-            "heldout_ids_sha256": hashlib.sha256("\n".join(heldout_ids).encode()).hexdigest(),
-            **split_stats,
-        },
-        "tokenizer": {
-            "source": tok_source,
-            "vocab_size": vocab,
-            "requested_vocab_size": None if spec.tokenizer.path else spec.tokenizer.vocab_size,
-            "eos_id": eos,
-            "train_max_bytes": spec.tokenizer.train_max_bytes,
-        },
-        "doc_length_histogram": {"unit": "characters", "edges": edges.tolist(), "counts": hist.tolist()},
-        "timings": {k: round(v, 3) for k, v in timings.items()},
-    }
-    meta = {
-        "fingerprint": fp,
-        "vocab_size": vocab,
-        "eos_id": eos,
-        "tokenizer_path": "tokenizer.json",
-        "train_index": "train.json",
-        "heldout_index": "heldout.json",
-        "stats": stats,
-        "input_fingerprints": {
-            **inputs,
-            **{f"shards {n}.json": sha256_file(dataset_dir / f"{n}.json") for n in ("train", "heldout")},
-        },
-    }
-    atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
-    prepared = load_prepared(dataset_dir)
-    assert prepared is not None
+            prepared = load_prepared(dataset_dir)
+            assert prepared is not None
     return prepared
+
+
+def _clean(plan: _Plan, progress: bool) -> list[dict[str, Any]]:
+    """Run the clean task of every part not reusable; returns every part's meta, in order."""
+    spec_json = plan.spec.model_dump(mode="json")
+    tasks = []
+    for i, (files, out) in enumerate(zip(plan.parts, plan.part_dirs, strict=True)):
+        if reusable_part(out) is not None:
+            continue
+        if out.exists():  # committed from racy files: redo it
+            shutil.rmtree(out)
+        tasks.append(Task("clean", i, str(out), {"spec": spec_json, "files": [asdict(f) for f in files]},
+                          plan.task_budget))
+    with progress_bars(progress) as bars:
+        bar = bars.add_task(
+            "clean + minhash", total=len(plan.parts), completed=len(plan.parts) - len(tasks),
+            info=f"{len(plan.files)} files, {len(tasks)} parts to do on {plan.executor.name}",
+        )
+        plan.executor.run("clean", tasks, lambda task: bars.advance(bar))
+    return [PartReader(d).meta for d in plan.part_dirs]

@@ -1,19 +1,25 @@
-"""Token shards: fixed-size files of token ids with a header, and an index that lists them.
+"""Token shards: fixed-size files of token ids with a header, each with a file of document offsets
+beside it, and an index that lists them.
 
-Shard file: a 32-byte header then `count` little-endian token ids.
+Shard file `<split>_NNNNN.bin`: a 32-byte header then `count` little-endian token ids.
     magic  8 bytes  b"RYTOKENS"
     version u32     1
     itemsize u32    2 (uint16) or 4 (uint32)
     count  u64      number of tokens
     reserved u64    0
-The index (JSON) holds per shard its file name, token count, sha256 of the whole file, and the offsets
-(within the shard) at which documents start, so document boundaries survive sharding. uint16 is used
-whenever the vocabulary fits in it. Every file is written to a temporary name, fsynced and renamed, so
-a crash leaves either the old file or the complete new one, never half a shard under the real name.
+Document offsets `<split>_NNNNN.docs`: the same header with magic b"RYDOCOFF" and itemsize 4 (8 for
+shards of 2^32 tokens or more), then the offsets (within the shard) at which documents start, so
+document boundaries survive sharding.
+The index (JSON) holds per shard its file name, token count and sha256, and its offsets file's name,
+document count and sha256: its size grows with the number of shards, never with the number of
+documents. uint16 is used whenever the vocabulary fits in it. Every file is written to a temporary
+name, fsynced and renamed, so a crash leaves either the old file or the complete new one, never half a
+shard under the real name.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -23,11 +29,15 @@ from typing import Any
 
 import numpy as np
 
+from runyard.diskspace import writing
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from runyard.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
 
 MAGIC = b"RYTOKENS"
+DOCS_MAGIC = b"RYDOCOFF"
+DOCS_SUFFIX = ".docs"
 VERSION = 1
+INDEX_VERSION = 2  # 2: document offsets in a file beside each shard, no longer in the index
 HEADER = struct.Struct("<8sIIQQ")
 INDEX_FORMAT = "runyard-token-shards"
 
@@ -83,31 +93,54 @@ def verify_shard(path: Path, expected_sha256: str) -> None:
 
 class ShardWriter:
     """Cut a stream of documents' tokens into shards of exactly `shard_tokens` tokens (the last one
-    shorter). Call `add_document` for each document (tokens including its end-of-document token),
-    then `finish()` to flush the last shard and get the index's shard entries."""
+    shorter), each with its document-offsets file. Call `add_tokens` with blocks of whole documents
+    (tokens including each document's end-of-document token), then `finish()` to flush the last shard
+    and get the index's shard entries. Tokens go straight to the shard's temporary file: the writer
+    holds one block and the current shard's document offsets, whatever `shard_tokens` is."""
 
     def __init__(self, directory: Path, prefix: str, shard_tokens: int, dtype: np.dtype):
-        self.directory, self.prefix, self.shard_tokens, self.dtype = directory, prefix, shard_tokens, dtype
+        self.directory, self.prefix, self.shard_tokens, self.dtype = Path(directory), prefix, shard_tokens, dtype
+        self.offsets_dtype = np.dtype("<u4") if shard_tokens < 1 << 32 else np.dtype("<u8")
         self.entries: list[dict[str, Any]] = []
-        self._buf = np.empty(shard_tokens, dtype=dtype)
+        self._file = None
+        self._tmp: Path | None = None
+        self._hash = None
         self._fill = 0
-        self._doc_starts: list[int] = []
+        self._doc_starts: list[np.ndarray] = []
         self.total_tokens = 0
         self.num_documents = 0
 
+    def _name(self) -> str:
+        return f"{self.prefix}_{len(self.entries):05d}.bin"
+
+    def _open(self) -> None:
+        path = self.directory / self._name()
+        self._tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in _flush, or by abort()
+        # Every shard but the last holds exactly shard_tokens: hash as we go, assuming so.
+        header = HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self.shard_tokens, 0)
+        self._hash = hashlib.sha256(header)
+        self._file.write(header)
+
     def add_tokens(self, tokens: np.ndarray, doc_lengths: np.ndarray) -> None:
         """Append a block of whole documents: `tokens` is their concatenation, `doc_lengths` their sizes."""
-        starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]) + self.total_tokens
+        doc_lengths = np.asarray(doc_lengths, dtype=np.int64)
+        starts = np.concatenate([[0], np.cumsum(doc_lengths)[:-1]]).astype(np.int64) + self.total_tokens
         self.num_documents += len(doc_lengths)
         pos = 0
         start_i = 0
         while pos < len(tokens):
+            if self._file is None:
+                self._open()
             take = min(self.shard_tokens - self._fill, len(tokens) - pos)
             shard_begin = self.total_tokens - self._fill  # global offset of this shard's first token
-            hi = np.searchsorted(starts, self.total_tokens + take, side="left")
-            self._doc_starts.extend(int(s - shard_begin) for s in starts[start_i:hi])
+            hi = int(np.searchsorted(starts, self.total_tokens + take, side="left"))
+            self._doc_starts.append(starts[start_i:hi] - shard_begin)
             start_i = hi
-            self._buf[self._fill : self._fill + take] = tokens[pos : pos + take]
+            body = np.ascontiguousarray(tokens[pos : pos + take], dtype=self.dtype.newbyteorder("<")).tobytes()
+            with writing(f"token shard {self._name()}", self.directory, needed=len(body)):
+                self._file.write(body)
+            self._hash.update(body)
             self._fill += take
             self.total_tokens += take
             pos += take
@@ -115,10 +148,27 @@ class ShardWriter:
                 self._flush()
 
     def _flush(self) -> None:
-        name = f"{self.prefix}_{len(self.entries):05d}.bin"
-        sha = write_shard(self.directory / name, self._buf[: self._fill], self.dtype)
+        if self._file is None:
+            self._open()
+        name = self._name()
+        path = self.directory / name
+        with writing(f"token shard {name}", self.directory):
+            if self._fill != self.shard_tokens:  # the last, shorter shard: its header says so
+                self._file.seek(0)
+                self._file.write(HEADER.pack(MAGIC, VERSION, self.dtype.itemsize, self._fill, 0))
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
+            sha = sha256_file(self._tmp) if self._fill != self.shard_tokens else self._hash.hexdigest()
+            os.replace(self._tmp, path)
+            fsync_dir(self.directory)
+        starts = np.concatenate(self._doc_starts) if self._doc_starts else np.zeros(0, np.int64)
+        docs_name = name.removesuffix(".bin") + DOCS_SUFFIX
+        docs_sha = write_doc_offsets(self.directory / docs_name, starts, self.offsets_dtype)
         self.entries.append(
-            {"file": name, "tokens": self._fill, "sha256": sha, "doc_starts": self._doc_starts}
+            {"file": name, "tokens": self._fill, "sha256": sha,
+             "docs_file": docs_name, "documents": len(starts), "docs_sha256": docs_sha}
         )
         self._fill = 0
         self._doc_starts = []
@@ -127,6 +177,49 @@ class ShardWriter:
         if self._fill or not self.entries:
             self._flush()
         return self.entries
+
+    def abort(self) -> None:
+        """Close and remove the shard being written (after an error)."""
+        if self._file is not None:
+            with contextlib.suppress(OSError):  # a full disk fails the flush in close(): the file goes anyway
+                self._file.close()
+            self._file = None
+        if self._tmp is not None:
+            self._tmp.unlink(missing_ok=True)
+
+
+def write_doc_offsets(path: Path, starts: np.ndarray, dtype: np.dtype) -> str:
+    """Write a shard's document offsets file atomically; returns its sha256."""
+    body = np.ascontiguousarray(starts, dtype=dtype).tobytes()
+    data = HEADER.pack(DOCS_MAGIC, VERSION, dtype.itemsize, len(starts), 0) + body
+    atomic_write_bytes(path, data)
+    return hashlib.sha256(data).hexdigest()
+
+
+def read_doc_offsets(path: Path) -> np.ndarray:
+    """A shard's document offsets (int64): where, within the shard, each document starting in it starts."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise DataError(f"cannot read document offsets {path}: {exc.strerror}") from None
+    if len(data) < HEADER.size:
+        raise ShardCorrupt(f"document offsets {path} are truncated ({len(data)} bytes)")
+    magic, version, itemsize, count, _ = HEADER.unpack(data[: HEADER.size])
+    if magic != DOCS_MAGIC or version != VERSION or itemsize not in (4, 8):
+        raise ShardCorrupt(f"document offsets {path} have a bad header (magic {magic!r}, version {version})")
+    if len(data) != HEADER.size + count * itemsize:
+        raise ShardCorrupt(f"document offsets {path} hold {len(data)} bytes but the header says {count} offsets")
+    return np.frombuffer(data, dtype="<u4" if itemsize == 4 else "<u8", offset=HEADER.size).astype(np.int64)
+
+
+def shard_doc_starts(index_path: Path, entry: dict[str, Any]) -> np.ndarray | None:
+    """The document offsets of one shard of an index: from its offsets file, or inline in an index
+    written before they moved out of it (pipeline version 1); None when it records none."""
+    if "docs_file" in entry:
+        return read_doc_offsets(Path(index_path).parent / entry["docs_file"])
+    if "doc_starts" in entry:
+        return np.asarray(entry["doc_starts"], dtype=np.int64)
+    return None
 
 
 def write_index(
@@ -143,7 +236,7 @@ def write_index(
     """Write a split's shard index atomically; its presence marks the split as complete."""
     index = {
         "format": INDEX_FORMAT,
-        "version": VERSION,
+        "version": INDEX_VERSION,
         "dtype": dtype.name,
         "vocab_size": vocab_size,
         "eos_id": eos_id,
@@ -172,3 +265,5 @@ def verify_index(index_path: Path) -> None:
     index = load_index(index_path)
     for entry in index["shards"]:
         verify_shard(Path(index_path).parent / entry["file"], entry["sha256"])
+        if "docs_file" in entry:
+            verify_shard(Path(index_path).parent / entry["docs_file"], entry["docs_sha256"])

@@ -1,40 +1,75 @@
-"""Tokenize a split in fixed chunks and assemble its shards.
+"""Tokenize the cleaned parts in chunks, then assemble each split's shards from the chunks.
 
-Chunk k of a split is a pure function of (its documents, the tokenizer): `encode_batch` (parallel
-inside `tokenizers`) plus an end-of-document token after each document, saved atomically as
-`<split>_<first doc>_<end doc>.npz`. A rerun after an interruption reuses every finished chunk, so the work resumes where
-it stopped; on a cluster each chunk could be one array task. Assembly then streams the chunks, in
-order, through a ShardWriter: fixed-size shards, each written atomically, then the index last, so a
-split is complete exactly when its index exists.
+`tokenize_part` is one task per cleaned part (a worker process, a Slurm array task or a Ray task): it
+reads the part's kept documents in chunks of about `chunk_bytes` characters, encodes each (one thread:
+the executor runs tasks side by side) and saves it atomically as `p<part>_<first doc>_<end doc>.npz`
+holding the train and held-out documents' tokens, an end-of-document token after each document. A rerun
+after an interruption reuses every finished chunk, so the work resumes where it stopped. Its output is
+the list of its chunks, written last.
+
+`assemble_splits` then streams every chunk, in corpus order, through two ShardWriters (train and
+held-out): fixed-size shards, each written atomically, then the index last, so a split is complete
+exactly when its index exists. On the way it counts the training split's tokens per id: the unigram
+baseline and the drift reference read those counts, not a second pass over the shards.
+
+Memory: one chunk's text and tokens in a task (the chunk is capped by the task's memory share; encode
+calls see at most `encode_batch_bytes` at a time), one chunk and the vocabulary's counts in assembly.
 """
 
 from __future__ import annotations
 
 import io
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer
 
+from runyard.data.budget import MemoryBudget
+from runyard.data.corpus import HELDOUT, REMOVED
+from runyard.data.partstore import PartReader
 from runyard.data.shards import ShardWriter, dtype_for_vocab, write_index
-from runyard.fsutil import atomic_write_bytes
+from runyard.data.spill import FlagFile
+from runyard.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
+from runyard.fsutil import atomic_write_bytes, atomic_write_json
 
-CHUNK_BYTES = 1 << 22  # ~4 MB of text per chunk: big enough for encode_batch to use every core
+CHUNK_BYTES = 1 << 22  # ~4 MB of text per chunk
+SPLITS = ("train", "heldout")
+
+
+@contextmanager
+def single_threaded_tokenizers() -> Iterator[None]:
+    """Encode on this thread only: tasks already run side by side, one per core."""
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def chunk_ranges(texts: list[str], chunk_bytes: int = CHUNK_BYTES) -> list[tuple[int, int]]:
     """[start, end) document ranges of about chunk_bytes characters each; depends only on the texts."""
+    return sized_ranges(np.fromiter((len(t) for t in texts), dtype=np.int64, count=len(texts)), chunk_bytes)
+
+
+def sized_ranges(sizes: np.ndarray, target: int) -> list[tuple[int, int]]:
+    """[start, end) ranges cut as soon as their sizes reach `target` (the last may be smaller)."""
     ranges, start, size = [], 0, 0
-    for i, text in enumerate(texts):
-        size += len(text)
-        if size >= chunk_bytes:
+    for i, n in enumerate(np.asarray(sizes).tolist()):
+        size += n
+        if size >= target:
             ranges.append((start, i + 1))
             start, size = i + 1, 0
-    if start < len(texts):
-        ranges.append((start, len(texts)))
+    if start < len(sizes):
+        ranges.append((start, len(sizes)))
     return ranges
 
 
@@ -53,6 +88,103 @@ def encode_documents(
     return tokens, lengths
 
 
+def _encode_chunk(tok: Tokenizer, texts: list[str], eos: int, dtype: np.dtype,
+                  batch_bytes: int) -> tuple[np.ndarray, np.ndarray]:
+    """encode_documents over `texts` in calls of at most about `batch_bytes` characters each."""
+    parts = [encode_documents(tok, texts[a:b], eos, dtype) for a, b in chunk_ranges(texts, batch_bytes)]
+    if not parts:
+        return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
+    return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+
+
+def chunk_name(part_index: int, lo: int, hi: int) -> str:
+    # Named by document range, so a resume with another chunk size never reuses a wrong chunk.
+    return f"p{part_index:05d}_{lo:09d}_{hi:09d}.npz"
+
+
+def tokenize_part(
+    part_dir: Path,
+    flags_path: Path,
+    first_doc: int,
+    tokenizer_path: Path,
+    work_dir: Path,
+    part_index: int,
+    chunk_bytes: int,
+    budget: MemoryBudget,
+    output: Path,
+    eos_token: str = EOS_TOKEN,
+) -> dict[str, Any]:
+    """Encode one cleaned part's kept documents into chunk files, each document ended by `eos_token`;
+    write their list to `output`."""
+    part = PartReader(part_dir)
+    flags = FlagFile(flags_path).read(first_doc, first_doc + part.n_docs)
+    kept = (flags & REMOVED) == 0
+    held = (flags & HELDOUT) != 0
+    tok = load_tokenizer(tokenizer_path, eos_token)
+    eos = eos_id(tok, eos_token)
+    dtype = dtype_for_vocab(tok.get_vocab_size())
+    chunks = []
+    with single_threaded_tokenizers():
+        for lo, hi in sized_ranges(np.where(kept, part.chars(), 0), budget.chunk_bytes(chunk_bytes)):
+            if not kept[lo:hi].any():
+                continue
+            path = work_dir / chunk_name(part_index, lo, hi)
+            chunks.append(path.name)
+            if path.exists():
+                continue
+            sel = kept[lo:hi]
+            texts = [t for t, k in zip(part.texts(lo, hi), sel, strict=True) if k]
+            tokens, lengths = _encode_chunk(tok, texts, eos, dtype, budget.encode_batch_bytes)
+            is_held = held[lo:hi][sel]
+            token_held = np.repeat(is_held, lengths)
+            buf = io.BytesIO()
+            np.savez(
+                buf,
+                train_tokens=tokens[~token_held], train_lengths=lengths[~is_held],
+                heldout_tokens=tokens[token_held], heldout_lengths=lengths[is_held],
+            )
+            atomic_write_bytes(path, buf.getvalue())
+    result = {"part": part_index, "chunks": chunks}
+    atomic_write_json(output, result)
+    return result
+
+
+def assemble_splits(
+    chunk_paths: Iterable[Path], out_dir: Path, *, shard_tokens: int, vocab_size: int, eos: int,
+    on_chunk: Callable[[Path], None] | None = None,
+) -> tuple[dict[str, dict[str, int]], np.ndarray]:
+    """Write both splits' shards and indexes from the chunk files, in order; returns each split's
+    totals for the report and the training split's token counts per id."""
+    dtype = dtype_for_vocab(vocab_size)
+    writers = {split: ShardWriter(out_dir, split, shard_tokens, dtype) for split in SPLITS}
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    try:
+        for path in chunk_paths:
+            with np.load(path, allow_pickle=False) as z:
+                for split in SPLITS:
+                    tokens = z[f"{split}_tokens"]
+                    writers[split].add_tokens(tokens, z[f"{split}_lengths"])
+                    if split == "train":
+                        counts += np.bincount(tokens, minlength=vocab_size)[:vocab_size]
+            if on_chunk:
+                on_chunk(path)
+        totals = {}
+        for split, writer in writers.items():
+            entries = writer.finish()
+            write_index(out_dir / f"{split}.json", entries, dtype=dtype, vocab_size=vocab_size, eos_id=eos,
+                        shard_tokens=shard_tokens, num_documents=writer.num_documents)
+            totals[split] = {"tokens": writer.total_tokens, "documents": writer.num_documents,
+                             "shards": len(entries)}
+    except BaseException:
+        for writer in writers.values():
+            writer.abort()
+        raise
+    return totals, counts
+
+
+# -- texts already in memory (benchmarks, small callers) ---------------------------------------------------
+
+
 def tokenize_chunks(
     tok: Tokenizer,
     texts: list[str],
@@ -62,13 +194,11 @@ def tokenize_chunks(
     chunk_bytes: int = CHUNK_BYTES,
     on_chunk: Callable[[int], None] | None = None,
 ) -> list[Path]:
-    """Encode `texts` chunk by chunk into work_dir, skipping chunks already there; returns the chunk files.
-    Two chunks are in flight at once (encode_batch releases the GIL), so the tail of one chunk, where
-    a few long documents leave cores idle, overlaps the start of the next."""
+    """Encode `texts` held in memory chunk by chunk into work_dir (two chunks in flight: encode_batch
+    releases the GIL), skipping chunks already there; returns the chunk files."""
     dtype = dtype_for_vocab(tok.get_vocab_size())
 
     def one(lo: int, hi: int) -> Path:
-        # Named by document range, so a resume with another chunk size never reuses a wrong chunk.
         path = work_dir / f"{split}_{lo:09d}_{hi:09d}.npz"
         if not path.exists():
             tokens, lengths = encode_documents(tok, texts[lo:hi], eos, dtype)
@@ -90,22 +220,15 @@ def tokenize_chunks(
 def assemble_shards(
     chunks: list[Path], out_dir: Path, split: str, *, shard_tokens: int, vocab_size: int, eos: int
 ) -> dict:
-    """Write the split's shards and index from its chunk files; returns totals for the report."""
+    """Write one split's shards and index from tokenize_chunks' files; returns totals for the report."""
     dtype = dtype_for_vocab(vocab_size)
     writer = ShardWriter(out_dir, split, shard_tokens, dtype)
     for path in chunks:
         with np.load(path, allow_pickle=False) as z:
             writer.add_tokens(z["tokens"], z["lengths"])
     entries = writer.finish()
-    write_index(
-        out_dir / f"{split}.json",
-        entries,
-        dtype=dtype,
-        vocab_size=vocab_size,
-        eos_id=eos,
-        shard_tokens=shard_tokens,
-        num_documents=writer.num_documents,
-    )
+    write_index(out_dir / f"{split}.json", entries, dtype=dtype, vocab_size=vocab_size, eos_id=eos,
+                shard_tokens=shard_tokens, num_documents=writer.num_documents)
     return {"tokens": writer.total_tokens, "documents": writer.num_documents, "shards": len(entries)}
 
 

@@ -24,13 +24,14 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
-from runyard.data.loader import TokenStream
+from runyard.data.loader import SplitDocuments
 from runyard.fsutil import atomic_write_text
 
 REFERENCE_FILE = "drift_reference.json"
@@ -120,7 +121,7 @@ class DriftReference:
         return cls(counts, null_counts, chunks)
 
     @classmethod
-    def from_documents(cls, token_counts: np.ndarray, documents: list[np.ndarray], seed: int) -> DriftReference:
+    def from_documents(cls, token_counts: np.ndarray, documents: Sequence[np.ndarray], seed: int) -> DriftReference:
         """Split `documents` (token arrays of the training split) into two random halves: the first's
         histogram, and `CHUNKS` windows of `CHUNK_LEN` tokens from the second."""
         vocab = len(token_counts)
@@ -143,14 +144,9 @@ class DriftReference:
         return cls(np.asarray(token_counts, dtype=np.int64), null_counts, chunks)
 
 
-def training_documents(train_index: Path) -> list[np.ndarray]:
-    """The documents of a token store split, as token arrays (shard boundaries joined)."""
-    stream = TokenStream(Path(train_index))
-    starts: list[int] = []
-    for entry, offset in zip(stream.index["shards"], stream.offsets[:-1], strict=True):
-        starts.extend(int(offset) + int(s) for s in entry.get("doc_starts", []))
-    bounds = sorted(set(starts) | {0}) + [stream.total]
-    return [stream.read(a, b - a) for a, b in zip(bounds[:-1], bounds[1:], strict=True) if b > a]
+def training_documents(train_index: Path) -> SplitDocuments:
+    """The documents of a token store split, as token arrays read on demand (shard boundaries joined)."""
+    return SplitDocuments(Path(train_index))
 
 
 def build_reference(token_counts: np.ndarray, train_index: Path, seed: int) -> DriftReference:

@@ -1,0 +1,184 @@
+"""The Slurm executor: each step's tasks run as a Slurm job array, submitted with sbatch.
+
+Why sbatch and not submitit: a task is already plain JSON run by `python -m runyard.data.tasks` (no
+pickled closures to ship), sbatch is what every Slurm site has, and runyard's other Slurm code (the
+control plane's backend, `reproduce`) speaks it too; submitit would add a dependency and pickle the
+task functions onto shared storage for nothing.
+
+- One array per step (`--array=0-N%W`: W is data.workers, the most tasks running at once; none when
+  unset), one CPU and `--mem` = data.memory_limit per task. Arrays larger than the cluster's
+  MaxArraySize are submitted in pieces.
+- The data cache must be on storage every node sees (data.cache_dir on a shared filesystem): the tasks
+  write their outputs there, and the preparing process reads them.
+- A task is done when its output exists (written atomically and last). When an array ends, the tasks
+  without output (failed, killed, lost with their node) are submitted again, alone, up to `retries`
+  times; then the step fails naming each task and the end of its log. A later `runyard prepare` skips
+  every task whose output exists, so it too reruns only the failed ones.
+- The array is cancelled (scancel) if the preparing process stops on an error, Ctrl-C or SIGTERM.
+  If it is SIGKILLed the array runs on; its outputs are the same ones a rerun would write (atomic
+  renames of identical content), so they are used, never mixed.
+
+State comes from `squeue` (no accounting needed: the CI cluster has none).
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from runyard.data.errors import TaskFailed
+from runyard.data.tasks import Task, write_task_list
+from runyard.errors import DataError
+
+POLL_S = 1.0
+LOG_TAIL = 1500
+
+
+def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    except (OSError, subprocess.SubprocessError) as exc:
+        raise DataError(f"{argv[0]} could not be run ({exc}); is this a Slurm submit host?") from None
+    if check and proc.returncode != 0:
+        raise DataError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def max_array_size() -> int:
+    """Slurm's MaxArraySize (array indices must be below it); 1001 when the config does not say."""
+    out = _run(["scontrol", "show", "config"], check=False).stdout
+    m = re.search(r"MaxArraySize\s*=\s*(\d+)", out)
+    return int(m.group(1)) if m else 1001
+
+
+class SlurmExecutor:
+    name = "slurm"
+
+    def __init__(self, log_dir: Path, workers: int | None, memory_limit: int, partition: str | None = None,
+                 sbatch_args: list[str] | None = None, retries: int = 2):
+        self.log_dir = Path(log_dir)
+        self.workers, self.memory_limit = workers, memory_limit
+        self.partition, self.sbatch_args, self.retries = partition, list(sbatch_args or []), retries
+        self.submissions: list[dict] = []  # (job id, label, attempt, task indices): what was submitted
+
+    def script(self, label: str, tasks_file: Path, count: int) -> str:
+        """The batch script of one array over the `count` tasks listed in `tasks_file`."""
+        array = f"0-{count - 1}" + (f"%{self.workers}" if self.workers else "")
+        lines = [
+            "#!/bin/bash",
+            f"#SBATCH --job-name=runyard-data-{label}",
+            f"#SBATCH --array={array}",
+            "#SBATCH --cpus-per-task=1",
+            f"#SBATCH --mem={max(1, self.memory_limit >> 20)}M",
+            f"#SBATCH --output={self.log_dir}/{tasks_file.stem}-%a.log",
+            "#SBATCH --export=ALL",
+            f"#SBATCH --chdir={Path.cwd()}",
+        ]
+        if self.partition:
+            lines.append(f"#SBATCH --partition={self.partition}")
+        command = [sys.executable, "-m", "runyard.data.tasks", str(tasks_file)]
+        lines += ["export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1",
+                  f"exec {shlex.join(command)} \"$SLURM_ARRAY_TASK_ID\"", ""]
+        return "\n".join(lines)
+
+    def _submit(self, label: str, tasks: list[Task], attempt: int, piece: int) -> tuple[str, Path]:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        stem = f"{label}-a{attempt}-{piece:03d}"
+        tasks_file = self.log_dir / f"{stem}.json"
+        write_task_list(tasks_file, tasks)
+        script = self.log_dir / f"{stem}.sbatch"
+        script.write_text(self.script(label, tasks_file, len(tasks)))
+        out = _run(["sbatch", "--parsable", *self.sbatch_args, str(script)]).stdout.strip()
+        job_id = out.split(";")[0]
+        if not job_id.isdigit():
+            raise DataError(f"sbatch printed {out!r}, not a job id")
+        self.submissions.append({"job": job_id, "label": label, "attempt": attempt,
+                                 "tasks": [t.index for t in tasks]})
+        return job_id, tasks_file
+
+    def _active(self, job_id: str) -> bool:
+        proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False)
+        return proc.returncode == 0 and bool(proc.stdout.strip())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def run(self, label: str, tasks: list[Task], on_done: Callable[[Task], None]) -> None:
+        """Run the tasks not yet done as arrays; resubmit the failed ones alone (see the module doc)."""
+        todo = [t for t in tasks if not t.done()]
+        attempt = 0
+        logs: dict[int, Path] = {}
+        jobs: list[str] = []
+        stop = _CancelOnSignal()
+        try:
+            with stop:
+                while todo:
+                    attempt += 1
+                    size = max(1, max_array_size() - 1)
+                    jobs = []
+                    for piece, start in enumerate(range(0, len(todo), size)):
+                        batch = todo[start : start + size]
+                        job_id, tasks_file = self._submit(label, batch, attempt, piece)
+                        jobs.append(job_id)
+                        for k, t in enumerate(batch):
+                            logs[t.index] = self.log_dir / f"{tasks_file.stem}-{k}.log"
+                    waiting = list(todo)
+                    while jobs:
+                        time.sleep(POLL_S)
+                        waiting = self._report(waiting, on_done)
+                        jobs = [j for j in jobs if self._active(j)]
+                    waiting = self._report(waiting, on_done)
+                    todo = waiting
+                    if todo and attempt > self.retries:
+                        raise TaskFailed(self._failure(label, todo, logs, attempt))
+        finally:
+            for job_id in jobs:
+                _run(["scancel", job_id], check=False)
+
+    def _report(self, waiting: list[Task], on_done: Callable[[Task], None]) -> list[Task]:
+        still = []
+        for task in waiting:
+            if task.done():
+                on_done(task)
+            else:
+                still.append(task)
+        return still
+
+    def _failure(self, label: str, failed: list[Task], logs: dict[int, Path], attempts: int) -> str:
+        lines = [f"{len(failed)} {label} task(s) failed on Slurm after {attempts} attempt(s):"]
+        for task in failed[:5]:
+            log = logs.get(task.index)
+            tail = ""
+            if log is not None and log.exists():
+                tail = log.read_text(errors="replace")[-LOG_TAIL:].strip()
+            lines.append(f"  task {task.index} ({task.output}); log {log}:")
+            lines += [f"    {line}" for line in tail.splitlines()[-12:]]
+        return "\n".join(lines)
+
+
+class _CancelOnSignal:
+    """While active, SIGTERM raises KeyboardInterrupt in the main thread, so the array is cancelled on
+    the way out."""
+
+    def __enter__(self) -> _CancelOnSignal:
+        self._previous = None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._on_term)
+        return self
+
+    def _on_term(self, signum, frame) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
