@@ -183,6 +183,13 @@ def _open_raw(path: str):
     return open(path.removeprefix("file://"), "rb")
 
 
+def read_bytes(path: str) -> bytes:
+    """The raw (still compressed) bytes of a local file or fsspec URL, whole (instruction records: files a
+    fine-tuning set keeps small; the text data stage streams instead, `read_stream`)."""
+    with _open_raw(path) as f:
+        return f.read()
+
+
 def _compression(source: SourceSpec, path: str) -> str:
     if source.compression != "infer":
         return source.compression

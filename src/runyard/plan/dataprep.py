@@ -30,9 +30,11 @@ from pathlib import Path
 import numpy as np
 import pyarrow.parquet as pq
 
+from runyard.data.budget import MemoryBudget
 from runyard.data.clean import clean_part
 from runyard.data.config import DataSpec
 from runyard.data.footprint import COMPRESSION_RATIO
+from runyard.data.partstore import PartReader
 from runyard.data.pipeline import dataset_fingerprint, fingerprint_inputs, load_prepared, resolve_cache_dir
 from runyard.data.sources import InputFile, read_bytes
 from runyard.data.tokenize import cpu_count
@@ -167,11 +169,14 @@ def _calibrated_text(spec: DataSpec, files: list[InputFile], sample: list[InputF
         hashlib.sha256(read_bytes(f.path)).digest()
     hash_rate = sum(f.size for f in sample) / max(time.perf_counter() - t0, 1e-6)
 
-    clean_part(sample[:1], spec)  # warm-up: first-call costs (regex compilation, MinHash tables)
-    t0 = time.perf_counter()
-    part = clean_part(sample, spec)
-    clean_rate = sample_bytes / max(time.perf_counter() - t0, 1e-6)
-    texts = part.texts
+    budget = MemoryBudget.for_array_task(int(spec.memory_limit))
+    with tempfile.TemporaryDirectory(prefix="runyard-plan-clean-") as parts_dir:
+        clean_part(sample[:1], spec, Path(parts_dir) / "warm-up", budget)  # first-call costs (regex, MinHash tables)
+        t0 = time.perf_counter()
+        clean_part(sample, spec, Path(parts_dir) / "sample", budget)
+        clean_rate = sample_bytes / max(time.perf_counter() - t0, 1e-6)
+        part = PartReader(Path(parts_dir) / "sample")
+        texts = part.texts(0, part.n_docs)
     kept = sum(len(t.encode("utf-8")) for t in texts)
     kept_fraction = kept / max(1, sample_bytes)
 
