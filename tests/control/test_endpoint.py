@@ -141,6 +141,8 @@ def test_an_unhealthy_server_fails_its_probes(relay, tmp_path):
 
 def test_the_relay_exits_with_what_the_control_plane_needs(relay):
     stopped = relay()
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(stopped.socket))) as client:
+        _until(lambda c=client: _answers(c))  # up, its handlers installed (a start-up kill is another test)
     stopped.proc.send_signal(signal.SIGTERM)  # asked to stop: never read as "finished"
     assert stopped.proc.wait(timeout=30) == STOPPED
     for code, expect in ((0, 1), (2, 2), (5, 5)):

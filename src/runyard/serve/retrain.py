@@ -6,7 +6,8 @@ API token are, or its URL with the token in $RUNYARD_CONTROL_TOKEN). On a drift 
 writes a derived spec beside the request log: the same spec under a new name, its `data.sources`
 plus the request log's directory (a JSONL source), and, when the spec schema has `model.init`
 (issue 11's weights-in), `model.init: {from: export, path: EXPORT}` so the new run starts from the
-served weights. Without that field the job trains as its spec says (from scratch). The derived spec is
+served weights, as its last stage alone (the stage the export holds), without the loss-drop gate.
+Without that field the job trains as its spec says (from scratch). The derived spec is
 validated like any spec, then submitted as spec text through `runyard.control.client`, as `runyard
 submit` does.
 """
@@ -86,6 +87,14 @@ def derive_spec(
     data["sources"] = [*sources, traffic_source]
     if spec_supports_init():
         spec.setdefault("model", {})["init"] = {"from": "export", "path": str(Path(export_dir).resolve())}
+        # The export is the last stage's model: only that stage continues (an earlier, smaller stage
+        # could not start from its weights). Weights that already fit the data need not lose a fixed
+        # share of their loss again: the loss-drop gate, there to catch a run that does not learn, is
+        # off; the finite, held-out and checkpoint gates stay.
+        if spec.get("stages"):
+            last = copy.deepcopy(spec["stages"][-1])
+            last.setdefault("gates", {})["min_loss_drop"] = None
+            spec["stages"] = [last]
     return spec
 
 
