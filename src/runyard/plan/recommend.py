@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from runyard.market.requirement import Interconnect
-from runyard.model.registry import family_names, get_family
+from runyard.model.registry import FamilyUnavailable, ModelFamily, family_names, get_family
 from runyard.plan.devices import Device, device, usable_memory
 
 # Tasks by the kind of data they read.
@@ -119,10 +119,22 @@ def describe_devices(kind: str, devices: int) -> str:
     return f"{devices} x {kind}"
 
 
+def installed_families() -> list[ModelFamily]:
+    """The registered families whose libraries are installed (a family from a missing extra cannot be
+    recommended here, and must not stop a plan that does not need it)."""
+    families = []
+    for name in family_names():
+        try:
+            families.append(get_family(name))
+        except FamilyUnavailable:
+            continue
+    return families
+
+
 def recommend_family(task: str, facts: DataFacts) -> FamilyChoice:
     """The registered family the data calls for (see the module doc)."""
     deep = DATA_KINDS[task] in DEEP_KINDS
-    candidates = [n for n in family_names() if task in get_family(n).tasks and get_family(n).trains_with_loop == deep]
+    candidates = [f.name for f in installed_families() if task in f.tasks and f.trains_with_loop == deep]
     if deep:
         why = (f"{facts.describe()}: high-dimensional data, so a deep network "
                f"({'convolutional for images' if facts.kind == 'image' else 'a decoder transformer for text'})")
@@ -130,7 +142,9 @@ def recommend_family(task: str, facts: DataFacts) -> FamilyChoice:
         why = (f"{facts.describe()}: low-dimensional tabular data does not need a deep network; "
                "gradient-boosted trees, against a linear baseline")
     if not candidates:
-        return FamilyChoice(None, why + f"; no registered family trains {task!r} yet (runyard has {family_names()})")
+        return FamilyChoice(None, why + f"; no registered family trains {task!r} yet here (runyard has "
+                            f"{family_names()}; a family from a missing extra, e.g. `pip install 'runyard[predict]'` "
+                            "for tables, is left out)")
     return FamilyChoice(candidates[0], why)
 
 
