@@ -10,6 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+from runyard.control.agent import LeaseJobSettings
+from runyard.control.client import ControlClient
+from runyard.control.daemon import DaemonOptions, detect_inventory, run_daemon
+from runyard.control.fetch import allowed_networks
+from runyard.control.info import ControlError, read_daemon_info
+from runyard.control.loop import ControlConfig
+from runyard.control.retry import ClassBudget, RetryPolicy
+from runyard.control.states import JobState
+from runyard.spec import load_spec
+
 DEFAULT_STATE_DIR = os.environ.get("RUNYARD_CONTROL_DIR", str(Path.home() / ".runyard" / "control"))
 
 
@@ -143,18 +153,11 @@ def _byte_size(text: str) -> int:
 
 
 def _client(args: argparse.Namespace):
-    from runyard.control.client import ControlClient
 
     return ControlClient.for_state_dir(args.state_dir)
 
 
 def _options(args: argparse.Namespace):
-    from runyard.control.agent import LeaseJobSettings
-    from runyard.control.daemon import DaemonOptions, detect_inventory
-    from runyard.control.fetch import allowed_networks
-    from runyard.control.info import ControlError
-    from runyard.control.loop import ControlConfig
-    from runyard.control.retry import ClassBudget, RetryPolicy
 
     quotas = {}
     for item in args.quota:
@@ -196,8 +199,6 @@ def _options(args: argparse.Namespace):
 
 
 def _control_start(args: argparse.Namespace) -> int:
-    from runyard.control.daemon import run_daemon
-    from runyard.control.info import ControlError, read_daemon_info
 
     options = _options(args)  # validate before detaching, so errors reach this terminal
     if args.foreground:
@@ -226,7 +227,6 @@ def _control_start(args: argparse.Namespace) -> int:
 
 
 def _control_stop(args: argparse.Namespace) -> int:
-    from runyard.control.info import read_daemon_info
 
     info = read_daemon_info(args.state_dir)
     _client(args).shutdown()
@@ -249,7 +249,6 @@ def _control_status(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from runyard.spec import load_spec
 
     load_spec(args.spec)  # a bad spec is rejected here, before it is sent (exit 2); the daemon checks again
     text = Path(args.spec).read_text(encoding="utf-8")
@@ -263,7 +262,6 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _queue(args: argparse.Namespace) -> int:
-    from runyard.control.states import JobState
 
     states = None if args.all else [str(s) for s in JobState if not s.terminal]
     jobs = _client(args).jobs(states)

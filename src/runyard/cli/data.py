@@ -8,6 +8,12 @@ from pathlib import Path
 from rich.console import Console
 from rich.markdown import Markdown
 
+from runyard.data.executors import ExecutorChoice
+from runyard.data.hydrate import find_fingerprint, hydrate_dataset, publish_dataset
+from runyard.data.pipeline import prepare_data
+from runyard.data.report import markdown_report
+from runyard.spec import load_spec
+
 
 def register(subparsers) -> None:
     p = subparsers.add_parser(
@@ -74,11 +80,6 @@ def register(subparsers) -> None:
 
 
 def _prepare(args: argparse.Namespace) -> int:
-    from runyard.data.executors import ExecutorChoice
-    from runyard.data.hydrate import publish_dataset
-    from runyard.data.pipeline import prepare_data
-    from runyard.data.report import markdown_report
-    from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
     executor = ExecutorChoice(args.executor, args.partition, args.sbatch_arg, args.ray_address, args.retries)
@@ -95,8 +96,6 @@ def _prepare(args: argparse.Namespace) -> int:
 
 
 def _hydrate(args: argparse.Namespace) -> int:
-    from runyard.data.hydrate import find_fingerprint, hydrate_dataset
-    from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
     fingerprint = args.fingerprint or find_fingerprint(spec.data, spec.seed, args.store)

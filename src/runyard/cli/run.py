@@ -9,10 +9,19 @@ import os
 import sys
 from pathlib import Path
 
+from rich.console import Console
+from rich.logging import RichHandler
+
 from runyard import rundir
 from runyard.cli.readers import export_dir_of, say_if_live
-from runyard.errors import RunyardError
-from runyard.train.launch import run_worker
+from runyard.errors import RunyardError, SpecError
+from runyard.manifest import read_manifest
+from runyard.plan.stages import read_gates
+from runyard.run import SPEC_FILE, default_run_dir, execute_run
+from runyard.serve.engine import Generator
+from runyard.serve.export import load_export
+from runyard.spec import load_spec
+from runyard.train.launch import launch, run_worker, under_launcher
 
 ONE_WRITER = (
     " One writer per run directory: while a run, train or resume writes it, another is refused with the "
@@ -100,14 +109,12 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def _setup_logging() -> None:
-    from rich.logging import RichHandler
 
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
 
 
 def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = None) -> int | None:
     """When more than one worker is asked for and we are not a worker yet, start them via torchrun."""
-    from runyard.train.launch import launch, under_launcher
 
     nproc = args.nproc if args.nproc is not None else spec.resources.nproc
     if under_launcher() or (nproc <= 1 and args.nnodes <= 1 and args.max_restarts == 0):
@@ -124,8 +131,6 @@ def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = Non
 
 
 def cmd_run(args) -> int:
-    from runyard.run import default_run_dir, execute_run
-    from runyard.spec import load_spec
 
     spec = load_spec(args.spec)
     run_dir = args.run_dir or default_run_dir(spec)
@@ -151,8 +156,6 @@ def cmd_run(args) -> int:
 
 
 def cmd_resume(args) -> int:
-    from runyard.run import SPEC_FILE, execute_run
-    from runyard.spec import load_spec
 
     spec_path = args.run_dir / SPEC_FILE
     if not spec_path.is_file():
@@ -173,7 +176,6 @@ def cmd_resume(args) -> int:
 
 
 def _print_summary(summary) -> None:
-    from rich.console import Console
 
     if int(os.environ.get("RANK", "0")) != 0:
         return
@@ -204,9 +206,6 @@ def _print_summary(summary) -> None:
 
 
 def cmd_generate(args) -> int:
-    from runyard.errors import SpecError
-    from runyard.serve.engine import Generator
-    from runyard.serve.export import load_export
 
     # Checked here so a bad option is a usage error (exit 2), not a traceback from the sampler.
     problems = [
@@ -231,10 +230,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_show(args) -> int:
-    from runyard.manifest import read_manifest
-    from runyard.plan.stages import read_gates
-    from runyard.run import SPEC_FILE
-    from runyard.spec import load_spec
 
     run_dir = args.run_dir
     if not (run_dir / SPEC_FILE).is_file():
