@@ -18,7 +18,7 @@ CHECKED = ["train", "model", "plan", "serve/export.py", "evaluate"]
 # Files that must not import inside functions (optional extras would be the one exception).
 NO_LOCAL_IMPORTS = [
     "train/checkpoint", "train/parallel.py", "train/loop.py", "train/metrics.py", "train/rng.py", "model",
-    "plan/sizing.py", "serve/export.py", "serve/engine.py", "data/loader.py", "evaluate",
+    "plan/sizing.py", "serve/export.py", "serve/engine.py", "data/loader.py", "evaluate", "cli",
 ]
 
 
