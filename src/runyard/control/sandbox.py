@@ -180,6 +180,9 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     root, work = Path(policy.root), policy.work
     args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", f"lease-{policy.lease_id}", "--ro-bind", "/usr", "/usr"]
+    # /tmp first: whatever lives under /tmp and must be seen (the runtime, when runyard or its venv sit
+    # in /tmp; a lease folder, as in tests) is then mounted on top of the empty /tmp, not hidden by it.
+    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
     for top in TOP_LINKS:
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -190,9 +193,7 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     args += ["--ro-bind", str(root / "passwd"), "/etc/passwd", "--ro-bind", str(root / "group"), "/etc/group"]
     for path in runtime_paths():
         args += ["--ro-bind", path, path]
-    # /tmp first: a lease folder under /tmp (as in tests) is then mounted on top of it, not hidden.
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-             "--ro-bind", str(root), str(root), "--bind", str(work), str(work)]
+    args += ["--ro-bind", str(root), str(root), "--bind", str(work), str(work)]
     for path in extra_ro:
         args += ["--ro-bind", path, path]
     for path in extra_rw:
