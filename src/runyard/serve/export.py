@@ -40,7 +40,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "PROVENANCE_FILE", "TOKENIZER_FILE", "ExportError",
-           "export_model", "load_export", "read_export_config", "verify_export", "verify_files"]
+           "export_model", "install_export", "load_export", "read_export_config", "verify_export", "verify_files"]
 
 
 def export_model(
@@ -105,22 +105,29 @@ def export_model(
             text = json.dumps(provenance, indent=2, sort_keys=True)
         except (TypeError, ValueError) as exc:
             raise ExportError(f"extra_config must be JSON-serialisable: {exc}") from None
-        (tmp / PROVENANCE_FILE).write_text(text + "\n", encoding="utf-8")
-        for name in (*names, PROVENANCE_FILE):
-            fsync_file(tmp / name)
-        fsync_dir(tmp)
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        install_export(tmp, out_dir, names, text)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
+
+
+def install_export(tmp: Path, out_dir: Path, names: list[str], provenance_json: str) -> None:
+    """Finish an export written in `tmp`: its runyard.json last, every file and the folder fsynced, then
+    `tmp` renamed onto `out_dir` (an older export there is moved aside first and removed after). Shared
+    by every model kind's export, so a reader never sees a half-written one."""
+    (tmp / PROVENANCE_FILE).write_text(provenance_json + "\n", encoding="utf-8")
+    for name in (*names, PROVENANCE_FILE):
+        fsync_file(tmp / name)
+    fsync_dir(tmp)
+    old = None
+    if out_dir.exists():
+        old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _generation_config(ids: dict[str, int | None]) -> dict[str, Any]:

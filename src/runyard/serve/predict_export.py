@@ -17,7 +17,6 @@ checksum before anything is built.
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,12 +26,13 @@ import numpy as np
 import torch
 
 from runyard.data.table_schema import TableSchema, encode_records
-from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
+from runyard.fsutil import make_temp_dir, match_umask, sha256_file
 from runyard.model.registry import ExportError, UnknownFamily, get_family
 from runyard.serve.export import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
     PROVENANCE_FILE,
+    install_export,
     read_export_config,
     verify_files,
 )
@@ -78,18 +78,7 @@ def export_predictor(model: Any, config: Any, family: str, out_dir: Path, *, kin
             "model": family_impl.config_to_dict(config), "files": {n: sha256_file(tmp / n) for n in names},
             "onnx": onnx.to_dict(), "extra": extra or {},
         }
-        (tmp / PROVENANCE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        for name in (*names, PROVENANCE_FILE):
-            fsync_file(tmp / name)
-        fsync_dir(tmp)
-        old = None
-        if out_dir.exists():
-            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
-            os.replace(out_dir, old)
-        os.replace(tmp, out_dir)
-        fsync_dir(out_dir.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        install_export(tmp, out_dir, names, json.dumps(record, indent=2, sort_keys=True))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
