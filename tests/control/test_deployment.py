@@ -86,6 +86,8 @@ def test_a_deployment_that_failed_before_it_served_ends_its_lease():
     assert failed_before_serving(JobState.RECOVERING, [[1.0, "user_error"]], ever_healthy=False)
     assert failed_before_serving(JobState.FAILED, [], ever_healthy=False)
     assert not failed_before_serving(JobState.RECOVERING, [[1.0, "infra"]], ever_healthy=False)  # the machine's fault
+    # a model too large for the lease's memory never serves either: that is the tenant's to fix
+    assert failed_before_serving(JobState.RECOVERING, [[1.0, "out_of_memory"]], ever_healthy=False)
     assert not failed_before_serving(JobState.FAILED, [[1.0, "user_error"]], ever_healthy=True)
 
 

@@ -39,6 +39,12 @@ def test_allow_list_and_never_retried_classes():
         assert not decide(policy, reason, 2, [[0, str(reason)]], 1).retry
 
 
+def test_a_job_past_its_memory_limit_is_not_retried_even_with_an_infra_budget_left():
+    oom = decide(POLICY, F.OUT_OF_MEMORY, 5, [[0, "out_of_memory"]], 1)
+    assert not oom.retry and "memory limit" in oom.final_reason and "ask for more memory" in oom.final_reason
+    assert decide(POLICY, F.INFRA, None, [[0, "infra"]], 1).retry  # a bare SIGKILL still is
+
+
 def test_policy_round_trips_and_rejects_unknown_keys():
     assert RetryPolicy.from_dict(POLICY.to_dict()) == POLICY
     try:

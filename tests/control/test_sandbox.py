@@ -23,6 +23,8 @@ from runyard.control import limits as job_limits
 from runyard.control import procs
 from runyard.control.lease_job import LeaseFolder, write_files
 from runyard.control.sandbox import SandboxPolicy, allocated_devices, bwrap_argv, wrap_argv
+from runyard.control.states import FailureReason, classify_exit
+from runyard.errors import EXIT_OUT_OF_MEMORY
 
 SECRET = "provider-secret-4242"
 MARKER_INSTANCE = "sandboxtest"
@@ -203,6 +205,10 @@ def test_the_lease_memory_limit_holds(sandboxed, provider):
     big = run_job(provider["folder"], grab, str(1 << 30))  # four times the lease's 256 MiB
     assert big.returncode != 0 and "held" not in big.stdout
     assert "memory 268435456" in big.stderr or "RLIMIT_DATA 268435456" in big.stderr
+    if "memory 268435456" in big.stderr:  # a cgroup: the kernel's OOM killer ended it, and the launcher says so
+        assert big.returncode == EXIT_OUT_OF_MEMORY, big.stderr
+        assert "went past its memory limit (268435456 bytes)" in big.stderr
+        assert classify_exit(big.returncode, None) == (None, FailureReason.OUT_OF_MEMORY)
 
 
 def test_the_largest_file_a_job_may_write_is_bounded(sandboxed, provider):

@@ -9,9 +9,12 @@ import sys
 
 import pytest
 
-from runyard.control.backends.slurm import parse_sacct, parse_scontrol
+from runyard.control.backends.slurm import SlurmBackend, parse_sacct, parse_scontrol
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
+from runyard.control.states import FailureReason, JobState, classify_exit
+from runyard.control.store import Job
+from runyard.errors import EXIT_OUT_OF_MEMORY
 
 from .helpers import job
 
@@ -92,6 +95,32 @@ def test_parsers_read_real_output_shapes():
     assert parsed["JobState"] == "RUNNING" and parsed["Restarts"] == "1" and parsed["TRES"].endswith("gres/gpu=2")
     assert parse_sacct("12|COMPLETED|0:0\n12.batch|COMPLETED|0:0\n") == {"State": "COMPLETED", "ExitCode": "0:0"}
     assert parse_sacct("12|CANCELLED by 0|0:15\n") == {"State": "CANCELLED", "ExitCode": "0:15"}
+
+
+class _SlurmSays(SlurmBackend):
+    """The backend with Slurm's answer about one job fixed (this Slurm has no memory enforcement)."""
+
+    def __init__(self, answer: dict[str, str]):
+        super().__init__()
+        self.answer = answer
+
+    def _query(self, slurm_id: str) -> dict[str, str] | None:
+        return self.answer
+
+
+def test_slurm_out_of_memory_is_the_jobs_fault_even_when_its_shim_saw_only_a_sigkill(tmp_path):
+    log = tmp_path / "job.log"
+    ended_job = Job(id=1, name="j", tenant="t", priority=0, devices=1, argv=["x"], env={}, run_dir=str(tmp_path),
+                    log_path=str(log), depends_on=None, time_limit_s=None, retry_policy={}, lease_id=None,
+                    state=JobState.RUNNING, failure=None, detail=None, restart_count=0, attempt=1, allocation=[],
+                    pid=None, pid_start_time=None, backend_id="77", exit_code=None, failures=[], next_start_at=None,
+                    signalled_at=None, attempt_started_at=0.0, submitted_at=0.0, started_at=0.0, ended_at=None)
+    (tmp_path / "attempt-1.exit.json").write_text(json.dumps({"returncode": None, "signal": 9}))
+    out = _SlurmSays({"JobState": "OUT_OF_MEMORY", "ExitCode": "0:125"}).poll(ended_job)
+    assert out.returncode == EXIT_OUT_OF_MEMORY and "OUT_OF_MEMORY" in out.detail
+    assert classify_exit(out.returncode, out.signal) == (None, FailureReason.OUT_OF_MEMORY)
+    lost = _SlurmSays({"JobState": "NODE_FAIL", "ExitCode": "0:0"}).poll(ended_job)  # the shim's file wins there
+    assert classify_exit(lost.returncode, lost.signal) == (None, FailureReason.INFRA)
 
 
 @pytest.mark.slow

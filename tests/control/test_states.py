@@ -36,6 +36,7 @@ def test_illegal_transitions_are_refused_with_what_is_allowed(current, target):
     (4, None, (S.PENDING, None)),
     (2, None, (None, FailureReason.BAD_SPEC)),
     (3, None, (None, FailureReason.GATE_FAILED)),
+    (5, None, (None, FailureReason.OUT_OF_MEMORY)),
     (1, None, (None, FailureReason.USER_ERROR)),
     (17, None, (None, FailureReason.USER_ERROR)),
     (None, 9, (None, FailureReason.INFRA)),

@@ -53,7 +53,8 @@ def failed_before_serving(job_state: JobState, failures: list, ever_healthy: boo
     by the machine): it will not serve, and the lease should end now rather than after every retry."""
     if ever_healthy:
         return False
-    own = [f for f in failures if f[1] in (str(FailureReason.USER_ERROR), str(FailureReason.BAD_SPEC))]
+    tenant_faults = (FailureReason.USER_ERROR, FailureReason.BAD_SPEC, FailureReason.OUT_OF_MEMORY)
+    own = [f for f in failures if f[1] in {str(reason) for reason in tenant_faults}]
     return bool(own) or job_state in (JobState.FAILED, JobState.CANCELLED)
 
 

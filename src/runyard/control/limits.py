@@ -122,6 +122,19 @@ def _make(path: Path, settings: dict[str, int | None]) -> list[Path]:
         return []
 
 
+def oom_kills(cgroups: list[Path]) -> int:
+    """How many processes the kernel's OOM killer has killed in these cgroups so far (cgroup v2
+    `memory.events`, v1 `memory.oom_control`; 0 where neither says)."""
+    kills = 0
+    for path in cgroups:
+        for name in ("memory.events", "memory.oom_control"):
+            for line in _read(path / name).splitlines():
+                key, _, value = line.partition(" ")
+                if key == "oom_kill" and value.strip().isdigit():
+                    kills += int(value)
+    return kills
+
+
 def leave_cgroups(cgroups: list[Path]) -> None:
     """Move this process back to each cgroup's parent and remove the (now empty) cgroup."""
     for path in cgroups:

@@ -3,7 +3,8 @@
 `infra` failures (a killed process, a lost node) are the provider's fault and get a generous
 budget with exponential backoff; `user_error` (the training code exited non-zero) gets a small
 budget, or only the exit codes on an allow-list are retried. `bad_spec` and `gate_failed` are
-never retried: the same input gives the same answer. Only failures inside the window count.
+never retried: the same input gives the same answer; nor is `out_of_memory` (the job went past its
+memory limit, and the same limit ends the same way: the user must ask for more). Only failures inside the window count.
 """
 
 from __future__ import annotations
@@ -70,6 +71,9 @@ def decide(
     """
     if reason in (FailureReason.BAD_SPEC, FailureReason.GATE_FAILED):
         return RetryDecision(False, 0.0, f"{reason}: exit {exit_code}; not retried (same input, same outcome)")
+    if reason == FailureReason.OUT_OF_MEMORY:
+        return RetryDecision(False, 0.0, f"{reason}: the job went past its memory limit and the kernel killed it; "
+                                         "not retried (the same limit ends the same way): ask for more memory")
     budget = policy.infra if reason == FailureReason.INFRA else policy.user_error
     codes = budget.retry_exit_codes
     if reason == FailureReason.USER_ERROR and codes is not None and exit_code not in codes:

@@ -39,7 +39,8 @@ The launcher (`python -m runyard.control.sandbox POLICY -- COMMAND...`, the comm
 is queued with, see `wrap_argv`) runs outside the sandbox: it fetches the data URLs, applies the
 lease's limits to itself (`runyard.control.limits`), starts bwrap in a process group of its own,
 passes SIGTERM/SIGINT/SIGHUP/SIGUSR1/SIGUSR2 on to the sandbox's processes (so a preempted run can
-checkpoint and exit 4), and exits with the job's exit code. When it cannot run the job it writes
+checkpoint and exit 4), and exits with the job's exit code, or 5 when the job's cgroup says the kernel's
+OOM killer ended it (a SIGKILL alone would read as the provider's fault). When it cannot run the job it writes
 why to the lease folder's `failure.json` and exits 2, and the agent ends the lease with that reason.
 
 With the operator setting `unconfined` (`runyard control start --unconfined-lease-jobs`) the
@@ -65,7 +66,7 @@ import runyard
 from runyard.control import lease_env
 from runyard.control import limits as job_limits
 from runyard.control.fetch import FetchError, allowed_networks, fetch_all
-from runyard.errors import EXIT_BAD_SPEC, RunyardError
+from runyard.errors import EXIT_BAD_SPEC, EXIT_OUT_OF_MEMORY, RunyardError
 from runyard.fsutil import atomic_write_text
 from runyard.reproduce.errors import EnvironmentBuildFailed, ReproduceError
 
@@ -282,6 +283,7 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     print(f"runyard sandbox: lease {policy.lease_id}, "
           f"{'UNCONFINED' if policy.unconfined else 'bubblewrap'}; limits: {'; '.join(limits.applied)}",
           file=sys.stderr, flush=True)
+    oom_kills_before = job_limits.oom_kills(limits.cgroups)  # the cgroup is the job's across its attempts
     read_fd = write_fd = None
     if policy.unconfined:
         argv, cwd = command, str(policy.job_cwd)
@@ -304,8 +306,15 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
         target = int(_read_info(read_fd).get("child-pid", proc.pid))
     forwarder.found(target)
     code = proc.wait()
+    killed_for_memory = job_limits.oom_kills(limits.cgroups) > oom_kills_before
     job_limits.leave_cgroups(limits.cgroups)
-    return 128 - code if code < 0 else code
+    code = 128 - code if code < 0 else code
+    if code != 0 and killed_for_memory:
+        # A SIGKILL alone reads as the provider's fault (retried); the cgroup says it was the job's.
+        print(f"runyard sandbox: the job went past its memory limit ({policy.memory_bytes} bytes) and the "
+              f"kernel killed it (exit {code}); ask the lease for more memory", file=sys.stderr, flush=True)
+        return EXIT_OUT_OF_MEMORY
+    return code
 
 
 def _confined(policy: SandboxPolicy, command: list[str], writable: Path) -> None:

@@ -15,7 +15,14 @@ from __future__ import annotations
 
 from enum import StrEnum
 
-from runyard.errors import EXIT_BAD_SPEC, EXIT_GATE_FAILED, EXIT_OK, EXIT_PREEMPTED, RunyardError
+from runyard.errors import (
+    EXIT_BAD_SPEC,
+    EXIT_GATE_FAILED,
+    EXIT_OK,
+    EXIT_OUT_OF_MEMORY,
+    EXIT_PREEMPTED,
+    RunyardError,
+)
 
 
 class JobState(StrEnum):
@@ -53,6 +60,7 @@ class FailureReason(StrEnum):
     INFRA = "infra"  # killed by a signal, process lost, node lost, launch failed
     NO_CAPACITY = "no_capacity"  # asks for more devices than this provider has
     GATE_FAILED = "gate_failed"  # exit 3: a stage's gates failed
+    OUT_OF_MEMORY = "out_of_memory"  # exit 5: past its memory limit; the same limit gives the same end
     DEPENDENCY_FAILED = "dependency_failed"  # the job it waits on (an earlier stage) did not succeed
 
 
@@ -102,6 +110,8 @@ def classify_exit(returncode: int | None, signal_number: int | None) -> tuple[Jo
         return None, FailureReason.BAD_SPEC
     if returncode == EXIT_GATE_FAILED:
         return None, FailureReason.GATE_FAILED
+    if returncode == EXIT_OUT_OF_MEMORY:
+        return None, FailureReason.OUT_OF_MEMORY
     if returncode >= 128:  # a shell reporting a child killed by signal (128 + n)
         return None, FailureReason.INFRA
     return None, FailureReason.USER_ERROR

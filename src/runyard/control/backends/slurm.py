@@ -25,11 +25,14 @@ from pathlib import Path
 from runyard.control.backends.base import Ended, Launched, Requeued, attempt_status_file
 from runyard.control.states import JobState
 from runyard.control.store import Job
-from runyard.errors import RunyardError
+from runyard.errors import EXIT_OUT_OF_MEMORY, RunyardError
 
 RUNNING_STATES = {"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
 QUEUED_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING"}
-LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "OUT_OF_MEMORY", "DEADLINE", "TIMEOUT"}
+LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "DEADLINE", "TIMEOUT"}
+# Slurm's cgroup killed the job for going past --mem: the job's fault, not the node's (the shim's file only
+# saw a SIGKILL, so this state wins over it).
+OUT_OF_MEMORY_STATE = "OUT_OF_MEMORY"
 
 
 class SlurmError(RunyardError):
@@ -166,6 +169,8 @@ class SlurmBackend:
             return None
         rc, sig = _exit_code(info.get("ExitCode", "0:0"))
         from_file = self._from_status_file(job, lost_if_missing=False)
+        if state == OUT_OF_MEMORY_STATE:
+            return Ended(EXIT_OUT_OF_MEMORY, detail=f"Slurm job {job.backend_id} went past its memory limit (OUT_OF_MEMORY)")
         if state == "CANCELLED" and from_file is None:
             return Ended(None, signal=sig or 15, detail=f"Slurm job {job.backend_id} cancelled")
         if from_file is not None:
