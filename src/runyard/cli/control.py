@@ -15,6 +15,7 @@ from runyard.control.client import ControlClient
 from runyard.control.daemon import DaemonOptions, detect_inventory, run_daemon
 from runyard.control.fetch import allowed_networks
 from runyard.control.info import ControlError, read_daemon_info
+from runyard.control.lease_retention import DEFAULT_KEEP_FINISHED_S
 from runyard.control.loop import ControlConfig
 from runyard.control.retry import ClassBudget, RetryPolicy
 from runyard.control.states import JobState
@@ -95,6 +96,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     start.add_argument("--lease-env-cache", metavar="DIR",
                        help="where the environments of lease jobs that carry an environment lock are built, one "
                        "per lock hash (default: STATE_DIR/envs)")
+    start.add_argument("--keep-finished-leases", type=float, default=DEFAULT_KEEP_FINISHED_S, metavar="SECONDS",
+                       help="how long a finished lease's folder (the tenant's spec, fetched data, run directory and "
+                       "checkpoints) stays on this machine after the lease ends and its results are delivered; "
+                       "then it is removed and its record kept (default %(default)g: 7 days; 0: at once)")
     start.add_argument("--foreground", action="store_true", help="run in this process instead of detaching")
     start.set_defaults(handler=_control_start)
 
@@ -190,7 +195,8 @@ def _options(args: argparse.Namespace):
                                       max_file_bytes=args.lease_max_file_size, pass_env=args.lease_env,
                                       endpoint_host=args.endpoint_host, endpoint_public_host=args.endpoint_public_host,
                                       probe_interval_s=args.probe_interval, unhealthy_restart_s=args.unhealthy_restart,
-                                      startup_grace_s=args.startup_grace, env_cache=args.lease_env_cache)
+                                      startup_grace_s=args.startup_grace, env_cache=args.lease_env_cache,
+                                      keep_finished_s=args.keep_finished_leases)
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
                          usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,

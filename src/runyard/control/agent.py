@@ -65,6 +65,7 @@ from runyard.control.lease_job import (
     write_files,
     write_runnable_spec,
 )
+from runyard.control.lease_retention import DEFAULT_KEEP_FINISHED_S, remove_expired_folders
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.server import capacity
 from runyard.control.states import JobState
@@ -77,6 +78,7 @@ from runyard.spec import load_spec
 
 log = logging.getLogger("runyard.control.agent")
 LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-effort jobs
+RETENTION_SWEEP_S = 60.0  # how often finished leases' folders are checked against their retention
 
 
 @dataclass
@@ -97,6 +99,7 @@ class LeaseJobSettings:
     unhealthy_restart_s: float = 60.0  # failing probes this long, a live server is restarted
     startup_grace_s: float = 300.0  # ... unless its attempt is younger than this (loading its model)
     env_cache: str | None = None  # where environments from jobs' locks are built (default: STATE_DIR/envs)
+    keep_finished_s: float = DEFAULT_KEEP_FINISHED_S  # a finished lease's folder stays this long, then goes
 
 
 class MarketAgent:
@@ -123,6 +126,7 @@ class MarketAgent:
         self.env_cache = Path(self.settings.env_cache) if self.settings.env_cache else state_dir / "envs"
         self.deployments = Deployments(self)
         self._thread: threading.Thread | None = None
+        self._swept_at = float("-inf")  # when finished leases' folders were last looked at
 
     # -- thread -----------------------------------------------------------------------------------
 
@@ -169,6 +173,11 @@ class MarketAgent:
                 elif state in ("terminated", "cancelled", "expired"):
                     self._stop_jobs(record, f"the lease was {state}")
                     self._finish(record)
+        if time.monotonic() - self._swept_at >= RETENTION_SWEEP_S:
+            self._swept_at = time.monotonic()
+            for lease_id in remove_expired_folders(self.dir, self.settings.keep_finished_s, time.time()):
+                log.info("lease %s: its folder was removed (finished more than %gs ago)", lease_id,
+                         self.settings.keep_finished_s)
 
     def _consider(self, lease: dict) -> None:
         if self._record(lease["id"]) is not None:
@@ -313,7 +322,7 @@ class MarketAgent:
 
     def _finish(self, record: dict) -> None:
         """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
-        record["finished"] = True
+        record["finished"], record["finished_at"] = True, time.time()
         self._save(record)
         for job_id in record["job_ids"]:
             job_limits.remove_stale(job_limits.cgroup_name(record["lease_id"], job_id))
