@@ -31,7 +31,7 @@ VERBS: dict[str, tuple[str, str | None, str]] = {
     "spec": ("runyard.cli.spec", None, "the job spec's reference (Markdown, JSON Schema) and a starting spec"),
     "prepare": ("runyard.cli.data", None, "run the data stage alone and print its report"),
     "hydrate": ("runyard.cli.data", None, "copy a prepared dataset from its store into the local cache"),
-    "env": ("runyard.cli.reproduce", None, "the environment lock of a run: write it, bundle its wheels, build it"),
+    "env": ("runyard.cli.reproduce", None, "the environment lock of a run: write it, bundle its wheels, build it; prune the built ones"),
     "reproduce": (
         "runyard.cli.reproduce", None, "rebuild a run's environment, rerun its spec, and report whether the result held",
     ),

@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="seconds a deployment's server may take to load before failing probes counts")
     start.add_argument("--lease-env-cache", metavar="DIR",
                        help="where the environments of lease jobs that carry an environment lock are built, one "
-                       "per lock hash (default: STATE_DIR/envs)")
+                       "per lock hash (default: STATE_DIR/envs); one no job has used for 30 days is removed")
     start.add_argument("--keep-finished-leases", type=float, default=DEFAULT_KEEP_FINISHED_S, metavar="SECONDS",
                        help="how long a finished lease's folder (the tenant's spec, fetched data, run directory and "
                        "checkpoints) stays on this machine after the lease ends and its results are delivered; "

@@ -1,16 +1,18 @@
-"""Verbs of reproduction: `runyard env lock|bundle|build`, `runyard reproduce`, `runyard compare`."""
+"""Verbs of reproduction: `runyard env lock|bundle|build|prune`, `runyard reproduce`, `runyard compare`."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
-from runyard.reproduce.archives import ArchiveFinder, ArchiveMemo, PipLocations
+from runyard.reproduce.archives import ArchiveFinder, ArchiveMemo, PipLocations, env_cache_root
 from runyard.reproduce.build import build_environment
 from runyard.reproduce.bundle import bundle_run, wheelhouse_of
 from runyard.reproduce.compare import DEFAULT_TOLERANCE, compare_runs
+from runyard.reproduce.env_cache import prune
 from runyard.reproduce.lock import LOCK_DIR, capture_environment, read_lock, write_lock
 from runyard.reproduce.report import VERDICT_TEXT, write_report
 from runyard.reproduce.reproduce import REPORT_DIR, reproduce_run
@@ -38,7 +40,7 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
 def register(verbs: argparse._SubParsersAction) -> None:
     env = verbs.add_parser(
         "env",
-        help="the environment lock of a run: write it, bundle its wheels, build it",
+        help="the environment lock of a run: write it, bundle its wheels, build it; prune the built ones",
         description="Every run writes RUN_DIR/env/requirements.txt (pip's hash-checking requirements: exact "
         "versions, sha256 of each archive proven to be the installed one) and RUN_DIR/env/environment.json "
         "(interpreter, torch build and device libraries, per-distribution content digests).",
@@ -72,6 +74,20 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=Path, help="the run directory")
     _add_source_options(p)
     p.set_defaults(handler=cmd_env_build)
+
+    p = sub.add_parser(
+        "prune", help="remove built environments not used for a while",
+        description="Remove the environments in the cache ($RUNYARD_ENV_CACHE, default ~/.cache/runyard/env) that "
+        "no build, reproduction or lease job has used for --unused-for days, and builds a killed builder left "
+        "unfinished that long. An environment being built is skipped. Prints each with its size.",
+    )
+    p.add_argument("--unused-for", type=_nonnegative_float, default=30.0, metavar="DAYS",
+                   help="remove environments unused for this many days (default %(default)g; 0: every one not in use "
+                   "by a builder)")
+    p.add_argument("--cache", type=Path, default=None, help="the cache folder (default: $RUNYARD_ENV_CACHE or "
+                   "~/.cache/runyard/env)")
+    p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
+    p.set_defaults(handler=cmd_env_prune)
 
     p = verbs.add_parser(
         "reproduce",
@@ -142,6 +158,16 @@ def cmd_env_build(args) -> int:
     built = build_environment(read_lock(args.run_dir / LOCK_DIR), find_links=links, offline=args.offline, say=_say)
     _say(f"environment {built.key[:16]} {'reused' if built.reused else f'built in {built.seconds:.0f} s'}")
     print(built.python)
+    return 0
+
+
+def cmd_env_prune(args) -> int:
+    cache = args.cache if args.cache is not None else env_cache_root()
+    pruned = prune(cache, args.unused_for * 86400.0, time.time(), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for item in pruned:
+        print(f"{verb} {cache / item.key} ({item.size_bytes / 1e6:.0f} MB{'' if item.ready else ', unfinished build'})")
+    print(f"{verb} {len(pruned)} environment(s), {sum(p.size_bytes for p in pruned) / 1e6:.0f} MB, from {cache}")
     return 0
 
 

@@ -74,11 +74,13 @@ from runyard.errors import RunyardError
 from runyard.fsutil import atomic_write_text
 from runyard.market.client import MarketClient
 from runyard.market.jobs import MAX_JOB_FILES_BYTES, check_data_urls, decode_files
+from runyard.reproduce.env_cache import prune as prune_environments
 from runyard.spec import load_spec
 
 log = logging.getLogger("runyard.control.agent")
 LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-effort jobs
 RETENTION_SWEEP_S = 60.0  # how often finished leases' folders are checked against their retention
+ENV_UNUSED_PRUNE_S = 30 * 86400.0  # a lease job's built environment no job has used this long is removed
 
 
 @dataclass
@@ -178,6 +180,9 @@ class MarketAgent:
             for lease_id in remove_expired_folders(self.dir, self.settings.keep_finished_s, time.time()):
                 log.info("lease %s: its folder was removed (finished more than %gs ago)", lease_id,
                          self.settings.keep_finished_s)
+            for env in prune_environments(self.env_cache, ENV_UNUSED_PRUNE_S, time.time()):
+                log.info("lease environment %s removed (%d MB, unused for %g days)", env.key, env.size_bytes >> 20,
+                         ENV_UNUSED_PRUNE_S / 86400)
 
     def _consider(self, lease: dict) -> None:
         if self._record(lease["id"]) is not None:

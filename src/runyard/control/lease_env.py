@@ -26,20 +26,17 @@ launcher then fails the attempt with that reason and the agent ends the lease wi
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 from runyard.fsutil import atomic_write_text
 from runyard.reproduce.build import (
-    READY_FILE,
     completed_requirements,
     fetch_archives,
     find_interpreter,
@@ -48,6 +45,7 @@ from runyard.reproduce.build import (
     runyard_wheel,
     verify_environment,
 )
+from runyard.reproduce.env_cache import READY_FILE, exclusive_build
 from runyard.reproduce.errors import EnvironmentBuildFailed, LockUnsatisfiable
 from runyard.reproduce.lock import EnvironmentLock, read_lock
 
@@ -64,25 +62,13 @@ def check_lock(lock_dir: Path) -> EnvironmentLock:
     return lock
 
 
-@contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """One builder per lock: a second launcher waits, then finds it ready."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def ensure(lock_dir: Path, cache_root: Path, install: Callable[[list[str], Path], None],
            say: Callable[[str], None] = lambda _m: None) -> Path:
     """The python of the lock's environment: found in `cache_root`, or built now (phase 1 here,
     phase 2 through `install(command, writable_folder)`, which runs the command confined)."""
     lock = check_lock(lock_dir)
     root = cache_root / lock.sha256[:24]
-    with _exclusive(cache_root / f"{lock.sha256[:24]}.lock"):
+    with exclusive_build(cache_root, lock.sha256):
         ready = ready_environment(lock, cache_root)
         if ready is not None:
             say(f"environment {lock.sha256[:16]} reused from {ready.root}")

@@ -23,7 +23,6 @@ A second reproduction of the same lock finds `ready.json` and reinstalls nothing
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import re
@@ -32,8 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,6 +42,7 @@ from packaging.version import Version
 from runyard.fsutil import atomic_write_text, sha256_file
 from runyard.reproduce import source as runyard_source
 from runyard.reproduce.archives import env_cache_root
+from runyard.reproduce.env_cache import READY_FILE, exclusive_build, mark_used
 from runyard.reproduce.errors import EnvironmentBuildFailed, LockUnsatisfiable
 from runyard.reproduce.installed import read_wheel
 from runyard.reproduce.lock import (
@@ -54,7 +53,6 @@ from runyard.reproduce.lock import (
     EnvironmentLock,
 )
 
-READY_FILE = "ready.json"
 _PIP_TIMEOUT_S = 1800
 _NO_MATCH = re.compile(r"(?:No matching distribution found for|satisfies the requirement) ([A-Za-z0-9._-]+)")
 _HASH_MISMATCH = re.compile(r"^\s+([A-Za-z0-9._-]+)==\S+ from ", re.MULTILINE)
@@ -129,18 +127,6 @@ def platform_problems(lock: EnvironmentLock) -> list[tuple[str, str]]:
 def lock_platform_hint(tags: set[str]) -> str:
     platforms = sorted({t.split("-")[2] for t in tags if not t.endswith("-any")})
     return ", ".join(platforms[:3]) + (" ..." if len(platforms) > 3 else "")
-
-
-@contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
-    """One builder per environment key; a second waits, then finds it ready."""
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _pip(args: list[str]) -> subprocess.CompletedProcess:
@@ -307,6 +293,7 @@ def ready_environment(lock: EnvironmentLock, cache_root: Path | None = None) -> 
     if not (root / READY_FILE).is_file() or not python.exists():
         return None
     record = json.loads((root / READY_FILE).read_text())
+    mark_used(root)
     return BuiltEnvironment(**{**record, "root": root, "python": python, "archives": root / "archives", "reused": True})
 
 
@@ -328,7 +315,7 @@ def build_environment(
     root = cache_root / key[:24]
     venv, archives = root / "venv", root / "archives"
     python = venv / "bin" / "python"
-    with _exclusive(cache_root / f"{key[:24]}.lock"):
+    with exclusive_build(cache_root, key):
         ready = ready_environment(lock, cache_root)
         if ready is not None:
             return ready
