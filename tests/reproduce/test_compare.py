@@ -3,6 +3,7 @@ report files; and the input checks that name a changed seed or data file."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -120,3 +121,29 @@ def test_check_inputs_names_changed_missing_and_new_files_and_the_seed(tmp_path)
     reseeded = _spec(data, seed=8)
     changes = dict(check_inputs(reseeded, manifest))
     assert changes["seed"] == "the run used seed 7; spec.yaml now says 8" and "spec" in changes
+
+
+def _sharded_export(run_dir, second_shard: bytes):
+    """Replace the run's export with a sharded HF-style one whose runyard.json lists every file's sha256."""
+    export = run_dir / "export"
+    (export / "model.safetensors").unlink()
+    files = {"model-00001-of-00002.safetensors": b"first shard", "model-00002-of-00002.safetensors": second_shard,
+             "model.safetensors.index.json": b"{}", "config.json": b"{}"}
+    for name, data in files.items():
+        (export / name).write_bytes(data)
+    table = {name: hashlib.sha256(data).hexdigest() for name, data in files.items()}
+    (export / "runyard.json").write_text(json.dumps({"format": "runyard-export", "files": table}))
+
+
+def test_a_sharded_export_is_compared_by_every_file_its_record_lists(tmp_path):
+    a = write_run(tmp_path / "a", LOSSES, lock=_lock())
+    b = write_run(tmp_path / "b", LOSSES, lock=_lock())
+    same = write_run(tmp_path / "same", LOSSES, lock=_lock())
+    _sharded_export(a, b"second shard")
+    _sharded_export(b, b"second shard, changed")
+    _sharded_export(same, b"second shard")
+    differs = compare_runs(a, b)
+    assert not differs.weights["equal"] and differs.weights["original_sha256"] is not None
+    assert differs.verdict != BITWISE  # same curves and metrics, one shard differs
+    held = compare_runs(a, same)
+    assert held.weights["equal"] and held.verdict == BITWISE

@@ -11,6 +11,7 @@ Imports no torch: a market agent or a tenant's laptop can compare two deliveries
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -20,6 +21,9 @@ from runyard.fsutil import sha256_file
 from runyard.manifest import read_manifest
 from runyard.reproduce.lock import FACTS_FILE, LOCK_DIR
 from runyard.reproduce.source import changed_files
+
+# serve/export.py's PROVENANCE_FILE, named here so that comparing runs does not load torch.
+EXPORT_RECORD = "runyard.json"
 
 CURVE_FIELDS = ("loss", "heldout_loss", "grad_norm")
 BITWISE, WITHIN_TOLERANCE, DIFFERENT = "bitwise", "within_tolerance", "different"
@@ -118,7 +122,16 @@ def _final_metrics(run_dir: Path) -> dict | None:
 
 
 def _weights(run_dir: Path) -> str | None:
-    path = run_dir / "export" / "model.safetensors"
+    """One digest of the exported model: over every file its runyard.json lists (sharded weights,
+    config, tokenizer, a table model's own files), else of a lone export/model.safetensors."""
+    export = run_dir / "export"
+    try:
+        files = json.loads((export / EXPORT_RECORD).read_text()).get("files")
+    except (OSError, ValueError, AttributeError):
+        files = None
+    if isinstance(files, dict) and files:
+        return hashlib.sha256(json.dumps(sorted(files.items())).encode()).hexdigest()
+    path = export / "model.safetensors"
     return sha256_file(path) if path.is_file() else None
 
 
