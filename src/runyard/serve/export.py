@@ -40,7 +40,7 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "PROVENANCE_FILE", "TOKENIZER_FILE", "ExportError",
-           "export_model", "install_export", "load_export", "read_export_config", "verify_export", "verify_files"]
+           "export_eos_ids", "export_model", "install_export", "load_export", "read_export_config", "verify_export", "verify_files"]
 
 
 def export_model(
@@ -128,6 +128,31 @@ def install_export(tmp: Path, out_dir: Path, names: list[str], provenance_json: 
     fsync_dir(out_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def export_eos_ids(export_dir: Path, tokenizer: Tokenizer) -> set[int]:
+    """The token ids that end a generation with this export, as transformers reads them:
+    generation_config.json's `eos_token_id` (one id or a list: Llama 3 instruct ends turns with
+    `<|eot_id|>` and documents with `<|end_of_text|>`) and tokenizer_config.json's `eos_token`.
+    Empty when neither names one (the caller may fall back to common names)."""
+    export_dir = Path(export_dir)
+    ids: set[int] = set()
+    try:
+        generation = json.loads((export_dir / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        generation = {}
+    listed = generation.get("eos_token_id") if isinstance(generation, dict) else None
+    for value in listed if isinstance(listed, list) else [listed]:
+        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size():
+            ids.add(value)
+    try:
+        tok_config = json.loads((export_dir / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        tok_config = {}
+    token = special_token(tok_config, "eos_token") if isinstance(tok_config, dict) else None
+    if token is not None and (found := tokenizer.token_to_id(token)) is not None:
+        ids.add(found)
+    return ids
 
 
 def _generation_config(ids: dict[str, int | None]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
 from runyard.serve.chat import load_chat_template
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.errors import ServeConfigError
-from runyard.serve.export import ExportError, load_export, read_export_config
+from runyard.serve.export import ExportError, export_eos_ids, load_export, read_export_config
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import Retrainer, read_spec_mapping
@@ -86,6 +86,7 @@ def build_engine(export_dir: Path, options: ServeOptions):
     engine = BatchEngine(
         model,
         tokenizer,
+        eos_ids=export_eos_ids(export_dir, tokenizer) or None,  # None: the common end-of-text names
         device=options.device,
         kv_cache_bytes=options.kv_cache_bytes,
         max_batch=options.max_batch,
