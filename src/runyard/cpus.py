@@ -1,9 +1,8 @@
 """How many CPU threads each of a run's processes computes with: one number for torch and LightGBM alike.
 
-Left to themselves both take every core of the machine, which is wrong wherever the process may use fewer
-(a CPU affinity, a container's CPU quota) or shares them with other workers: the threads then fight for
-the cores, and a fit that takes 0.2 s alone took 27 s on a loaded 2-core machine. So the number is, first
-that applies:
+Left to themselves both take every core they see, which is wrong wherever the process may use fewer (a
+container's CPU quota, which OpenMP does not see) or shares them with the run's other workers: the threads
+then fight for the cores. So the number is, first that applies:
 
 1. `resources.threads`, when the spec sets it;
 2. `OMP_NUM_THREADS`, when the environment sets it (OpenMP's own setting, which torch and LightGBM read
@@ -11,7 +10,9 @@ that applies:
 3. the cores this process may use (its CPU affinity, capped by a cgroup CPU quota where there is one)
    divided by the worker processes on this node (torchrun's LOCAL_WORLD_SIZE), at least one.
 
-The run records the number and where it came from in its manifest (`threads`).
+A machine shared with other work this process cannot see (no affinity or quota says so) is the spec's to
+state (`resources.threads`) or the environment's (`OMP_NUM_THREADS`). The run records the number and where
+it came from in its manifest (`threads`).
 """
 
 from __future__ import annotations
