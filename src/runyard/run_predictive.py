@@ -83,7 +83,7 @@ def with_family(spec: JobSpec, family: str) -> JobSpec:
     return spec.model_copy(update={"model": spec.model.model_copy(update={"family": family})})
 
 
-def choose_family(spec: JobSpec, summary: DataSummary) -> tuple[str, str]:
+def run_family(spec: JobSpec, summary: DataSummary) -> tuple[str, str]:
     """(family, how it was chosen): the spec's, or the data's recommendation."""
     if spec.model.family is not None:
         return spec.model.family, "named by the spec (model.family)"
@@ -127,7 +127,7 @@ def _record_task(run_dir: Path, spec: JobSpec, family: str, chosen: str, summary
 
 def _settle_family(spec: JobSpec, summary: DataSummary) -> tuple[JobSpec, str, str]:
     """The spec with its family filled in, the family, and how it was chosen."""
-    family, chosen = choose_family(spec, summary)
+    family, chosen = run_family(spec, summary)
     return with_family(spec, family), family, chosen
 
 

@@ -21,7 +21,7 @@ DEEP_TASKS = (LANGUAGE_MODEL, IMAGE_TASK)
 
 
 @dataclass(frozen=True)
-class FamilyChoice:
+class FamilyDecision:
     """The family for a task's data (None: no installed family trains the task), and the families that
     would suit the task but want more rows than the data has."""
 
@@ -53,15 +53,15 @@ def needs_deep_network(task: str) -> bool:
     return task in DEEP_TASKS
 
 
-def choose_family(task: str, rows: int | None) -> FamilyChoice:
+def choose_family(task: str, rows: int | None) -> FamilyDecision:
     """The family for `task` and data of `rows` rows (None: not counted, as if plenty); see the module doc."""
     deep = needs_deep_network(task)
     suited = [f for f in installed_families() if task in f.tasks and f.trains_with_loop == deep]
     enough = [f for f in suited if rows is None or rows >= f.min_rows]
     wanting = tuple(f for f in suited if f not in enough)
     if not enough:
-        return FamilyChoice(None, wanting)
-    return FamilyChoice(min(enough, key=lambda f: (-f.min_rows, f.name)), wanting)
+        return FamilyDecision(None, wanting)
+    return FamilyDecision(min(enough, key=lambda f: (-f.min_rows, f.name)), wanting)
 
 
 def no_family_message(task: str) -> str:
