@@ -23,6 +23,7 @@ import torch
 
 from runyard import manifest as mf
 from runyard import rundir
+from runyard.cpus import ThreadChoice, choose_threads, local_processes
 from runyard.data.config import DataSpec
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import eval_sample
@@ -352,17 +353,18 @@ def execute_run(
 
 
 def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate) -> RunSummary:
-    _configure_threads(spec)
+    threads = _configure_threads(spec)
     if ctx.is_main:
         open_run_dir(spec, run_dir)
         record_session(run_dir, spec, argv)
+        mf.update_manifest(run_dir, threads=threads.to_dict())
         mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
         if spec.task == "language_model":
             mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
             check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
     parallel.barrier(ctx)
     if spec.task != "language_model":
-        return _execute_task(spec, run_dir, ctx, only_stage, show_progress, evaluate)
+        return _execute_task(spec, run_dir, ctx, threads.threads, only_stage, show_progress, evaluate)
     stop = StopRequest()
     with stop_on_signals(stop):
         prepared = prepare(spec, run_dir, ctx, show_progress)
@@ -380,20 +382,22 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
     return summary
 
 
-def _execute_task(spec, run_dir, ctx, only_stage, show_progress, evaluate) -> RunSummary:
+def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate) -> RunSummary:
     """A tabular or image run (runyard.run_predictive)."""
     # The tabular and image tasks need the optional extra runyard[predict] (scikit-learn, LightGBM).
     from runyard import run_predictive
 
     stop = StopRequest()
     with stop_on_signals(stop):
-        result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, only_stage, show_progress, evaluate)
+        result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)
     return RunSummary(run_dir, result.stages, fit_to_ship=result.fit_to_ship, evaluated=result.evaluated,
                       prediction=result.prediction)
 
 
-def _configure_threads(spec: JobSpec) -> None:
-    if spec.resources.threads:
-        torch.set_num_threads(spec.resources.threads)
+def _configure_threads(spec: JobSpec) -> ThreadChoice:
+    """torch's threads per the one rule (runyard/cpus.py); LightGBM is given the same number."""
+    threads = choose_threads(spec.resources.threads, local_processes())
+    torch.set_num_threads(threads.threads)
     if spec.resources.deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
+    return threads

@@ -7,12 +7,14 @@ What differs is the data (a table, images), the family (trees or a linear model 
 a CNN trained by runyard's loop, with its checkpoints and exact resume) and the metrics.
 
 A spec that leaves `model.family` out gets the family `runyard.tasks.recommend_family` picks from the
-prepared data; the choice and its reason are recorded in the manifest and the report.
+prepared data (runyard.model.choice's rule, the one `runyard plan` recommends by); the choice and its
+reason are recorded in the manifest and the report.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -44,10 +46,10 @@ from runyard.plan.stages import (
 )
 from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.predict_export import KIND_IMAGE, KIND_TABLE, export_predictor, image_drift_features
-from runyard.spec import JobSpec, resolved_stage
+from runyard.spec import JobSpec, ResolvedStage, resolved_stage
 from runyard.spec_checks import IMAGE_TASK
 from runyard.spec_tasks import PredictionEvalSpec
-from runyard.tasks import DataSummary, Recommendation, recommend_family
+from runyard.tasks import DataSummary, Recommendation, recommend_family, table_summary
 from runyard.train import batches, checkpoint, parallel
 from runyard.train.loop import train_stage
 from runyard.train.metrics import MetricsLog
@@ -81,7 +83,7 @@ def with_family(spec: JobSpec, family: str) -> JobSpec:
     return spec.model_copy(update={"model": spec.model.model_copy(update={"family": family})})
 
 
-def choose_family(spec: JobSpec, summary: DataSummary) -> tuple[str, str]:
+def run_family(spec: JobSpec, summary: DataSummary) -> tuple[str, str]:
     """(family, how it was chosen): the spec's, or the data's recommendation."""
     if spec.model.family is not None:
         return spec.model.family, "named by the spec (model.family)"
@@ -104,61 +106,90 @@ def _evaluate(task_is_classification: bool, y: np.ndarray, output: np.ndarray, t
     return evaluate_regression(y, output, train_y)
 
 
-def execute_task_run(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, stop: StopRequest,
+def execute_task_run(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, stop: StopRequest, threads: int,
                      only_stage: str | None = None, show_progress: bool = True, evaluate: bool = True) -> TaskRunResult:
-    """Run (or continue) a tabular or image spec in the locked `run_dir` (see the module's docstring)."""
+    """Run (or continue) a tabular or image spec in the locked `run_dir` (see the module's docstring);
+    `threads`: each process's CPU threads (runyard/cpus.py), torch's already, given to LightGBM here."""
     if spec.task == IMAGE_TASK:
         return _image_run(spec, run_dir, ctx, stop, only_stage, show_progress, evaluate)
-    return _table_run(spec, run_dir, only_stage, evaluate)
+    return _table_run(spec, run_dir, threads, only_stage, evaluate)
 
 
-# -- tables ----------------------------------------------------------------------------------------------
-def _table_run(spec: JobSpec, run_dir: Path, only_stage: str | None, evaluate: bool) -> TaskRunResult:
-    seeds = _seeds(spec)
-    prepared = prepare_table(spec.data, spec.task, seeds["split"])
-    kinds = {f.name: f.kind for f in prepared.schema.features}
-    write_table_report(run_dir / "data", prepared.stats, prepared.train_columns, kinds)
-    rows = prepared.train.rows + prepared.valid.rows + prepared.test.rows
-    summary = DataSummary(spec.task, "table", rows, len(kinds),
-                          len(prepared.schema.classes) if prepared.schema.classes else None,
-                          numeric_features=list(kinds.values()).count("numeric"),
-                          categorical_features=list(kinds.values()).count("categorical"))
-    family, chosen = choose_family(spec, summary)
-    spec = with_family(spec, family)
+def _record_task(run_dir: Path, spec: JobSpec, family: str, chosen: str, summary: DataSummary,
+                 prepared: PreparedTable | PreparedImages, seeds: dict[str, int]) -> None:
+    """The manifest's task (its family and how it was chosen, the data's summary), the prepared data's
+    fingerprints and split, and the data stage's seeds beside the run's."""
     mf.update_manifest(run_dir, task={"task": spec.task, "family": family, "chosen": chosen, "data": summary.to_dict()},
                        data={"fingerprint": prepared.fingerprint, "inputs": prepared.input_fingerprints,
                              "split": prepared.stats["split"]},
                        seeds={**mf.read_manifest(run_dir).get("seeds", {}), **{f"data.{k}": v for k, v in seeds.items()}})
-    summaries, last = [], None
+
+
+def _settle_family(spec: JobSpec, summary: DataSummary) -> tuple[JobSpec, str, str]:
+    """The spec with its family filled in, the family, and how it was chosen."""
+    family, chosen = run_family(spec, summary)
+    return with_family(spec, family), family, chosen
+
+
+def _stages(spec: JobSpec, run_dir: Path) -> Iterator[tuple[ResolvedStage, Path, dict | None]]:
+    """Each stage in order: resolved, its directory, and the gates it recorded on an earlier attempt
+    (None: it has not finished one). GateFailed when those failed: a failed stage is not trained again."""
     for s in spec.stages:
-        stage = resolved_stage(spec, s.name)
         sdir = run_dir / "stages" / s.name
         record = read_gates(sdir)
         if record is not None and not record["passed"]:
             raise GateFailed(f"stage {s.name} failed its gates earlier: {format_failures(record)}")
+        yield resolved_stage(spec, s.name), sdir, record
+
+
+def _check_may_train(name: str, only_stage: str | None) -> None:
+    """A run limited to `only_stage` trains no other stage: the earlier ones must have passed already."""
+    if only_stage is not None and name != only_stage:
+        raise GateFailed(f"stage {only_stage} needs stage {name} to pass first; it has not run yet")
+
+
+def _passed(record: dict) -> dict:
+    """A stage's gates just recorded; GateFailed when they failed (later stages do not start)."""
+    if not record["passed"]:
+        raise GateFailed(f"stage {record['stage']} failed its gates: {format_failures(record)}; later stages not started")
+    return record
+
+
+def _stage_metrics(spec: JobSpec, run_dir: Path) -> dict[str, list[dict]]:
+    return {s.name: MetricsLog(run_dir / "stages" / s.name / "metrics.jsonl").read() for s in spec.stages}
+
+
+# -- tables ----------------------------------------------------------------------------------------------
+def _table_run(spec: JobSpec, run_dir: Path, threads: int, only_stage: str | None, evaluate: bool) -> TaskRunResult:
+    seeds = _seeds(spec)
+    prepared = prepare_table(spec.data, spec.task, seeds["split"])
+    kinds = {f.name: f.kind for f in prepared.schema.features}
+    write_table_report(run_dir / "data", prepared.stats, prepared.train_columns, kinds)
+    summary = table_summary(spec.task, prepared)
+    spec, family, chosen = _settle_family(spec, summary)
+    _record_task(run_dir, spec, family, chosen, summary, prepared, seeds)
+    summaries, last = [], None
+    for stage, sdir, record in _stages(spec, run_dir):
         result = None
         if record is not None:
             try:
                 model, config, stage_record = load_stage_model(sdir)
-                result = _loaded_result(s.name, stage_record, model, config, sdir)
+                result = _loaded_result(stage.name, stage_record, model, config, sdir)
             except StageModelMissing as exc:
                 log.warning("%s", exc)
                 record = None
         if record is None:
-            if only_stage is not None and s.name != only_stage:
-                raise GateFailed(f"stage {only_stage} needs stage {s.name} to pass first; it has not run yet")
-            result = fit_stage(stage, prepared, sdir, derive_seed(spec.seed, "init", s.name), spec.resources.threads)
-            record = write_gates(sdir, s.name, stage_gates(stage, result, sdir, prepared))
-            if not record["passed"]:
-                raise GateFailed(f"stage {s.name} failed its gates: {format_failures(record)}; later stages not started")
-        summaries.append(_table_stage_summary(s.name, result, record))
+            _check_may_train(stage.name, only_stage)
+            result = fit_stage(stage, prepared, sdir, derive_seed(spec.seed, "init", stage.name), threads)
+            record = _passed(write_gates(sdir, stage.name, stage_gates(stage, result, sdir, prepared)))
+        summaries.append(_table_stage_summary(stage.name, result, record))
         last = result
-        if s.name == only_stage:
+        if stage.name == only_stage:
             break
     out = TaskRunResult(summaries, family=family)
     if not evaluate or (only_stage is not None and only_stage != spec.stages[-1].name):
         return out
-    return _table_evaluate(spec, run_dir, prepared, last, summaries, chosen, out, seeds)
+    return _table_evaluate(spec, run_dir, prepared, last, summaries, chosen, out, seeds, threads)
 
 
 def _loaded_result(name: str, record: dict, model: Any, config: Any, sdir: Path) -> TabularStageResult:
@@ -175,7 +206,7 @@ def _table_stage_summary(name: str, result: Any, record: dict) -> dict:
 
 
 def _table_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedTable, last: Any, summaries: list[dict],
-                    chosen: str, out: TaskRunResult, seeds: dict[str, int]) -> TaskRunResult:
+                    chosen: str, out: TaskRunResult, seeds: dict[str, int], threads: int) -> TaskRunResult:
     thresholds = _thresholds(spec)
     classification = prepared.is_classification
     output = last.model.predict(prepared.test.x)
@@ -184,12 +215,12 @@ def _table_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedTable, last:
         linear = get_family("linear")
         lin_cfg = linear.config_from_spec(resolved_stage(spec, spec.stages[-1].name).model, table=table_facts(prepared))
         fitted = linear.fit(lin_cfg, prepared.train.x, prepared.train.y, prepared.valid.x, prepared.valid.y,
-                            derive_seed(spec.seed, "init", "linear-baseline"), spec.resources.threads)
+                            derive_seed(spec.seed, "init", "linear-baseline"), threads)
         other = _evaluate(classification, prepared.test.y, fitted.model.predict(prepared.test.x), prepared.train.y,
                           prepared.schema.classes, thresholds)
         result.others["linear"] = other.metrics
     verdict = prediction_verdict(result, thresholds)
-    stage_metrics = {s.name: MetricsLog(run_dir / "stages" / s.name / "metrics.jsonl").read() for s in spec.stages}
+    stage_metrics = _stage_metrics(spec, run_dir)
     write_prediction_report(run_dir / "eval", spec.name, result, verdict, summaries, stage_metrics,
                             {"family": last.family, "chosen": chosen}, prepared.test.y, output,
                             loss_name(len(prepared.schema.classes) if classification else None))
@@ -236,39 +267,28 @@ def _image_run(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, stop: St
     c, h, w = prepared.shape
     counts = prepared.stats["split"]["counts"]
     summary = DataSummary(spec.task, "images", sum(counts.values()), c * h * w, prepared.n_classes, image_shape=(c, h, w))
-    family, chosen = choose_family(spec, summary)
-    spec = with_family(spec, family)
+    spec, family, chosen = _settle_family(spec, summary)
     if ctx.is_main:
-        mf.update_manifest(run_dir, task={"task": spec.task, "family": family, "chosen": chosen, "data": summary.to_dict()},
-                           data={"fingerprint": prepared.fingerprint, "inputs": prepared.input_fingerprints,
-                                 "split": prepared.stats["split"]},
-                           seeds={**mf.read_manifest(run_dir).get("seeds", {}), **{f"data.{k}": v for k, v in seeds.items()}})
+        _record_task(run_dir, spec, family, chosen, summary, prepared, seeds)
     summaries, last = [], None
-    for s in spec.stages:
-        stage = resolved_stage(spec, s.name)
-        sdir = run_dir / "stages" / s.name
-        record = read_gates(sdir)
-        if record is not None and not record["passed"]:
-            raise GateFailed(f"stage {s.name} failed its gates earlier: {format_failures(record)}")
+    for stage, sdir, record in _stages(spec, run_dir):
         restore = record is not None and not _final_intact(sdir, stage.train.steps, ctx)
         if record is None or restore:
-            if only_stage is not None and s.name != only_stage and not restore:
-                raise GateFailed(f"stage {only_stage} needs stage {s.name} to pass first; it has not run yet")
+            if not restore:
+                _check_may_train(stage.name, only_stage)
             last = train_stage(spec, stage, prepared, sdir, ctx, stop=stop, show_progress=show_progress)
             record = {"passed": True}
             if ctx.is_main:
                 rows = MetricsLog(sdir / "metrics.jsonl").read()
-                record = write_gates(sdir, s.name, evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.model))
-            record = parallel.broadcast_object(record, ctx)
-            if not record["passed"]:
-                raise GateFailed(f"stage {s.name} failed its gates: {format_failures(record)}; later stages not started")
+                record = write_gates(sdir, stage.name, evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.model))
+            record = _passed(parallel.broadcast_object(record, ctx))
         rows = MetricsLog(sdir / "metrics.jsonl").read()
         held = [r["heldout_loss"] for r in rows if r.get("heldout_loss") is not None]
-        summaries.append({"name": s.name, "family": family, "steps": rows[-1]["step"] if rows else 0,
+        summaries.append({"name": stage.name, "family": family, "steps": rows[-1]["step"] if rows else 0,
                           "final_loss": rows[-1]["loss"] if rows else None, "heldout_loss": held[-1] if held else None,
                           "tokens_per_s": 0.0, "samples_per_s": steady_tokens_per_s(rows, "samples_per_s"),
                           "gates_passed": record["passed"]})
-        if s.name == only_stage:
+        if stage.name == only_stage:
             break
     out = TaskRunResult(summaries, family=family)
     if not evaluate or not ctx.is_main or (only_stage is not None and only_stage != spec.stages[-1].name):
@@ -310,7 +330,7 @@ def _image_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedImages, mode
     output = _predict_images(model, test_x, torch.device("cpu"))
     result = evaluate_classification(test_y, output, train_y, prepared.class_names, thresholds)
     verdict = prediction_verdict(result, thresholds)
-    stage_metrics = {s.name: MetricsLog(run_dir / "stages" / s.name / "metrics.jsonl").read() for s in spec.stages}
+    stage_metrics = _stage_metrics(spec, run_dir)
     write_prediction_report(run_dir / "eval", spec.name, result, verdict, summaries, stage_metrics,
                             {"family": out.family, "chosen": chosen}, test_y, output,
                             "cross-entropy (nats per image)")

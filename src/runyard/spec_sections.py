@@ -76,7 +76,7 @@ class ModelSpec(_Strict):
         default=None,
         description="the model family: `decoder` (language_model), `lightgbm` or `linear` (tabular tasks), `cnn` "
         "(image_classification). null: `decoder` for a language model, else the one the data recommends "
-        "(runyard.tasks.recommend_family: trees for tables of 100 rows or more, a linear model below; a CNN for "
+        "(runyard.model.choice, the rule `runyard plan` recommends by: trees for tables of 100 rows or more, a linear model below; a CNN for "
         "images), recorded in the manifest. The flat fields below are the decoder's",
     )
     init: InitSpec | None = Field(
@@ -392,7 +392,14 @@ class ResourcesSpec(_Strict):
     deterministic: bool = Field(
         default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"
     )
-    threads: int | None = Field(default=None, ge=1, description="CPU threads per process; null: torch's default")
+    threads: int | None = Field(
+        default=None,
+        ge=1,
+        description="CPU threads per process, for torch and LightGBM alike. null: $OMP_NUM_THREADS when set, else "
+        "the cores this process may use (its CPU affinity, capped by a cgroup CPU quota) divided by the worker "
+        "processes on this node, at least 1; the run records the number and its source in the manifest "
+        "(`threads`)",
+    )
     requirement: Requirement = Field(
         default_factory=Requirement,
         description="the hardware the run needs, where and when; the same schema as a market demand's",

@@ -2,12 +2,9 @@
 
 `summarize_data(spec)` looks at a spec's data without preparing it (a table is read, an image folder is
 listed and one image decoded, a text corpus is only measured) and returns a `DataSummary`: the kind of
-data, rows, features, classes. `recommend_family(task, summary)` picks the family from it, with the reason
-in words. The run uses both when a spec leaves `model.family` out, and `runyard plan` can show them.
-
-The rule follows the usual advice: simple, low-dimensional data rarely needs a deep network (trees for a
-table, and a linear model when rows are too few for trees to learn from held-out data), while images and
-text do (a CNN, a transformer).
+data, rows, features, classes. `recommend_family(task, summary)` puts the family runyard.model.choice picks
+for it (the rule `runyard plan` recommends by too) in words. The run uses both when a spec leaves
+`model.family` out.
 """
 
 from __future__ import annotations
@@ -17,12 +14,10 @@ from typing import Any
 
 from runyard.data.images import read_images
 from runyard.data.sources import list_source_files
-from runyard.data.tabular import prepare_table
+from runyard.data.tabular import PreparedTable, prepare_table
+from runyard.model.choice import choose_family, no_family_message
+from runyard.model.registry import FamilyUnavailable
 from runyard.spec_checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
-
-# Below this many rows a table gets the linear model: too few for trees with a validation split to
-# early-stop on (each leaf needs min_data_in_leaf rows, the validation split a useful size).
-MIN_ROWS_FOR_TREES = 100
 
 
 @dataclass(frozen=True)
@@ -51,19 +46,33 @@ class Recommendation:
 
 
 def recommend_family(task: str, summary: DataSummary | None = None) -> Recommendation:
-    """The model family for `task` and its data (the rule in this module's docstring)."""
+    """The model family for `task` and its data, with the reason in words; the choice is
+    runyard.model.choice's (the rule `runyard plan` recommends by too). FamilyUnavailable when no
+    installed family trains the task."""
+    choice = choose_family(task, summary.rows if summary is not None else None)
+    if choice.family is None:
+        raise FamilyUnavailable(no_family_message(task))
+    why = choice.family.why_recommended
+    if choice.wanting_more_rows:
+        passed_over = ", ".join(f.name for f in choice.wanting_more_rows)
+        return Recommendation(choice.family.name, f"a table of {summary.rows} rows (< {choice.fewest_rows_wanted}): "
+                              f"too few for {passed_over}; {why}")
     if task == LANGUAGE_MODEL:
-        return Recommendation("decoder", "text: a decoder transformer (the one language-model family)")
-    if task == IMAGE_TASK:
-        return Recommendation("cnn", "images: a convolutional network learns local patterns a flat model cannot")
-    if task not in TABULAR_TASKS:
-        raise ValueError(f"unknown task {task!r}")
-    if summary is not None and summary.rows < MIN_ROWS_FOR_TREES:
-        return Recommendation("linear", f"a table of {summary.rows} rows (< {MIN_ROWS_FOR_TREES}): too few for "
-                              "gradient-boosted trees to early-stop on held-out rows; a regularised linear model")
-    rows = f"{summary.rows} rows x {summary.features} features" if summary else "a table"
-    return Recommendation("lightgbm", f"{rows}: low-dimensional tabular data, where gradient-boosted trees are "
-                          "the strong default (no deep network needed; CPU is enough to train and serve)")
+        data = "text"
+    elif task == IMAGE_TASK:
+        data = "images"
+    else:
+        data = f"{summary.rows} rows x {summary.features} features" if summary else "a table"
+    return Recommendation(choice.family.name, f"{data}: {why}")
+
+
+def table_summary(task: str, prepared: PreparedTable) -> DataSummary:
+    """A prepared table's summary: all its rows (every split), its feature columns by kind, its classes."""
+    kinds = [f.kind for f in prepared.schema.features]
+    rows = prepared.train.rows + prepared.valid.rows + prepared.test.rows
+    classes = len(prepared.schema.classes) if prepared.schema.classes else None
+    return DataSummary(task, "table", rows=rows, features=len(kinds), classes=classes,
+                       numeric_features=kinds.count("numeric"), categorical_features=kinds.count("categorical"))
 
 
 def summarize_data(spec: Any) -> DataSummary:
@@ -79,12 +88,7 @@ def summarize_data(spec: Any) -> DataSummary:
 
 def _summarize_table(spec: Any) -> DataSummary:
     # The run's own reader, so the summary sees the same columns, types and cleaning.
-    prepared = prepare_table(spec.data, spec.task, seed=0)
-    kinds = [f.kind for f in prepared.schema.features]
-    rows = prepared.train.rows + prepared.valid.rows + prepared.test.rows
-    classes = len(prepared.schema.classes) if prepared.schema.classes else None
-    return DataSummary(spec.task, "table", rows=rows, features=len(kinds), classes=classes,
-                       numeric_features=kinds.count("numeric"), categorical_features=kinds.count("categorical"))
+    return table_summary(spec.task, prepare_table(spec.data, spec.task, seed=0))
 
 
 def _summarize_images(spec: Any) -> DataSummary:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
+from runyard.cpus import choose_threads
 from runyard.http_thread import free_port
 from runyard.run import execute_run
 from runyard.serve.predict_export import load_predictor
@@ -44,6 +45,10 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
         assert (run_dir / "eval" / name).stat().st_size > 1000
     for name in ("report.md", "class_balance.png", "features.png"):
         assert (run_dir / "data" / name).is_file()
+    # One thread count for torch and LightGBM, recorded in the manifest (runyard/cpus.py).
+    threads = json.loads((run_dir / "manifest.json").read_text())["threads"]
+    fitted = json.loads((run_dir / "stages" / "main" / "model" / "stage.json").read_text())
+    assert threads["threads"] >= 1 and fitted["details"]["params"]["num_threads"] == threads["threads"]
     gates = json.loads((run_dir / "stages" / "main" / "gates.json").read_text())
     assert gates["passed"] and {g["name"] for g in gates["gates"]} >= {"loss_drop", "heldout_loss", "checkpoint_roundtrip"}
     config = json.loads((run_dir / "export" / "runyard.json").read_text())
@@ -98,7 +103,8 @@ def test_a_small_table_without_a_family_gets_the_linear_model_and_says_why(tmp_p
         "table": {"target": "y"}}, "stages": [{"name": "main", "gates": {"min_loss_drop": 0.5}}]})
     summary = execute_run(spec, tmp_path / "run", show_progress=False)
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert manifest["task"]["family"] == "linear" and "90 rows (< 100)" in manifest["task"]["chosen"]
+    assert manifest["task"]["family"] == "linear" and "90 rows (< 100): too few for lightgbm" in manifest["task"]["chosen"]
+    assert manifest["threads"] == choose_threads(None, 1).to_dict()
     assert summary.fit_to_ship and summary.prediction["metrics"]["r2"] > 0.9
     assert summary.prediction["metrics"]["rmse"] < 0.5 * summary.prediction["baseline"]["rmse"]
     assert (tmp_path / "run" / "eval" / "predictions.png").is_file()

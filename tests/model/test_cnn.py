@@ -40,7 +40,7 @@ def test_sizing_matches_a_hand_count():
     # FLOPs: conv1 at 8x8, conv2 at 4x4 (after one pooling), two linears; x2 per multiply-add, x3 for training.
     forward = 2 * (9 * 1 * 4 * 64 + 9 * 4 * 8 * 16 + 8 * 16 + 16 * 10)
     assert size.flops_per_unit == 3 * forward and size.unit == "sample"
-    assert family.targets_per_sample(cfg) == 1
+    assert family.units_per_example(cfg) == 1
 
 
 def test_normalisation_lives_in_the_model_and_logits_have_the_classes():

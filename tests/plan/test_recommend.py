@@ -2,48 +2,25 @@
 and the requirement written from them."""
 
 import math
-from typing import Any
 
 import pytest
-import torch
 
 from runyard.model import registry
-from runyard.model.registry import ModelFamily, Sizing, get_family
+from runyard.model.registry import get_family
 from runyard.plan.devices import DEVICES, UTILISATION, usable_memory
 from runyard.plan.recommend import DataFacts, Hardware, recommend_family, training_hardware
 from runyard.plan.sizing import plan_run, requirement_for
 from runyard.spec import parse_spec
+from tests.model.toy_family import ToyFamily
 
 GIB = 2**30
 
 
-class _Toy(ModelFamily):
-    """A family for the tests: `deep` says whether the loop trains it."""
-
-    def __init__(self, name: str, tasks: tuple[str, ...], deep: bool):
-        self.name, self.tasks, self.trains_with_loop = name, tasks, deep
-
-    def config_from_spec(self, spec: Any, **facts: Any) -> Any:
-        return facts
-
-    def config_from_dict(self, data: dict[str, Any]) -> Any:
-        return data
-
-    def sizing(self, config: Any, micro_batch: int = 1) -> Sizing:
-        return Sizing(10, 10, 60.0, "row", 0)
-
-    def export_files(self, model, config, directory):
-        return []
-
-    def load_files(self, directory, config, device="cpu"):
-        return torch.nn.Identity()
-
-
 @pytest.fixture
 def toy_families(monkeypatch):
-    for family in (_Toy("zz-trees", ("tabular_classification",), deep=False),
-                   _Toy("zz-cnn", ("image_classification",), deep=True),
-                   _Toy("zz-deep-tabular", ("tabular_classification",), deep=True)):
+    for family in (ToyFamily("zz-trees", ("tabular_classification",), deep=False),
+                   ToyFamily("zz-cnn", ("image_classification",), deep=True),
+                   ToyFamily("zz-deep-tabular", ("tabular_classification",), deep=True)):
         monkeypatch.setitem(registry._FAMILIES, family.name, family)
 
 

@@ -23,7 +23,7 @@ import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
-CGROUP_ROOT = Path("/sys/fs/cgroup")
+from runyard.cgroup import own_cgroup
 
 
 @dataclass
@@ -73,25 +73,9 @@ def _lower(which: int, value: int) -> None:
     resource.setrlimit(which, (min(value, new_hard), new_hard))
 
 
-def _own_cgroup(controller: str | None) -> Path | None:
-    """This process's cgroup directory for a v1 controller, or the v2 one (controller None)."""
-    try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controller is None and controllers == "":
-            base = CGROUP_ROOT if (CGROUP_ROOT / "cgroup.controllers").exists() else CGROUP_ROOT / "unified"
-            return base / path.lstrip("/")
-        if controller is not None and controller in controllers.split(","):
-            return CGROUP_ROOT / controller / path.lstrip("/")
-    return None
-
-
 def _join_cgroup(name: str, limits: Limits) -> list[Path]:
     """Create cgroups for the job, set its limits, move this process in; [] where that is not possible."""
-    v2 = _own_cgroup(None)
+    v2 = own_cgroup(None)
     if v2 is not None and "memory" in _read(v2 / "cgroup.subtree_control").split():
         made = _make(v2 / name, {"memory.max": limits.memory_bytes, "pids.max": limits.max_pids})
         if made:
@@ -99,7 +83,7 @@ def _join_cgroup(name: str, limits: Limits) -> list[Path]:
     made = []
     for controller, settings in (("memory", {"memory.limit_in_bytes": limits.memory_bytes}),
                                  ("pids", {"pids.max": limits.max_pids})):
-        own = _own_cgroup(controller)
+        own = own_cgroup(controller)
         if own is not None:
             made += _make(own / name, settings)
     if limits.memory_bytes and not any("memory" in str(p) for p in made):
@@ -149,7 +133,7 @@ def remove_stale(name: str) -> int:
     """Remove the (empty) cgroups called `name` beside this process's own: what a launcher killed
     before it could leave them behind. Returns how many were removed."""
     removed = 0
-    for own in (_own_cgroup(None), _own_cgroup("memory"), _own_cgroup("pids")):
+    for own in (own_cgroup(None), own_cgroup("memory"), own_cgroup("pids")):
         if own is not None and (own / name).is_dir():
             with contextlib.suppress(OSError):  # still holds a process: left for a later sweep
                 (own / name).rmdir()

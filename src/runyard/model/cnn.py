@@ -130,6 +130,7 @@ def activation_bytes(cfg: CnnConfig, micro_batch: int, bytes_per_value: int = 4)
 class CnnFamily(ModelFamily):
     name = "cnn"
     tasks = ("image_classification",)
+    why_recommended = "a convolutional network learns local patterns a flat model cannot"
 
     def config_from_spec(self, spec: Any, *, shape: tuple[int, int, int] | None = None, n_classes: int | None = None,
                          mean: list[float] | None = None, std: list[float] | None = None, **data_facts: Any) -> CnnConfig:

@@ -33,6 +33,7 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 
 class DecoderFamily(ModelFamily):
     name = "decoder"
     tasks = ("language_model",)
+    why_recommended = "a decoder transformer (the one language-model family)"
 
     def config_from_spec(self, spec: Any, *, vocab_size: int | None = None, **data_facts: Any) -> ModelConfig:
         if vocab_size is None:
@@ -55,7 +56,7 @@ class DecoderFamily(ModelFamily):
         )
 
     def units_per_example(self, config: ModelConfig) -> int:
-        return config.context_length
+        return config.context_length  # next-token targets: one per position of a sequence
 
     def synthetic_batch(
         self, config: ModelConfig, micro_batch: int, generator: torch.Generator
@@ -71,9 +72,6 @@ class DecoderFamily(ModelFamily):
 
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(model.blocks)
-
-    def targets_per_sample(self, config: ModelConfig) -> int:
-        return config.context_length  # next-token targets: one per position of a sequence
 
     def config_from_weights(self, spec: Any, weights_config: ModelConfig) -> ModelConfig:
         return ModelConfig.from_spec_and_weights(spec, weights_config)

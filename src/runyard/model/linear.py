@@ -118,6 +118,7 @@ def _params(config: LinearConfig, pipeline: Pipeline) -> dict[str, Any]:
 
 class LinearFamily(TabularFamily):
     name = "linear"
+    why_recommended = "a regularised linear model, which learns from few rows"
 
     def config_from_spec(self, spec: Any, *, table: TableFacts | None = None, **data_facts: Any) -> LinearConfig:
         if table is None:

@@ -80,7 +80,12 @@ class ModelFamily(ABC):
 
     name: ClassVar[str]
     trains_with_loop: ClassVar[bool] = True
-    tasks: ClassVar[tuple[str, ...]] = ()  # the spec's tasks this family can train (`plan` recommends by it)
+    tasks: ClassVar[tuple[str, ...]] = ()  # the spec's tasks this family can train (model/choice.py recommends by it)
+    # The fewest rows (table rows, images, documents) for which this family is the recommendation; among
+    # families that suit a task, the one wanting the most rows the data has is chosen (model/choice.py).
+    min_rows: ClassVar[int] = 0
+    # Why this family suits data it is recommended for, in words (a run's manifest and `plan` show it).
+    why_recommended: ClassVar[str] = ""
 
     # -- config ----------------------------------------------------------------------------------------
     @abstractmethod
@@ -101,7 +106,8 @@ class ModelFamily(ABC):
         """Parameters, FLOPs and activation memory of a model of this config."""
 
     def units_per_example(self, config: Any) -> int:
-        """Units of `Sizing.unit` in one training example (a sequence's tokens for a language model)."""
+        """Units of `Sizing.unit` in one training example, which are also the targets the loss scores per
+        example: a language model's sequence has one per token of its context, a classifier's sample one."""
         return 1
 
     # -- training through the loop ---------------------------------------------------------------------
@@ -116,11 +122,6 @@ class ModelFamily(ABC):
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules FSDP shards one by one (the root is sharded after them)."""
         return []
-
-    def targets_per_sample(self, config: Any) -> int:
-        """Targets the loss scores per training sample (a language model: one per token of its context;
-        a classifier: one), so the loop normalises accumulated and multi-process losses the same way."""
-        return 1
 
     # -- starting from existing weights (`model.init`) ------------------------------------------------
     def config_from_weights(self, spec: Any, weights_config: Any) -> Any:

@@ -113,6 +113,11 @@ def tree_datasets(config: TreesConfig, train_x, train_y, valid_x, valid_y) -> tu
 
 class TreesFamily(TabularFamily):
     name = "lightgbm"
+    # Fewer rows are too few for trees with a validation split to early-stop on (each leaf needs
+    # min_data_in_leaf rows, the validation split a useful size): such a table gets the linear model.
+    min_rows = 100
+    why_recommended = ("gradient-boosted trees, the strong default for low-dimensional tabular data (no deep network "
+                       "needed; CPU is enough to train and serve)")
 
     def config_from_spec(self, spec: Any, *, table: TableFacts | None = None, **data_facts: Any) -> TreesConfig:
         if table is None:

@@ -196,7 +196,7 @@ def table_machine(kind: str, devices: int = 1) -> Machine:
 
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
-    """Run with `n` torch CPU threads (as `resources.threads` makes a run do), then restore."""
+    """Run with `n` torch CPU threads (as the run's thread choice, runyard/cpus.py, makes it do), then restore."""
     saved = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)

@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from runyard.cpus import choose_threads
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
@@ -130,6 +131,12 @@ class Plan:
         }
 
 
+def run_threads(spec: JobSpec) -> int:
+    """The CPU threads each of the run's processes will use (runyard/cpus.py), so calibration measures
+    the machine as the run will use it."""
+    return choose_threads(spec.resources.threads, spec.resources.nproc).threads
+
+
 def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate: bool = True,
               traffic: Traffic | None = None, cache_dir: Path | None = None, budget_s: float = 3.0) -> Plan:
     """The whole plan (see the module doc). `calibrate=False` measures nothing and uses the device table
@@ -137,7 +144,7 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     started = time.perf_counter()
     framework = resident_bytes()
     if calibrate:
-        machine = measure_machine(spec.resources.device, spec.resources.threads, run_dir)
+        machine = measure_machine(spec.resources.device, run_threads(spec), run_dir)
     else:
         machine = table_machine("cpu", spec.resources.threads or cpu_count())
     data = estimate_data(spec.task, spec.data, spec.seed, files, machine.devices if machine.kind == "cpu" else cpu_count(),
@@ -189,7 +196,7 @@ def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, fac
     calibration = None
     if calibrate and family.trains_with_loop and fits_here(size.parameters, size.activation_bytes, machine):
         calibration = calibrate_stage(plan.stage, family, config, stage.optim, stage.train.batch_size, machine,
-                                      spec.resources.precision, spec.resources.threads, budget_s=budget_s,
+                                      spec.resources.precision, run_threads(spec), budget_s=budget_s,
                                       decode=plan.stage == spec.stages[-1].name)
     phases, how = stage_phases(spec, plan, machine, calibration)
     return StageEstimate(plan, phases, how, stage_memory(plan, calibration), calibration)

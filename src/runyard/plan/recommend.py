@@ -10,9 +10,8 @@ The rules are the seed material's table, sized by the plan's own figures:
 | language model | a decoder transformer | high-memory GPUs, as many as memory and time need | GPUs sized to concurrency |
 
 "Simple, low-dimensional data usually doesn't need a deep neural network; complex, high-dimensional data
-(images, language, audio) usually does": a tabular task gets a registered family that the torch loop does
-not train; images and text get one it does. Among several such families the first by name is taken, so a
-recommendation is a pure function of the registry and the data.
+(images, language, audio) usually does": the family is runyard.model.choice's, the rule a run that leaves
+`model.family` out chooses by too; this module explains it along the table.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from runyard.market.requirement import Interconnect
-from runyard.model.registry import FamilyUnavailable, ModelFamily, family_names, get_family
+from runyard.model.choice import choose_family, needs_deep_network, no_family_message
 from runyard.plan.devices import Device, device, usable_memory
 
 # Tasks by the kind of data they read.
@@ -32,7 +31,6 @@ DATA_KINDS = {
     "tabular_regression": "tabular",
     "image_classification": "image",
 }
-DEEP_KINDS = {"text", "image"}  # high-dimensional data: a network trained by the loop
 
 # Training hardware per data kind: the kinds to try, smallest first (the first whose memory holds a
 # replica's share, or the last with more devices).
@@ -119,33 +117,23 @@ def describe_devices(kind: str, devices: int) -> str:
     return f"{devices} x {kind}"
 
 
-def installed_families() -> list[ModelFamily]:
-    """The registered families whose libraries are installed (a family from a missing extra cannot be
-    recommended here, and must not stop a plan that does not need it)."""
-    families = []
-    for name in family_names():
-        try:
-            families.append(get_family(name))
-        except FamilyUnavailable:
-            continue
-    return families
-
-
 def recommend_family(task: str, facts: DataFacts) -> FamilyChoice:
-    """The registered family the data calls for (see the module doc)."""
-    deep = DATA_KINDS[task] in DEEP_KINDS
-    candidates = [f.name for f in installed_families() if task in f.tasks and f.trains_with_loop == deep]
-    if deep:
+    """The registered family the data calls for: runyard.model.choice's (the rule a run chooses by too),
+    explained along the seed's table."""
+    choice = choose_family(task, facts.rows)
+    if needs_deep_network(task):
         why = (f"{facts.describe()}: high-dimensional data, so a deep network "
                f"({'convolutional for images' if facts.kind == 'image' else 'a decoder transformer for text'})")
     else:
-        why = (f"{facts.describe()}: low-dimensional tabular data does not need a deep network; "
-               "gradient-boosted trees, against a linear baseline")
-    if not candidates:
-        return FamilyChoice(None, why + f"; no registered family trains {task!r} yet here (runyard has "
-                            f"{family_names()}; a family from a missing extra, e.g. `pip install 'runyard[predict]'` "
-                            "for tables, is left out)")
-    return FamilyChoice(candidates[0], why)
+        why = f"{facts.describe()}: low-dimensional tabular data does not need a deep network"
+        if choice.wanting_more_rows:
+            passed_over = ", ".join(f.name for f in choice.wanting_more_rows)
+            why += f"; {facts.rows} rows are too few for {passed_over} (< {choice.fewest_rows_wanted})"
+    if choice.family is None:
+        return FamilyChoice(None, f"{why}; {no_family_message(task)}")
+    if not choice.family.trains_with_loop and choice.family.why_recommended:
+        why += f"; {choice.family.why_recommended}"
+    return FamilyChoice(choice.family.name, why)
 
 
 def training_hardware(

@@ -261,33 +261,26 @@ def create_app(
             return writer(index, {"text": text, "logprobs": logprobs, "finish_reason": reason})
 
         if req.stream:
-            async def stream() -> AsyncIterator[str]:
-                async for batch in flight.events():
-                    out = []
-                    for index, events in by_choice(batch):
-                        choice = flight.choices[index]
-                        text = "".join(e.text for e in events)
-                        lp = None
-                        if want_logprobs:
-                            lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-                            offset = len(choice.text) - len(text)
-                            for e in events:
-                                if e.logprobs is not None:
-                                    for key, values in choice.logprobs.add(e.logprobs, offset).items():
-                                        lp[key] += values
-                                offset += len(e.text)
-                            lp = lp if lp["tokens"] else None
-                        reason = events[-1].finish_reason
-                        if text or lp is not None or reason is not None:
-                            out.append(sse(chunk(index, text, lp, reason)))
-                    if out:
-                        yield "".join(out)
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    yield sse({"id": flight.id, "object": "text_completion", "created": flight.created,
-                               "model": model_name, "choices": [], "usage": flight.usage()})
-                yield sse("[DONE]")
+            def choice_chunks(index: int, events: list[SeqEvent]) -> list[str]:
+                choice = flight.choices[index]
+                text = "".join(e.text for e in events)
+                lp = None
+                if want_logprobs:
+                    lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+                    offset = len(choice.text) - len(text)
+                    for e in events:
+                        if e.logprobs is not None:
+                            for key, values in choice.logprobs.add(e.logprobs, offset).items():
+                                lp[key] += values
+                        offset += len(e.text)
+                    lp = lp if lp["tokens"] else None
+                reason = events[-1].finish_reason
+                if text or lp is not None or reason is not None:
+                    return [sse(chunk(index, text, lp, reason))]
+                return []
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            return StreamingResponse(_sse_stream(flight, req, "text_completion", model_name, choice_chunks),
+                                     media_type="text/event-stream")
 
         def on_event(index: int, event: SeqEvent) -> None:
             choice = flight.choices[index]
@@ -321,30 +314,23 @@ def create_app(
             return writer(index, {"delta": delta, "logprobs": logprobs, "finish_reason": reason})
 
         if req.stream:
-            async def stream() -> AsyncIterator[str]:
-                for i in range(len(flight.choices)):
-                    yield sse(chunk(i, {"role": "assistant", "content": ""}, None, None))
-                async for batch in flight.events():
-                    out = []
-                    for index, events in by_choice(batch):
-                        choice = flight.choices[index]
-                        text = "".join(e.text for e in events)
-                        lp = None
-                        if want_logprobs:
-                            content = [choice.logprobs.add(e.logprobs)["content"][0] for e in events if e.logprobs is not None]
-                            lp = {"content": content} if content else None
-                        if text or lp is not None:
-                            out.append(sse(chunk(index, {"content": text}, lp, None)))
-                        if events[-1].finish_reason is not None:
-                            out.append(sse(chunk(index, {}, None, events[-1].finish_reason)))
-                    if out:
-                        yield "".join(out)
-                if req.stream_options is not None and req.stream_options.include_usage:
-                    yield sse({"id": flight.id, "object": "chat.completion.chunk", "created": flight.created,
-                               "model": model_name, "choices": [], "usage": flight.usage()})
-                yield sse("[DONE]")
+            def choice_chunks(index: int, events: list[SeqEvent]) -> list[str]:
+                choice = flight.choices[index]
+                text = "".join(e.text for e in events)
+                out = []
+                lp = None
+                if want_logprobs:
+                    content = [choice.logprobs.add(e.logprobs)["content"][0] for e in events if e.logprobs is not None]
+                    lp = {"content": content} if content else None
+                if text or lp is not None:
+                    out.append(sse(chunk(index, {"content": text}, lp, None)))
+                if events[-1].finish_reason is not None:
+                    out.append(sse(chunk(index, {}, None, events[-1].finish_reason)))
+                return out
 
-            return StreamingResponse(stream(), media_type="text/event-stream")
+            roles = [sse(chunk(i, {"role": "assistant", "content": ""}, None, None)) for i in range(len(flight.choices))]
+            return StreamingResponse(_sse_stream(flight, req, "chat.completion.chunk", model_name, choice_chunks, roles),
+                                     media_type="text/event-stream")
 
         def on_event(index: int, event: SeqEvent) -> None:
             choice = flight.choices[index]
@@ -405,6 +391,24 @@ def create_app(
         return {"enabled": True, **traffic.status()}
 
     return app
+
+
+async def _sse_stream(flight: InFlight, req: CompletionRequest | ChatCompletionRequest, chunk_object: str,
+                      model_name: str, choice_chunks: Callable[[int, list[SeqEvent]], list[str]],
+                      opening: Sequence[str] = ()) -> AsyncIterator[str]:
+    """A streaming response's body: the `opening` events, then each batch of the engine's events as the
+    chunks `choice_chunks` makes of each choice's share of it (sent together), the usage chunk when the
+    request asks for one, and `[DONE]`."""
+    for event in opening:
+        yield event
+    async for batch in flight.events():
+        out = [c for index, events in by_choice(batch) for c in choice_chunks(index, events)]
+        if out:
+            yield "".join(out)
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield sse({"id": flight.id, "object": chunk_object, "created": flight.created, "model": model_name,
+                   "choices": [], "usage": flight.usage()})
+    yield sse("[DONE]")
 
 
 class _TooLarge(Exception):

@@ -44,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runyard import rundir
+from runyard.cpus import choose_threads
 from runyard.errors import EXIT_FAILURE, RunyardError
 from runyard.fsutil import atomic_write_text
 from runyard.lifetime import die_with_parent, parent_of
@@ -203,7 +204,8 @@ def _launch_locked(worker_argv: list[str], nproc: int, run_dir: Path | None, loc
             env.update(rundir.child_env(lock))
         elif run_dir is not None:
             env.update(rundir.remote_child_env(run_dir))
-        env.setdefault("OMP_NUM_THREADS", "1")
+        # Each worker's share of the cores (runyard/cpus.py); torchrun would otherwise set 1.
+        env.setdefault("OMP_NUM_THREADS", str(choose_threads(None, nproc).threads))
         cmd = torchrun_command(worker_argv, nproc, log_dir=log_dir, **kwargs)
         launcher = os.getpid()
         # Own session (a terminal's Ctrl-C reaches the launcher only, which forwards it), and death with
