@@ -63,13 +63,17 @@ def test_tables_and_images_are_counted_from_their_files(tmp_path):
         writer = csv.writer(f)
         writer.writerow(["a", "b", "target"])
         writer.writerows([[i, i * 2, i % 2] for i in range(7)])
-    files, _ = resolve_sources(parse_spec({"name": "t", "data": {"sources": [{"path": str(table)}]}}).data)
-    tab = estimate_data("tabular_classification", None, 0, files, 1)
-    assert (tab.facts.kind, tab.facts.rows, tab.facts.features) == ("tabular", 7, 2)
+    table_data = parse_spec({"name": "t", "task": "tabular_classification",
+                             "data": {"sources": [{"path": str(table), "format": "csv"}], "table": {"target": "target"}}}).data
+    files, _ = resolve_sources(table_data)
+    tab = estimate_data("tabular_classification", table_data, 0, files, 1)
+    assert (tab.facts.kind, tab.facts.rows, tab.facts.features, tab.facts.classes) == ("tabular", 7, 2, 2)
     arrays = tmp_path / "digits.npz"
     np.savez(arrays, images=np.zeros((12, 8, 8), dtype=np.uint8), labels=np.arange(12) % 3)
-    files, _ = resolve_sources(parse_spec({"name": "t", "data": {"sources": [{"path": str(arrays)}]}}).data)
-    img = estimate_data("image_classification", None, 0, files, 1)
+    image_data = parse_spec({"name": "t", "task": "image_classification",
+                             "data": {"sources": [{"path": str(arrays), "format": "npz"}]}}).data
+    files, _ = resolve_sources(image_data)
+    img = estimate_data("image_classification", image_data, 0, files, 1)
     assert (img.facts.rows, img.facts.image_shape, img.facts.classes, img.facts.features) == (12, (1, 8, 8), 3, 64)
     assert img.facts.config_facts()["channels"] == 1
 

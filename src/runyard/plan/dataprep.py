@@ -36,6 +36,7 @@ from runyard.data.config import DataSpec
 from runyard.data.footprint import COMPRESSION_RATIO
 from runyard.data.partstore import PartReader
 from runyard.data.pipeline import dataset_fingerprint, fingerprint_inputs, load_prepared, resolve_cache_dir
+from runyard.data.sklearn_sets import load_bundled
 from runyard.data.sources import InputFile, read_bytes
 from runyard.data.tokenize import cpu_count
 from runyard.data.tokenizer import train_bpe
@@ -91,7 +92,7 @@ def estimate_data(task: str, spec: DataSpec, seed: int, files: list[InputFile], 
     kind = DATA_KINDS[task]
     if kind == "text":
         return _estimate_text(spec, seed, files, cores, cache_dir, measure)
-    return _estimate_other(kind, files, measure)
+    return _estimate_other(kind, spec, files, measure)
 
 
 def _estimate_text(spec: DataSpec, seed: int, files: list[InputFile], cores: int, cache_dir: Path | None,
@@ -257,40 +258,70 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _estimate_other(kind: str, files: list[InputFile], measure: bool) -> DataEstimate:
-    """Tables and images: counted from the files; preparation is reading them at the measured rate."""
+def _estimate_other(kind: str, spec: DataSpec, files: list[InputFile], measure: bool) -> DataEstimate:
+    """Tables and images: counted from the files (and the scikit-learn sets the spec names); preparation is
+    reading them at the measured rate."""
     total = sum(f.size for f in files)
-    if measure:
+    if measure and files:
         t0 = time.perf_counter()
         read = 0
         for f in files[:: max(1, len(files) // 50)]:
             read += len(read_bytes(f.path))
             if read >= SAMPLE_BYTES:
                 break
-        rate = read / max(time.perf_counter() - t0, 1e-6)
+        rate = max(1.0, read / max(time.perf_counter() - t0, 1e-6))
         how = f"reading every byte at the rate measured on {read / 1e6:.2f} MB (the task's own steps are not timed)"
     else:
         rate = STATED_RATES["read"]
         how = f"reading every byte at a stated {rate / 1e6:g} MB/s"
-    facts = _tabular_facts(files) if kind == "tabular" else _image_facts(files)
+    facts = _tabular_facts(files, _target(spec)) if kind == "tabular" else _image_facts(files)
+    facts = _with_bundled(facts, [s.path for s in spec.sources if s.format == "sklearn"], _target(spec))
     return DataEstimate(facts, total / rate + REPORT_S, {"read": total / rate, "report": REPORT_S}, how, False,
                         text_bytes=total)
 
 
-def _tabular_facts(files: list[InputFile]) -> DataFacts:
+def _target(spec: DataSpec) -> str | None:
+    return spec.table.target if spec.table is not None else None
+
+
+def _tabular_facts(files: list[InputFile], target: str | None) -> DataFacts:
+    """Rows and features of the tables, and the target column's distinct values (its classes, when the
+    task classifies; the plan ignores them for regression)."""
     rows, columns = 0, 0
+    values: set[str] = set()
     for f in files:
         if f.path.endswith(".parquet"):
-            meta = pq.ParquetFile(f.path).metadata
-            rows += meta.num_rows
-            columns = max(columns, meta.num_columns)
+            table = pq.ParquetFile(f.path)
+            rows += table.metadata.num_rows
+            columns = max(columns, table.metadata.num_columns)
+            if target in table.schema_arrow.names:
+                values |= {str(v) for v in pq.read_table(f.path, columns=[target]).column(0).unique().to_pylist()}
         else:
             text = read_bytes(f.path).decode("utf-8", errors="replace")
             reader = csv.reader(io.StringIO(text), delimiter="\t" if f.path.endswith(".tsv") else ",")
             header = next(reader, [])
             columns = max(columns, len(header))
-            rows += sum(1 for row in reader if row)
-    return DataFacts("tabular", len(files), sum(f.size for f in files), rows=rows, features=max(0, columns - 1))
+            at = header.index(target) if target in header else None
+            for row in reader:
+                if row:
+                    rows += 1
+                    if at is not None and at < len(row):
+                        values.add(row[at])
+    return DataFacts("tabular", len(files), sum(f.size for f in files), rows=rows, features=max(0, columns - 1),
+                     classes=len(values) or None)
+
+
+def _with_bundled(facts: DataFacts, names: list[str], target: str | None) -> DataFacts:
+    """`facts` with the scikit-learn sets the spec names added (rows, features, classes, image shape)."""
+    for name in names:
+        bundled = load_bundled(name)
+        classes = len(set(bundled.target.tolist())) if bundled.target.dtype == object else None
+        shape = (1, *bundled.images.shape[1:]) if facts.kind == "image" and bundled.images is not None else None
+        features = int(np.prod(shape)) if shape else bundled.features.shape[1]
+        facts = replace(facts, rows=(facts.rows or 0) + len(bundled.target), features=facts.features or features,
+                        classes=max(facts.classes or 0, classes or 0) or None,
+                        image_shape=facts.image_shape or shape)
+    return facts
 
 
 def _image_facts(files: list[InputFile]) -> DataFacts:

@@ -34,6 +34,7 @@ from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
 from runyard.model.registry import get_family
+from runyard.model.tabular import TableFacts
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
     Machine,
@@ -153,8 +154,19 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
     choice = recommend_family(spec.task, data.facts)
     warnings = []
-    if choice.family is not None and any(resolved_stage(spec, s.name).model.family != choice.family for s in spec.stages):
+    if spec.model.family is None and choice.family is not None:
+        # What the run does with model.family left out: the data's recommendation trains (run_predictive).
+        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"family": choice.family})})
+    elif choice.family is not None and any(resolved_stage(spec, s.name).model.family != choice.family
+                                           for s in spec.stages):
         warnings.append(f"the spec's model.family differs from the recommendation {choice.family!r}: {choice.why}")
+    # The keyword facts the families' configs take from prepared data (train/batches.py, run_predictive),
+    # here from what the plan counted before preparing anything.
+    if data.facts.kind == "tabular":
+        classes = data.facts.classes if spec.task.endswith("classification") else None
+        facts["table"] = TableFacts(n_features=data.facts.features or 1, categorical=(), n_classes=classes)
+    elif data.facts.kind == "image" and data.facts.image_shape is not None and data.facts.classes:
+        facts["shape"], facts["n_classes"] = tuple(data.facts.image_shape), data.facts.classes
 
     train_rows = int((data.facts.rows or 0) * (1 - spec.data.heldout_fraction)) if data.facts.rows else None
     loader = _loader_bytes(data, facts["vocab_size"])

@@ -16,6 +16,7 @@ from pathlib import Path
 from runyard.data.config import DataSpec
 from runyard.data.footprint import data_need
 from runyard.data.pipeline import resolve_cache_dir
+from runyard.data.sklearn_sets import LOADERS as BUNDLED_SETS
 from runyard.data.sources import InputFile, expand_path_template, list_source_files
 from runyard.diskspace import DiskNeed, FilesystemCheck, check_disk, group_by_filesystem, human_bytes
 from runyard.errors import DataError, SpecError
@@ -58,7 +59,8 @@ class Preflight:
     def lines(self) -> list[str]:
         """The preflight as `runyard plan` prints it."""
         out = [
-            f"source data.sources[{s.index}] {s.path!r}: {s.files:,} files, {human_bytes(s.bytes)}"
+            f"source data.sources[{s.index}] {s.path!r}: "
+            + ("a data set scikit-learn ships" if s.path.startswith("sklearn:") else f"{s.files:,} files, {human_bytes(s.bytes)}")
             for s in self.sources
         ]
         for c in self.disk:
@@ -75,6 +77,13 @@ def resolve_sources(spec: DataSpec) -> tuple[list[InputFile], list[SourceListing
     problems: list[tuple[str, object, str]] = []
     for i, source in enumerate(spec.sources):
         where = f"data.sources[{i}].path"
+        if source.format == "sklearn":  # a set inside scikit-learn's wheel: no files to list
+            if source.path not in BUNDLED_SETS:
+                problems.append((where, source.path, f"one of scikit-learn's bundled sets {sorted(BUNDLED_SETS)} "
+                                                     f"{reference_hint(where)}"))
+            else:
+                listings.append(SourceListing(i, f"sklearn:{source.path}", 0, 0))
+            continue
         try:
             found = list_source_files(source, i)
         except (DataError, OSError, ValueError) as exc:
@@ -121,7 +130,10 @@ def preflight(spec: JobSpec, run_dir: Path, cache_dir: Path | None = None) -> Pr
     files, listings = resolve_sources(spec.data)
     needs: list[DiskNeed] = [data_need(spec.data, files, resolve_cache_dir(spec.data, cache_dir))]
     needs[0] = DiskNeed(needs[0].what + " (unless already prepared)", needs[0].path, needs[0].bytes)
-    needs += run_dir_needs(spec, run_dir, _vocab(spec), _stages_done(spec, run_dir))
+    if spec.task == "language_model":
+        # A table's or an image model's size needs the data's facts (features, classes, image shape), read
+        # by the plan itself; their checkpoints are kilobytes to megabytes, not worth a disk check here.
+        needs += run_dir_needs(spec, run_dir, _vocab(spec), _stages_done(spec, run_dir))
     return Preflight(listings, files, group_by_filesystem(needs), spec_warnings(spec))
 
 
