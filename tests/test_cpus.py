@@ -7,6 +7,7 @@ import os
 from pathlib import Path
 
 from runyard.cpus import affinity_cores, choose_threads, cpu_quota, local_processes, usable_cores
+from runyard.train.launch import worker_threads
 
 
 def _cgroup_v2(root: Path, own: str, limits: dict[str, str]) -> Path:
@@ -64,3 +65,10 @@ def test_local_workers_are_torchruns(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     assert local_processes() == 4
     assert usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_torchrun_workers_split_the_jobs_threads_rather_than_each_taking_them_all(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")  # what the control plane gives a job of four CPU slots
+    assert (worker_threads(1), worker_threads(2), worker_threads(3), worker_threads(8)) == (4, 2, 1, 1)
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert worker_threads(2) == max(1, usable_cores() // 2)

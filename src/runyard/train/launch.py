@@ -192,6 +192,12 @@ def launch(worker_argv: list[str], nproc: int, run_dir: Path | None = None, **kw
             lock.release()
 
 
+def worker_threads(nproc: int) -> int:
+    """Each of `nproc` local workers' share of this launcher's threads (runyard/cpus.py: OMP_NUM_THREADS when
+    a scheduler set it for the whole job, else the cores this process may use), at least one."""
+    return max(1, choose_threads(None, 1).threads // max(1, nproc))
+
+
 def _launch_locked(worker_argv: list[str], nproc: int, run_dir: Path | None, lock, **kwargs) -> int:
     _clean_stale_status_dirs()
     status_dir = Path(tempfile.mkdtemp(prefix=f"{STATUS_PREFIX}{os.getpid()}-"))
@@ -204,8 +210,7 @@ def _launch_locked(worker_argv: list[str], nproc: int, run_dir: Path | None, loc
             env.update(rundir.child_env(lock))
         elif run_dir is not None:
             env.update(rundir.remote_child_env(run_dir))
-        # Each worker's share of the cores (runyard/cpus.py); torchrun would otherwise set 1.
-        env.setdefault("OMP_NUM_THREADS", str(choose_threads(None, nproc).threads))
+        env["OMP_NUM_THREADS"] = str(worker_threads(nproc))  # torchrun would set 1
         cmd = torchrun_command(worker_argv, nproc, log_dir=log_dir, **kwargs)
         launcher = os.getpid()
         # Own session (a terminal's Ctrl-C reaches the launcher only, which forwards it), and death with
