@@ -27,6 +27,9 @@ def test_a_tabular_spec_needs_a_target_and_table_formats():
     found = problems({"task": "tabular_regression", "name": "t", "data": {"sources": [{"path": "a.txt"}]}})
     assert "data.table" in found and "needs data.table naming at least its target column" in found["data.table"]
     assert "one of csv, parquet, sklearn for task tabular_regression" in found["data.sources[0].format"]
+    assert "it defaults to text; set format: for 'a.txt'" in found["data.sources[0].format"]  # left unset
+    stated = problems({"task": "tabular_regression", "name": "t", "data": {"sources": [{"path": "a", "format": "jsonl"}]}})
+    assert "defaults" not in stated["data.sources[0].format"]
     found = problems(tabular(data={"sources": [{"path": "digits", "format": "sklearn"}], "table": {"target": "y"}},
                              task="tabular_regression"))
     assert "a data set scikit-learn ships for task tabular_regression: one of diabetes" in found["data.sources[0].path"]

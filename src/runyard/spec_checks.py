@@ -129,8 +129,10 @@ def _source_problems(spec: Any, task: str) -> list[tuple[tuple[Any, ...], Any, s
     formats = FORMATS_BY_TASK[task]
     for i, source in enumerate(spec.data.sources):
         if source.format not in formats:
+            unset = "format" not in source.model_fields_set  # the language model's default, `text`
             problems.append((("data", "sources", i, "format"), source.format,
-                             f"one of {', '.join(formats)} for task {task}"))
+                             f"one of {', '.join(formats)} for task {task}"
+                             + (f" (it defaults to text; set format: for {source.path!r})" if unset else "")))
         elif source.format == "sklearn" and source.path not in SKLEARN_SETS_BY_TASK[task]:
             problems.append((("data", "sources", i, "path"), source.path,
                              f"a data set scikit-learn ships for task {task}: one of "
