@@ -50,6 +50,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from train_throughput import build_hf, copy_weights_to_hf
 
+from runyard.data.tokenizer import tokenizer_config_for
 from runyard.http_thread import free_port
 from runyard.model.config import default_ffn_hidden
 from runyard.model.transformer import ModelConfig, Transformer
@@ -382,7 +383,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         tok_path = Path(tmp) / "tokenizer.json"
         tok.save(str(tok_path))
-        export = export_model(ours, cfg, tok_path, Path(tmp) / "export")
+        # No eos_token: every request generates exactly its output length (see make_tokenizer).
+        tok_config = {k: v for k, v in tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
+        export = export_model(ours, cfg, tok_path, Path(tmp) / "export", tokenizer_config=tok_config)
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
