@@ -15,8 +15,8 @@ attention kernel, so blocks would have to be gathered into contiguous keys and v
 of every step; a slot per sequence is read in place (the README and the serving note give the numbers).
 
 The loop runs in its own thread (`start`); each sequence reports through its `sink` callback (called
-from the engine thread) one `SeqEvent` per token. Without the thread, `step` and `generate` drive it
-directly (tests, benchmarks).
+from the engine thread, all of a step's events once the step is done) one `SeqEvent` per token.
+Without the thread, `step` and `generate` drive it directly (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ class BatchEngine:
         self.running: list[_Sequence] = []  # decoding; running[i] sits in KV slot i
         self.prefilling: _Sequence | None = None  # a prompt cut short by the step's budget, in slot len(running)
         self._joining: list[_Sequence] = []  # taken from the queue for the step in progress
+        self._outbox: list[tuple[_Sequence, SeqEvent]] = []  # the step's events, delivered when it ends
         self._incoming: list[_Sequence] = []
         self._aborts: set[str] = set()
         self._cond = threading.Condition()
@@ -263,6 +264,7 @@ class BatchEngine:
         self.running.clear()
         self._joining = []
         self.prefilling = None
+        self._deliver()
 
     def _take_incoming(self) -> list[_Sequence]:
         with self._cond:
@@ -296,6 +298,7 @@ class BatchEngine:
             self._joining = []
             self._release_finished()
         self.steps += 1
+        self._deliver()
         return self._has_work()
 
     def _apply_aborts(self, aborts: set[str]) -> None:
@@ -380,12 +383,18 @@ class BatchEngine:
             self._mean_seq_s = 0.9 * self._mean_seq_s + 0.1 * (time.perf_counter() - seq.started)
         self._emit(seq, SeqEvent(seq.seq_id, token, text, lp, reason, len(seq.prompt_ids), len(seq.output_ids)))
 
-    @staticmethod
-    def _emit(seq: _Sequence, event: SeqEvent) -> None:
-        try:
-            seq.sink(event)
-        except Exception:  # a consumer's bug must not stop the batch
-            log.exception("sink of sequence %s failed", seq.seq_id)
+    def _emit(self, seq: _Sequence, event: SeqEvent) -> None:
+        self._outbox.append((seq, event))
+
+    def _deliver(self) -> None:
+        """Hand the step's events to their sinks, all together once the step is done: a consumer on
+        another thread (the HTTP event loop) is then woken once per step, not once per token."""
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            try:
+                seq.sink(event)
+            except Exception:  # a consumer's bug must not stop the batch
+                log.exception("sink of sequence %s failed", seq.seq_id)
 
     def _release_finished(self) -> None:
         """Drop finished sequences from the batch; the last running sequence moves into each freed slot,
