@@ -381,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         diff = (ours(probe) - hf(input_ids=probe, use_cache=False).logits).abs().max().item()
     print(f"model: d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} vocab={cfg.vocab_size} "
           f"context={cfg.context_length}, {ours.num_parameters() / 1e6:.1f}M params, max |logit diff| vs HF {diff:.1e}")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), CPU fp32")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), CPU fp32, "
+          f"load average {os.getloadavg()[0]:.1f}")
     if diff > 1e-3:
         print("error: runyard and HF do not compute the same function; the comparison would be unfair")
         return 1
@@ -409,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             res = run_hf(hf, workload, clients, static=mode.endswith("batch"), pad_id=0)
                         results.setdefault((mode, clients), []).append(res)
-                        print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s", flush=True)
+                        print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s "
+                              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             engine.close()
             server.close()
@@ -431,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(mode: str, peer: str, clients: int, figure: str) -> float:
         return table[(mode, clients)][figure][0] / table[(peer, clients)][figure][0]
 
+    # Other work on a shared machine changes speed between rounds; each round runs every mode back to
+    # back, so the ratio within a round is also printed (its median and spread), beside the ratio of
+    # the medians that the RATIO lines give.
+    for mode in ("runyard engine", "runyard http"):
+        paired = [a.tokens_per_s / b.tokens_per_s for a, b in zip(results[(mode, top)], results[("hf static batch", top)], strict=True)]
+        print(f"{mode} / hf static batch, {top} clients, tokens/s within each round: "
+              + ", ".join(f"{x:.2f}" for x in paired) + f" (median {statistics.median(paired):.2f})")
     for mode in ("runyard engine", "runyard http"):
         tag = mode.split()[1]
         print(f"RATIO serve_{tag}_tokens_per_s_{top}_clients {ratio(mode, 'hf static batch', top, 'tokens/s'):.2f} "
@@ -441,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio(mode, 'hf one at a time', one, 'tpot p50 ms'):.2f} (HF generate, target <= 1.1)")
         print(f"RATIO serve_{tag}_ttft_p50_{top}_clients {ratio(mode, 'hf static batch', top, 'ttft p50 ms'):.2f} "
               "(HF generate statically batched, lower is better, no target)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if vllm_available():
         measure_vllm(hf, tok, texts, args)
     else:
