@@ -26,8 +26,6 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
@@ -39,54 +37,11 @@ from runyard.serve.engine import find_eos_id
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
 from runyard.serve.sampling import SamplingParams, TokenLogprobs, new_generator, sample_batch
 from runyard.serve.scheduler import SchedulerConfig, WaitingSequence, schedule
+from runyard.serve.sequence import Completion, SeqEvent, SequenceState, Sink
 
 log = logging.getLogger("runyard.serve")
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class SeqEvent:
-    """What one step produced for one sequence: the token (None when it ended without one), the text it
-    released (possibly empty: a partial character, or text held back as a possible stop string), and
-    the finish reason on its last event ('stop', 'length', 'abort' or 'error')."""
-
-    seq_id: str
-    token_id: int | None
-    text: str
-    logprobs: TokenLogprobs | None
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
-Sink = Callable[[SeqEvent], None]
-
-
-@dataclass
-class _Sequence:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Sink
-    generator: torch.Generator
-    detok: IncrementalDetokenizer
-    scanner: StopScanner
-    output_ids: list[int] = field(default_factory=list)
-    pos: int = 0  # tokens in the KV cache: where the next fed token is written (mid-prompt while prefilling)
-    last_token: int = -1
-    finish_reason: str | None = None
-    started: float | None = None  # when its prefill ran
-
-
-@dataclass
-class Completion:
-    """A finished sequence, as `generate` returns it."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprobs]
 
 
 class BatchEngine:
@@ -127,12 +82,12 @@ class BatchEngine:
         default_eos = find_eos_id(tokenizer)
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else ({default_eos} - {None}))
 
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []  # decoding; running[i] sits in KV slot i
-        self.prefilling: _Sequence | None = None  # a prompt cut short by the step's budget, in slot len(running)
-        self._joining: list[_Sequence] = []  # taken from the queue for the step in progress
-        self._outbox: list[tuple[_Sequence, SeqEvent]] = []  # the step's events, delivered when it ends
-        self._incoming: list[_Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # decoding; running[i] sits in KV slot i
+        self.prefilling: SequenceState | None = None  # a prompt cut short by the step's budget, in slot len(running)
+        self._joining: list[SequenceState] = []  # taken from the queue for the step in progress
+        self._outbox: list[tuple[SequenceState, SeqEvent]] = []  # the step's events, delivered when it ends
+        self._incoming: list[SequenceState] = []
         self._aborts: set[str] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -196,7 +151,7 @@ class BatchEngine:
                 "which must hold the prompt and at least one new token",
                 "prompt",
             )
-        seq = _Sequence(
+        seq = SequenceState(
             seq_id=seq_id,
             prompt_ids=list(prompt_ids),
             params=params,
@@ -266,7 +221,7 @@ class BatchEngine:
         self.prefilling = None
         self._deliver()
 
-    def _take_incoming(self) -> list[_Sequence]:
+    def _take_incoming(self) -> list[SequenceState]:
         with self._cond:
             incoming, self._incoming = self._incoming, []
             return incoming
@@ -318,7 +273,7 @@ class BatchEngine:
         self._release_finished()
 
     @torch.inference_mode()
-    def _forward(self, prefill: list[tuple[_Sequence, int]]) -> None:
+    def _forward(self, prefill: list[tuple[SequenceState, int]]) -> None:
         """One forward: a token for each running sequence (slots 0..B-1), then the prefill chunks, in
         slots B, B+1, ... (a continuing prompt is already in slot B). Samples the next token of every
         running sequence and of every prompt this step completes."""
@@ -354,12 +309,12 @@ class BatchEngine:
         if self.running:  # else the step only filled a prompt's KV
             self._sample(self.running, logits)
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> None:
         tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self._accept(seq, token, lp)
 
-    def _accept(self, seq: _Sequence, token: int, lp: TokenLogprobs | None) -> None:
+    def _accept(self, seq: SequenceState, token: int, lp: TokenLogprobs | None) -> None:
         if token in self.eos_ids or token in seq.params.stop_token_ids:
             self._finish(seq, "stop", seq.scanner.flush())  # the end-of-text token itself is not shown
             return
@@ -376,14 +331,14 @@ class BatchEngine:
             self._emit(seq, SeqEvent(seq.seq_id, token, piece, lp, None, len(seq.prompt_ids), len(seq.output_ids)))
 
     def _finish(
-        self, seq: _Sequence, reason: str, text: str, token: int | None = None, lp: TokenLogprobs | None = None
+        self, seq: SequenceState, reason: str, text: str, token: int | None = None, lp: TokenLogprobs | None = None
     ) -> None:
         seq.finish_reason = reason
         if seq.started is not None and reason in ("stop", "length"):
             self._mean_seq_s = 0.9 * self._mean_seq_s + 0.1 * (time.perf_counter() - seq.started)
         self._emit(seq, SeqEvent(seq.seq_id, token, text, lp, reason, len(seq.prompt_ids), len(seq.output_ids)))
 
-    def _emit(self, seq: _Sequence, event: SeqEvent) -> None:
+    def _emit(self, seq: SequenceState, event: SeqEvent) -> None:
         self._outbox.append((seq, event))
 
     def _deliver(self) -> None:
