@@ -50,6 +50,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from train_throughput import build_hf, copy_weights_to_hf
 
+from runyard.data.tokenizer import tokenizer_config_for
 from runyard.http_thread import free_port
 from runyard.model.config import default_ffn_hidden
 from runyard.model.transformer import ModelConfig, Transformer
@@ -161,8 +162,9 @@ class RunyardServer:
 
 
 async def _stream_one(url: str, prompt: list[int], n: int, result: Result) -> None:
-    """One streaming completion over a plain HTTP/1.1 connection, read line by line. (A lean client:
-    on a two-core machine a heavy one would take CPU from the server it is measuring.)"""
+    """One streaming completion over a plain HTTP/1.1 connection. A lean client: on a two-core machine
+    a heavy one would take CPU from the server it is measuring, so it reads whatever has arrived in one
+    call (not line by line) and stamps every event that came in that read with the read's time."""
     host, port = url.removeprefix("http://").split(":")
     body = json.dumps({"prompt": prompt, "max_tokens": n, "temperature": 0, "stream": True,
                        "stream_options": {"include_usage": True}}).encode()
@@ -176,14 +178,19 @@ async def _stream_one(url: str, prompt: list[int], n: int, result: Result) -> No
     status = (await reader.readline()).split()[1]
     if status != b"200":
         raise RuntimeError(f"runyard answered {status.decode()}: {(await reader.read()).decode()[:500]}")
-    async for line in reader:
-        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
-            continue
-        if b'"usage"' in line and b'"choices":[]' in line.replace(b" ", b""):
-            tokens = json.loads(line[6:])["usage"]["completion_tokens"]
-            continue
-        last = time.perf_counter()
-        first = first or last
+    pending = b""
+    while data := await reader.read(1 << 16):
+        now = time.perf_counter()
+        # Whole lines only; chunked-encoding size lines and headers are not "data: " lines.
+        *lines, pending = (pending + data).split(b"\n")
+        for line in lines:
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            if b'"usage"' in line and b'"choices":[]' in line.replace(b" ", b""):
+                tokens = json.loads(line[6:])["usage"]["completion_tokens"]
+                continue
+            last = now
+            first = first or now
     writer.close()
     result.output_tokens += tokens
     result.ttft_s.append(first - sent)
@@ -374,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
         diff = (ours(probe) - hf(input_ids=probe, use_cache=False).logits).abs().max().item()
     print(f"model: d_model={cfg.d_model} layers={cfg.n_layers} heads={cfg.n_heads}/{cfg.n_kv_heads} vocab={cfg.vocab_size} "
           f"context={cfg.context_length}, {ours.num_parameters() / 1e6:.1f}M params, max |logit diff| vs HF {diff:.1e}")
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), CPU fp32")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} thread(s), CPU fp32, "
+          f"load average {os.getloadavg()[0]:.1f}")
     if diff > 1e-3:
         print("error: runyard and HF do not compute the same function; the comparison would be unfair")
         return 1
@@ -382,7 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         tok_path = Path(tmp) / "tokenizer.json"
         tok.save(str(tok_path))
-        export = export_model(ours, cfg, tok_path, Path(tmp) / "export")
+        # No eos_token: every request generates exactly its output length (see make_tokenizer).
+        tok_config = {k: v for k, v in tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
+        export = export_model(ours, cfg, tok_path, Path(tmp) / "export", tokenizer_config=tok_config)
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
@@ -400,7 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                         else:
                             res = run_hf(hf, workload, clients, static=mode.endswith("batch"), pad_id=0)
                         results.setdefault((mode, clients), []).append(res)
-                        print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s", flush=True)
+                        print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s "
+                              f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             engine.close()
             server.close()
@@ -422,6 +433,13 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(mode: str, peer: str, clients: int, figure: str) -> float:
         return table[(mode, clients)][figure][0] / table[(peer, clients)][figure][0]
 
+    # Other work on a shared machine changes speed between rounds; each round runs every mode back to
+    # back, so the ratio within a round is also printed (its median and spread), beside the ratio of
+    # the medians that the RATIO lines give.
+    for mode in ("runyard engine", "runyard http"):
+        paired = [a.tokens_per_s / b.tokens_per_s for a, b in zip(results[(mode, top)], results[("hf static batch", top)], strict=True)]
+        print(f"{mode} / hf static batch, {top} clients, tokens/s within each round: "
+              + ", ".join(f"{x:.2f}" for x in paired) + f" (median {statistics.median(paired):.2f})")
     for mode in ("runyard engine", "runyard http"):
         tag = mode.split()[1]
         print(f"RATIO serve_{tag}_tokens_per_s_{top}_clients {ratio(mode, 'hf static batch', top, 'tokens/s'):.2f} "
@@ -432,6 +450,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{ratio(mode, 'hf one at a time', one, 'tpot p50 ms'):.2f} (HF generate, target <= 1.1)")
         print(f"RATIO serve_{tag}_ttft_p50_{top}_clients {ratio(mode, 'hf static batch', top, 'ttft p50 ms'):.2f} "
               "(HF generate statically batched, lower is better, no target)")
+    print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if vllm_available():
         measure_vllm(hf, tok, texts, args)
     else:

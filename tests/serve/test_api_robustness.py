@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import socket
 import time
@@ -133,10 +134,17 @@ def test_a_disconnected_streaming_client_frees_its_slot_at_the_next_step(tokeniz
                      b"Content-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
         while live.engine.queue_depth() == 0:
             time.sleep(0.01)
-        for _ in range(3):  # the request is running: prefill and a couple of tokens
+        # Step until the client has had an event with text (a token may release none: half a character).
+        sock.settimeout(0.1)
+        received = b""
+        for _ in range(150):
             live.engine.step()
+            with contextlib.suppress(TimeoutError):
+                received += sock.recv(65536)
+            if b"data: " in received:
+                break
+        assert b"data: " in received, f"no event reached the client: {received!r}"
         assert live.engine.running_count() == 1
-        assert b"data: " in sock.recv(65536)
         sock.close()
         wait_for_abort(live)
         live.engine.step()

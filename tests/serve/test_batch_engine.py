@@ -11,6 +11,7 @@ from runyard.serve.batch_engine import BatchEngine, SeqEvent
 from runyard.serve.engine import Generator
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
 from runyard.serve.sampling import SamplingParams
+from runyard.serve.scheduler import SchedulerConfig
 
 PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "for i in range(10):\n", "class Thing:", "x", "print(i)  # café"]
 
@@ -181,3 +182,37 @@ def test_engine_thread_serves_concurrent_submitters(setup):
     with pytest.raises(RuntimeError):
         engine.start().generate([[1]], [greedy(1)])
     engine.close()
+
+
+def test_prompts_cut_into_chunks_decode_as_they_would_alone(setup):
+    """With a small prompt-token budget, prompts are prefilled over several steps beside decoding
+    sequences (and a sequence finishing meanwhile moves the partly prefilled prompt to a new slot);
+    every sequence still gets the single-sequence generator's tokens."""
+    model, tok = setup
+    engine = BatchEngine(model, tok, max_batch=4, scheduler=SchedulerConfig(max_prefill_tokens=5))
+    ids = [tok.encode(p).ids for p in PROMPTS]
+    assert max(map(len, ids)) > 5  # some prompt really is cut
+    lengths = [3, 12, 4, 9, 15, 6]
+    out = engine.generate(ids, [greedy(n) for n in lengths], start_at_step=[0, 0, 1, 2, 2, 6])
+    single = Generator(model, tok)
+    for i, (prompt, done) in enumerate(zip(ids, out, strict=True)):
+        assert done.token_ids == single.generate_ids(prompt, max_tokens=lengths[i], temperature=0), f"prompt {i}"
+    assert not engine.running and engine.prefilling is None
+
+
+def test_a_partly_prefilled_prompt_can_be_aborted(setup):
+    model, tok = setup
+    engine = BatchEngine(model, tok, max_batch=3, scheduler=SchedulerConfig(max_prefill_tokens=4))
+    events: dict[str, list[SeqEvent]] = {"short": [], "long": [], "next": []}
+    engine.submit("short", tok.encode("x").ids, greedy(30), events["short"].append)
+    engine.submit("long", tok.encode(PROMPTS[1] * 2).ids, greedy(30), events["long"].append)
+    engine.submit("next", tok.encode("def ").ids, greedy(3), events["next"].append)
+    engine.step()
+    assert [s.seq_id for s in engine.running] == ["short"] and engine.prefilling.seq_id == "long"
+    engine.abort("long")
+    engine.step()  # long leaves before its prompt is done; next takes the budget
+    assert events["long"] == [events["long"][0]] and events["long"][0].finish_reason == "abort"
+    while engine.step():
+        pass
+    assert len(events["next"]) == 3 and events["next"][-1].finish_reason == "length"
+    assert len(events["short"]) == 30

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runyard.model.kv_cache import KVCache, KVPool
+from runyard.model.kv_cache import KVCache, KVPool, PrefillChunk
 from runyard.model.ops import rotary_qk
 from runyard.model.transformer import ModelConfig, Transformer
 
@@ -73,27 +73,46 @@ def test_contiguous_cache_decoding_is_unchanged():
     assert isinstance(cache, KVCache)
 
 
-def test_pool_prefill_and_per_row_decode_equal_each_sequence_alone():
-    model = small_model().eval()
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43]]
-    pool = model.new_kv_pool(n_slots=5)
-    assert isinstance(pool, KVPool) and pool.nbytes == 5 * KVPool.bytes_per_slot(2, 2, 48, 8, torch.float32)
-    longest = max(map(len, prompts))
-    idx = torch.tensor([p + [0] * (longest - len(p)) for p in prompts])
-    seqs = [list(p) for p in prompts]
-    with torch.no_grad():
-        # Prefill into slots 0..2, then decode: every row at its own position.
-        logits = model(idx, kv_cache=pool.prefill(0, 3), logits_at=torch.tensor([len(p) - 1 for p in prompts]))
-        for step in range(6):
-            for i, s in enumerate(seqs):
-                alone = model(torch.tensor([s]))[0, -1]
-                torch.testing.assert_close(logits[i], alone, rtol=1e-5, atol=1e-5, msg=f"row {i} step {step}")
-            seqs = [s + [int(t)] for s, t in zip(seqs, logits.argmax(-1), strict=True)]
-            positions = torch.tensor([len(s) - 1 for s in seqs])
-            logits = model(
-                torch.tensor([[s[-1]] for s in seqs]), kv_cache=pool.decode(positions),
-                positions=positions[:, None], logits_at=torch.zeros(3, dtype=torch.long),
-            )
+def run_step(model, pool, decoding: list[list[int]], chunks: list[tuple[int, list[int], int]]):
+    """One engine-style step: the last token of each sequence in `decoding` (slot i holds all of
+    decoding[i] but its last token), then prompt chunks (slot, whole prompt, start); returns the logits
+    of every decode row and of every chunk's last token."""
+    tokens = [s[-1] for s in decoding]
+    kv_chunks, rows = [], list(range(len(decoding)))
+    for slot, prompt, start in chunks:
+        tokens += prompt[start:]
+        kv_chunks.append(PrefillChunk(slot, start, len(prompt) - start))
+        rows.append(len(tokens) - 1)
+    view = pool.step([len(s) - 1 for s in decoding], kv_chunks)
+    return model(torch.tensor([tokens]), kv_cache=view, positions=view.positions[None], logits_at=torch.tensor(rows))
+
+
+def test_mixed_steps_of_decode_rows_and_prefill_chunks_equal_each_sequence_alone():
+    """Decode rows at different positions and prompt chunks (whole, first part, continued) in one
+    forward give each sequence's own logits, with grouped and ungrouped key/value heads."""
+    for kv_heads in (2, 4):
+        model = small_model(kv_heads=kv_heads).eval()
+        pool = model.new_kv_pool(n_slots=5)
+        assert isinstance(pool, KVPool) and pool.nbytes == 5 * KVPool.bytes_per_slot(2, kv_heads, 48, 8, torch.float32)
+        prompts = [[5, 6, 7, 8, 9, 10, 11], [3], [40, 41, 42, 43], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+        with torch.no_grad():
+            # Step 1: prompts 0 and 1 whole, prompt 2's first two tokens.
+            logits = run_step(model, pool, [], [(0, prompts[0], 0), (1, prompts[1], 0), (2, prompts[2][:2], 0)])
+            seqs = [list(prompts[0]), list(prompts[1])]
+            checks = [(seqs[0], logits[0]), (seqs[1], logits[1]), (prompts[2][:2], logits[2])]
+            for step in range(5):
+                for i, (seq, got) in enumerate(checks):
+                    alone = model(torch.tensor([seq]))[0, -1]
+                    torch.testing.assert_close(got, alone, rtol=1e-5, atol=1e-5, msg=f"kv {kv_heads} step {step} row {i}")
+                seqs = [s + [int(t)] for s, t in zip(seqs, logits[: len(seqs)].argmax(-1), strict=True)]
+                chunks = []
+                if step == 0:  # prompt 2 continues from position 2 and completes; prompt 3 starts
+                    chunks = [(2, prompts[2], 2), (3, prompts[3], 0)]
+                logits = run_step(model, pool, seqs, chunks)
+                checks = [(s, logits[i]) for i, s in enumerate(seqs)]
+                if step == 0:
+                    checks += [(prompts[2], logits[2]), (prompts[3], logits[3])]
+                    seqs += [list(prompts[2]), list(prompts[3])]  # their first tokens are appended next
 
 
 def test_moving_a_slot_keeps_its_sequence():
@@ -102,11 +121,9 @@ def test_moving_a_slot_keeps_its_sequence():
     pool = model.new_kv_pool(n_slots=3)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
     with torch.no_grad():
-        idx = torch.tensor([prompts[0] + [0, 0], prompts[1]])
-        model(idx, kv_cache=pool.prefill(0, 2), logits_at=torch.tensor([2, 4]))
+        run_step(model, pool, [], [(0, prompts[0], 0), (1, prompts[1], 0)])
         pool.move(1, 0, length=5)  # sequence 1 takes slot 0; slot 1 is free
-        pos = torch.tensor([5])
-        moved = model(torch.tensor([[9]]), kv_cache=pool.decode(pos), positions=pos[:, None], logits_at=torch.zeros(1, dtype=torch.long))
+        moved = run_step(model, pool, [prompts[1] + [9]], [])
         alone = model(torch.tensor([prompts[1] + [9]]))[0, -1]
     torch.testing.assert_close(moved[0], alone, rtol=1e-5, atol=1e-5)
 
@@ -114,6 +131,10 @@ def test_moving_a_slot_keeps_its_sequence():
 def test_pool_refuses_writes_past_its_slots():
     pool = small_model().new_kv_pool(n_slots=2, max_len=8)
     with pytest.raises(ValueError, match="outside the pool"):
-        pool.prefill(1, 2)
+        pool.step([1], [PrefillChunk(2, 0, 3)])
+    with pytest.raises(ValueError, match="outside the pool"):
+        pool.step([1, 2, 3])
     with pytest.raises(ValueError, match="8 positions"):
-        pool.decode(torch.tensor([3, 8]))
+        pool.step([3, 8])
+    with pytest.raises(ValueError, match="8 positions"):
+        pool.step([], [PrefillChunk(0, 6, 3)])

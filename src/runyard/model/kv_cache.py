@@ -8,14 +8,18 @@ new keys and values and returns every key and value the new queries may see, the
 - `KVCache`: one contiguous cache for a batch whose rows all sit at the same position (one request
   generating alone, or a batch of prompts of equal length);
 - `KVPool`: a preallocated pool of slots, one per running sequence, each up to `max_len` positions
-  (the serving engine's fixed KV memory budget). A step works on a view of it: `pool.prefill(...)` for
-  a batch of new prompts written into fresh slots, `pool.decode(positions)` for one new token per
-  running sequence, each at its own position.
+  (the serving engine's fixed KV memory budget). One engine step is one forward over a flat row of
+  tokens, `pool.step(decode_positions, chunks)`: one new token for each decoding sequence (each at its
+  own position) followed by chunks of prompts being prefilled. That view computes attention itself
+  (`attend`), since every sequence in the row sees a different slot and length.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
+import torch.nn.functional as F
 
 
 class KVCache:
@@ -66,7 +70,7 @@ class KVPool:
     """The serving engine's KV memory: `n_slots` sequences of up to `max_len` positions each, allocated
     once, [n_layers, n_slots, n_kv_heads, max_len, head_dim] for keys and the same for values.
 
-    Running sequences occupy slots 0..n-1 in order (the engine moves the last one into a slot that
+    Decoding sequences occupy slots 0..n-1 in order (the engine moves the last one into a slot that
     frees up), so a decode step reads one contiguous view of the pool and copies nothing."""
 
     def __init__(
@@ -93,17 +97,10 @@ class KVPool:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def prefill(self, first_slot: int, n_rows: int) -> PoolPrefill:
-        """A view for prefilling `n_rows` prompts (right-padded to one length, all starting at
-        position 0) into slots first_slot.. first_slot+n_rows-1."""
-        if first_slot < 0 or first_slot + n_rows > self.n_slots:
-            raise ValueError(f"slots {first_slot}..{first_slot + n_rows - 1} outside the pool's {self.n_slots}")
-        return PoolPrefill(self, first_slot, n_rows)
-
-    def decode(self, positions: torch.Tensor, length: int | None = None) -> PoolDecode:
-        """A view for one new token in each of slots 0..len(positions)-1, row i at positions[i].
-        `length` (max(positions) + 1) may be passed when known, to spare a device sync."""
-        return PoolDecode(self, positions, length)
+    def step(self, decode_positions: list[int], chunks: list[PrefillChunk] = ()) -> PoolStep:
+        """The view for one engine step: a token for each of slots 0..len(decode_positions)-1, slot i
+        at decode_positions[i], then the tokens of each prefill chunk in order."""
+        return PoolStep(self, decode_positions, list(chunks))
 
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (compaction after a
@@ -112,45 +109,85 @@ class KVPool:
         self.v[:, dst, :, :length] = self.v[:, src, :, :length]
 
 
-class PoolPrefill:
-    """Writes a prefill's keys and values into consecutive slots; attention is plain causal (every
-    row starts at position 0; padding sits after a row's prompt, where no real query looks)."""
+class PrefillChunk(NamedTuple):
+    """Prompt tokens start..start+length-1 of the sequence in `slot` (its positions 0..start-1 are
+    already in the slot, from earlier chunks)."""
 
-    def __init__(self, pool: KVPool, first_slot: int, n_rows: int):
-        self.pool, self.rows = pool, slice(first_slot, first_slot + n_rows)
-
-    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
-        length = k.shape[2]
-        if length > self.pool.max_len:
-            raise ValueError(f"KV pool slots hold {self.pool.max_len} positions; prefill has {length}")
-        self.pool.k[layer, self.rows, :, :length] = k
-        self.pool.v[layer, self.rows, :, :length] = v
-        return k, v
-
-    def attention_mask(self, n_queries: int, start_pos: int, device: torch.device):
-        return None, True
+    slot: int
+    start: int
+    length: int
 
 
-class PoolDecode:
-    """One new token per running sequence (slots 0..B-1), each at its own position: keys are written
-    at (slot, position) and every row sees its own keys up to its position."""
+class PoolStep:
+    """One engine step over a flat row of tokens [N]: first one token per decoding sequence (slots
+    0..B-1, each at its own position), then the prefill chunks' tokens. The model's attention layers
+    call `attend`, which writes the new keys and values into the pool and attends each token to its
+    own sequence's past.
 
-    def __init__(self, pool: KVPool, positions: torch.Tensor, length: int | None = None):
-        self.pool = pool
-        self.positions = positions
-        self.rows = torch.arange(len(positions), device=positions.device)
-        self.length = length if length is not None else (int(positions.max()) + 1 if len(positions) else 0)
-        if self.length > pool.max_len:
-            raise ValueError(f"KV pool slots hold {pool.max_len} positions; a row is at {self.length - 1}")
-        keys = torch.arange(self.length, device=positions.device)
-        # [B, 1 (heads), 1 (query), keys]: row b sees keys 0..positions[b].
-        self.mask = (keys[None, :] <= positions[:, None])[:, None, None, :]
+    Decode attention folds each key/value head's group of query heads into the query dimension
+    ([B, kv_heads, group, head_dim] against the slot's [B, kv_heads, length, head_dim]), so grouped
+    queries share their keys without copies; rows shorter than the longest are masked by one additive
+    bias built once per step, not once per layer."""
 
-    def update(self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor):
-        batch = len(self.positions)
-        self.pool.k[layer, self.rows, :, self.positions] = k[:, :, 0]
-        self.pool.v[layer, self.rows, :, self.positions] = v[:, :, 0]
-        return self.pool.k[layer, :batch, :, : self.length], self.pool.v[layer, :batch, :, : self.length]
+    def __init__(self, pool: KVPool, decode_positions: list[int], chunks: list[PrefillChunk]):
+        self.pool, self.chunks = pool, chunks
+        self.n_decode = len(decode_positions)
+        self.n_tokens = self.n_decode + sum(c.length for c in chunks)
+        ends = [p + 1 for p in decode_positions] + [c.start + c.length for c in chunks]
+        if any(c.slot < 0 or c.slot >= pool.n_slots for c in chunks) or self.n_decode > pool.n_slots:
+            raise ValueError(f"a step uses slots outside the pool's {pool.n_slots}")
+        if ends and max(ends) > pool.max_len:
+            raise ValueError(f"KV pool slots hold {pool.max_len} positions; a step writes up to {max(ends)}")
+        device = pool.k.device
+        positions = list(decode_positions)
+        for c in chunks:
+            positions.extend(range(c.start, c.start + c.length))
+        self.positions = torch.tensor(positions, device=device)
+        self.length = max(decode_positions) + 1 if decode_positions else 0
+        self.bias = None
+        if self.n_decode and min(decode_positions) + 1 < self.length:
+            past = torch.arange(self.length, device=device) > self.positions[: self.n_decode, None]
+            self.bias = torch.zeros(past.shape, dtype=pool.k.dtype, device=device).masked_fill_(past, float("-inf"))
+            self.bias = self.bias[:, None, None, :]  # [B, 1 (kv heads), 1 (group), keys]
+        self.decode_slots = torch.arange(self.n_decode, device=device)
+        # A chunk that continues a prompt sees its earlier positions and, causally, its own.
+        self.chunk_masks = [
+            None if c.start == 0 else
+            torch.arange(c.start + c.length, device=device)[None, :]
+            <= torch.arange(c.start, c.start + c.length, device=device)[:, None]
+            for c in chunks
+        ]
 
-    def attention_mask(self, n_queries: int, start_pos: int, device: torch.device):
-        return self.mask, False
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [N, heads, head_dim], k and v [N, kv_heads, head_dim] (after rotary embedding) for the
+        step's tokens; returns the attention output [N, heads, head_dim]."""
+        n_heads, n_kv, head_dim = q.shape[1], k.shape[1], k.shape[2]
+        pool_k, pool_v = self.pool.k[layer], self.pool.v[layer]
+        out = []
+        B = self.n_decode
+        if B:
+            decode_pos = self.positions[:B]
+            pool_k[self.decode_slots, :, decode_pos] = k[:B]
+            pool_v[self.decode_slots, :, decode_pos] = v[:B]
+            group_q = q[:B].reshape(B, n_kv, n_heads // n_kv, head_dim)
+            y = F.scaled_dot_product_attention(
+                group_q, pool_k[:B, :, : self.length], pool_v[:B, :, : self.length], attn_mask=self.bias
+            )
+            out.append(y.reshape(B, n_heads, head_dim))
+        offset = B
+        for chunk, mask in zip(self.chunks, self.chunk_masks, strict=True):
+            end = chunk.start + chunk.length
+            tokens = slice(offset, offset + chunk.length)
+            pool_k[chunk.slot, :, chunk.start : end] = k[tokens].transpose(0, 1)
+            pool_v[chunk.slot, :, chunk.start : end] = v[tokens].transpose(0, 1)
+            y = F.scaled_dot_product_attention(
+                q[tokens].transpose(0, 1)[None],
+                pool_k[chunk.slot : chunk.slot + 1, :, :end],
+                pool_v[chunk.slot : chunk.slot + 1, :, :end],
+                attn_mask=mask,
+                is_causal=mask is None,
+                enable_gqa=n_kv != n_heads,
+            )
+            out.append(y[0].transpose(0, 1))
+            offset += chunk.length
+        return out[0] if len(out) == 1 else torch.cat(out)

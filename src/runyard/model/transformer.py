@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from runyard.model.config import ModelConfig, default_ffn_hidden
-from runyard.model.kv_cache import KVCache, KVPool, PoolDecode, PoolPrefill
+from runyard.model.kv_cache import KVCache, KVPool, PoolStep
 from runyard.model.ops import rms_norm, rotary_qk, rotary_tables, swiglu
 
 __all__ = ["KVCache", "KVPool", "ModelConfig", "Transformer", "default_ffn_hidden"]
 
-KVView = KVCache | PoolPrefill | PoolDecode  # what attention layers accept as `kv_cache`
+KVView = KVCache | PoolStep  # what attention layers accept as `kv_cache`
 
 INIT_STD = 0.02
 
@@ -64,6 +64,9 @@ class Attention(nn.Module):
         # split (not slicing) so the backward is one cat rather than a zero-filled buffer per slice.
         qk, v = qkv.split([H + KV, KV], dim=2)
         q, k = rotary_qk(qk, cos, sin, H)
+        if isinstance(kv_cache, PoolStep):  # serving: one flat row of many sequences' tokens (B == 1)
+            y = kv_cache.attend(layer, q[0], k[0], v[0])
+            return self.wo(y.reshape(B, T, H * self.head_dim))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
         mask, causal = None, True
@@ -154,9 +157,10 @@ class Transformer(nn.Module):
         """Logits for every position. With `kv_cache`, `idx` holds the tokens at positions
         start_pos.. start_pos+T-1; their keys and values are appended to the cache.
 
-        Serving options: `positions` [B, T] gives each row its own positions (for a `KVPool` decode
-        view, where every sequence is at a different point); `logits_at` [B] computes the logits at one
-        position per row only, returning [B, vocab] (a prefill needs only each prompt's last one)."""
+        Serving options: `positions` [B, T] gives each token its own position (for a `KVPool` step, one
+        row holding many sequences' tokens); `logits_at` [B] computes the logits at one position per
+        row only, returning [B, vocab] (a prefill needs only each prompt's last one); with B == 1 it may
+        list several positions of the one row, returning [len(logits_at), vocab]."""
         T = idx.shape[1]
         if positions is None:
             if start_pos + T > self.cfg.context_length:

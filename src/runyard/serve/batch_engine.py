@@ -1,11 +1,13 @@
 """The serving engine: many requests through one model by continuous batching.
 
 One loop, one step at a time (vLLM's shape): drain new requests and cancellations, ask the scheduler
-(serve/scheduler.py, a pure function of the queue and the free KV slots) which waiting sequences join,
-prefill those together in one padded forward, then run one decode forward over every running
-sequence, each at its own position. Sequences join and leave the decode batch at every step; a
-finished or cancelled one frees its KV slot at once (the last running sequence moves into it, so the
-batch stays one contiguous view of the pool).
+(serve/scheduler.py, a pure function of the queue and the free KV slots) which prompts, or chunks of
+prompts, are prefilled this step, then run ONE forward over a flat row of tokens: the next token of
+every decoding sequence, each at its own position, followed by the prompt chunks (chunked prefill:
+a new request costs its prompt's tokens inside the step, not a forward of its own between steps).
+Sequences join and leave the decode batch at every step; a finished or cancelled one frees its KV
+slot at once (the last running sequence moves into it, so the batch stays one contiguous view of the
+pool).
 
 KV memory is a fixed budget allocated once (`KVPool`): `kv_cache_bytes` divided by what a sequence of
 the full context needs gives the slots. Slots rather than paged blocks: on the CPU there is no paged
@@ -13,8 +15,8 @@ attention kernel, so blocks would have to be gathered into contiguous keys and v
 of every step; a slot per sequence is read in place (the README and the serving note give the numbers).
 
 The loop runs in its own thread (`start`); each sequence reports through its `sink` callback (called
-from the engine thread) one `SeqEvent` per token. Without the thread, `step` and `generate` drive it
-directly (tests, benchmarks).
+from the engine thread, all of a step's events once the step is done) one `SeqEvent` per token.
+Without the thread, `step` and `generate` drive it directly (tests, benchmarks).
 """
 
 from __future__ import annotations
@@ -24,67 +26,22 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 from tokenizers import Tokenizer
 
-from runyard.model.kv_cache import KVPool
+from runyard.model.kv_cache import KVPool, PrefillChunk
 from runyard.model.transformer import Transformer
 from runyard.serve.detokenize import IncrementalDetokenizer, StopScanner
 from runyard.serve.engine import find_eos_id
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
 from runyard.serve.sampling import SamplingParams, TokenLogprobs, new_generator, sample_batch
 from runyard.serve.scheduler import SchedulerConfig, WaitingSequence, schedule
+from runyard.serve.sequence import Completion, SeqEvent, SequenceState, Sink
 
 log = logging.getLogger("runyard.serve")
 
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
-
-
-@dataclass(frozen=True)
-class SeqEvent:
-    """What one step produced for one sequence: the token (None when it ended without one), the text it
-    released (possibly empty: a partial character, or text held back as a possible stop string), and
-    the finish reason on its last event ('stop', 'length', 'abort' or 'error')."""
-
-    seq_id: str
-    token_id: int | None
-    text: str
-    logprobs: TokenLogprobs | None
-    finish_reason: str | None
-    prompt_tokens: int
-    completion_tokens: int
-
-
-Sink = Callable[[SeqEvent], None]
-
-
-@dataclass
-class _Sequence:
-    seq_id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    sink: Sink
-    generator: torch.Generator
-    detok: IncrementalDetokenizer
-    scanner: StopScanner
-    output_ids: list[int] = field(default_factory=list)
-    pos: int = 0  # tokens in the KV cache: where the next fed token is written
-    last_token: int = -1
-    finish_reason: str | None = None
-    started: float | None = None  # when its prefill ran
-
-
-@dataclass
-class Completion:
-    """A finished sequence, as `generate` returns it."""
-
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    logprobs: list[TokenLogprobs]
 
 
 class BatchEngine:
@@ -125,9 +82,12 @@ class BatchEngine:
         default_eos = find_eos_id(tokenizer)
         self.eos_ids = frozenset(eos_ids if eos_ids is not None else ({default_eos} - {None}))
 
-        self.waiting: deque[_Sequence] = deque()
-        self.running: list[_Sequence] = []  # running[i] sits in KV slot i
-        self._incoming: list[_Sequence] = []
+        self.waiting: deque[SequenceState] = deque()
+        self.running: list[SequenceState] = []  # decoding; running[i] sits in KV slot i
+        self.prefilling: SequenceState | None = None  # a prompt cut short by the step's budget, in slot len(running)
+        self._joining: list[SequenceState] = []  # taken from the queue for the step in progress
+        self._outbox: list[tuple[SequenceState, SeqEvent]] = []  # the step's events, delivered when it ends
+        self._incoming: list[SequenceState] = []
         self._aborts: set[str] = set()
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -147,7 +107,7 @@ class BatchEngine:
         return self.pool.n_slots
 
     def queue_depth(self) -> int:
-        """Sequences waiting for a slot (submitted but not yet prefilled)."""
+        """Sequences waiting for a slot (submitted, prefill not yet begun)."""
         with self._cond:
             return len(self._incoming) + len(self.waiting)
 
@@ -163,7 +123,8 @@ class BatchEngine:
         """Queue, batch and cancellation counts, and work done so far."""
         with self._cond:
             waiting, aborts = len(self._incoming) + len(self.waiting), len(self._aborts)
-        return {"waiting": waiting, "running": len(self.running), "aborts_pending": aborts, "kv_slots": self.n_slots,
+        running = len(self.running) + (self.prefilling is not None)
+        return {"waiting": waiting, "running": running, "aborts_pending": aborts, "kv_slots": self.n_slots,
                 "steps": self.steps, "generated_tokens": self.generated_tokens}
 
     def check_admission(self, n_sequences: int) -> None:
@@ -190,7 +151,7 @@ class BatchEngine:
                 "which must hold the prompt and at least one new token",
                 "prompt",
             )
-        seq = _Sequence(
+        seq = SequenceState(
             seq_id=seq_id,
             prompt_ids=list(prompt_ids),
             params=params,
@@ -225,17 +186,14 @@ class BatchEngine:
         if self._thread is not None:
             self._thread.join(timeout=60)
             self._thread = None
-        for seq in itertools.chain(self._take_incoming(), self.waiting, self.running):
-            self._finish(seq, "abort", "")
-        self.waiting.clear()
-        self.running.clear()
+        self._end_all("abort")
 
     # -- the loop ---------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while True:
             with self._cond:
-                while not (self._stopping or self._incoming or self._aborts or self.waiting or self.running):
+                while not (self._stopping or self._incoming or self._aborts or self._has_work()):
                     self._cond.wait()
                 if self._stopping:
                     return
@@ -244,38 +202,59 @@ class BatchEngine:
             except Exception as exc:  # a bug or out-of-memory: end every sequence rather than hang them
                 log.exception("engine step failed; ending all sequences")
                 self._failed = f"{type(exc).__name__}: {exc}"
-                for seq in itertools.chain(self._take_incoming(), self.waiting, self.running):
-                    self._finish(seq, "error", "")
-                self.waiting.clear()
-                self.running.clear()
+                self._end_all("error")
                 return
 
-    def _take_incoming(self) -> list[_Sequence]:
+    def _has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.prefilling is not None)
+
+    def _end_all(self, reason: str) -> None:
+        """End every sequence queued, prefilling or running (each once) with `reason`."""
+        seen: set[int] = set()
+        for seq in itertools.chain(self._take_incoming(), self.waiting, self._joining, [self.prefilling], self.running):
+            if seq is not None and id(seq) not in seen and seq.finish_reason is None:
+                seen.add(id(seq))
+                self._finish(seq, reason, "")
+        self.waiting.clear()
+        self.running.clear()
+        self._joining = []
+        self.prefilling = None
+        self._deliver()
+
+    def _take_incoming(self) -> list[SequenceState]:
         with self._cond:
             incoming, self._incoming = self._incoming, []
             return incoming
 
     def step(self) -> bool:
-        """One step: cancellations, admissions (a batched prefill), one decode over the running batch.
-        Returns whether there is still work queued or running."""
+        """One step: cancellations, the scheduler's prefill chunks, and one forward over the decoding
+        sequences' next tokens and those chunks. Returns whether there is still work queued or running."""
         self.waiting.extend(self._take_incoming())
         with self._cond:
             aborts, self._aborts = self._aborts, set()
         if aborts:
             self._apply_aborts(aborts)
-        free = self.n_slots - len(self.running)
-        head = list(itertools.islice(self.waiting, min(free, self.scheduler.max_prefill_seqs)))
-        admit = schedule([WaitingSequence(s.seq_id, len(s.prompt_ids)) for s in head], free, self.scheduler)
-        if admit:
-            joining = [self.waiting.popleft() for _ in admit]
-            self._prefill(joining)
-            self._release_finished()
-            # The newcomers' first tokens came from the prefill; they decode with the rest below.
-        if self.running:
-            self._decode()
+        partial = self.prefilling
+        free = self.n_slots - len(self.running) - (partial is not None)
+        head = itertools.islice(self.waiting, max(0, min(free, self.scheduler.max_prefill_seqs)))
+        chunks = schedule(
+            [WaitingSequence(s.seq_id, len(s.prompt_ids)) for s in head],
+            free,
+            self.scheduler,
+            None if partial is None else WaitingSequence(partial.seq_id, len(partial.prompt_ids) - partial.pos),
+        )
+        prefill = []
+        for chunk in chunks:
+            seq = partial if partial is not None and chunk.seq_id == partial.seq_id else self.waiting.popleft()
+            prefill.append((seq, chunk.tokens))
+        if self.running or prefill:
+            self._joining = [seq for seq, _ in prefill]  # ended by the failure handler if the forward fails
+            self._forward(prefill)
+            self._joining = []
             self._release_finished()
         self.steps += 1
-        return bool(self.waiting or self.running)
+        self._deliver()
+        return self._has_work()
 
     def _apply_aborts(self, aborts: set[str]) -> None:
         kept = deque()
@@ -285,50 +264,57 @@ class BatchEngine:
             else:
                 kept.append(seq)
         self.waiting = kept
+        if self.prefilling is not None and self.prefilling.seq_id in aborts:
+            self._finish(self.prefilling, "abort", "")
+            self.prefilling = None  # its slot (len(running)) is simply free again
         for seq in self.running:
             if seq.seq_id in aborts and seq.finish_reason is None:
                 self._finish(seq, "abort", "")
         self._release_finished()
 
     @torch.inference_mode()
-    def _prefill(self, seqs: list[_Sequence]) -> None:
-        first = len(self.running)
-        self.running.extend(seqs)  # before the forward: if it fails, the failure handler ends them too
-        lengths = [len(s.prompt_ids) for s in seqs]
-        idx = torch.zeros((len(seqs), max(lengths)), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            idx[i, : lengths[i]] = torch.tensor(s.prompt_ids)
-        last = torch.tensor(lengths) - 1
+    def _forward(self, prefill: list[tuple[SequenceState, int]]) -> None:
+        """One forward: a token for each running sequence (slots 0..B-1), then the prefill chunks, in
+        slots B, B+1, ... (a continuing prompt is already in slot B). Samples the next token of every
+        running sequence and of every prompt this step completes."""
+        decoding = self.running
+        n_decode = len(decoding)
+        tokens = [s.last_token for s in decoding]
+        logit_rows = list(range(n_decode))
+        chunks, completed = [], []
+        for slot, (seq, n) in enumerate(prefill, start=n_decode):
+            chunks.append(PrefillChunk(slot, seq.pos, n))
+            tokens.extend(seq.prompt_ids[seq.pos : seq.pos + n])
+            if seq.pos + n == len(seq.prompt_ids):
+                completed.append(seq)
+                logit_rows.append(len(tokens) - 1)  # the prompt's last position predicts the first token
+        view = self.pool.step([s.pos for s in decoding], chunks)
         logits = self.forward(
-            idx.to(self.device), kv_cache=self.pool.prefill(first, len(seqs)), logits_at=last.to(self.device)
+            torch.tensor([tokens], device=self.device),
+            kv_cache=view,
+            positions=view.positions[None],
+            logits_at=torch.tensor(logit_rows, dtype=torch.long, device=self.device),
         )
-        for s, n in zip(seqs, lengths, strict=True):
-            s.pos = n
-            s.started = time.perf_counter()
-        self._sample(seqs, logits)
-
-    @torch.inference_mode()
-    def _decode(self) -> None:
-        seqs = self.running
-        positions_list = [s.pos for s in seqs]
-        positions = torch.tensor(positions_list, device=self.device)
-        idx = torch.tensor([[s.last_token] for s in seqs], device=self.device)
-        logits = self.forward(
-            idx,
-            kv_cache=self.pool.decode(positions, length=max(positions_list) + 1),
-            positions=positions[:, None],
-            logits_at=torch.zeros(len(seqs), dtype=torch.long, device=self.device),
-        )
-        for s in seqs:
+        for s in decoding:
             s.pos += 1
-        self._sample(seqs, logits)
+        now = time.perf_counter()
+        for seq, n in prefill:
+            seq.pos += n
+        for seq in completed:
+            seq.started = now
+        last = prefill[-1][0] if prefill else None
+        self.prefilling = last if last is not None and last.pos < len(last.prompt_ids) else None
+        # The completed prompts sit in slots n_decode.. in order: they join the running batch there.
+        self.running = decoding + completed
+        if self.running:  # else the step only filled a prompt's KV
+            self._sample(self.running, logits)
 
-    def _sample(self, seqs: list[_Sequence], logits: torch.Tensor) -> None:
+    def _sample(self, seqs: list[SequenceState], logits: torch.Tensor) -> None:
         tokens, logprobs = sample_batch(logits, [s.params for s in seqs], [s.generator for s in seqs])
         for seq, token, lp in zip(seqs, tokens, logprobs, strict=True):
             self._accept(seq, token, lp)
 
-    def _accept(self, seq: _Sequence, token: int, lp: TokenLogprobs | None) -> None:
+    def _accept(self, seq: SequenceState, token: int, lp: TokenLogprobs | None) -> None:
         if token in self.eos_ids or token in seq.params.stop_token_ids:
             self._finish(seq, "stop", seq.scanner.flush())  # the end-of-text token itself is not shown
             return
@@ -345,22 +331,30 @@ class BatchEngine:
             self._emit(seq, SeqEvent(seq.seq_id, token, piece, lp, None, len(seq.prompt_ids), len(seq.output_ids)))
 
     def _finish(
-        self, seq: _Sequence, reason: str, text: str, token: int | None = None, lp: TokenLogprobs | None = None
+        self, seq: SequenceState, reason: str, text: str, token: int | None = None, lp: TokenLogprobs | None = None
     ) -> None:
         seq.finish_reason = reason
         if seq.started is not None and reason in ("stop", "length"):
             self._mean_seq_s = 0.9 * self._mean_seq_s + 0.1 * (time.perf_counter() - seq.started)
         self._emit(seq, SeqEvent(seq.seq_id, token, text, lp, reason, len(seq.prompt_ids), len(seq.output_ids)))
 
-    @staticmethod
-    def _emit(seq: _Sequence, event: SeqEvent) -> None:
-        try:
-            seq.sink(event)
-        except Exception:  # a consumer's bug must not stop the batch
-            log.exception("sink of sequence %s failed", seq.seq_id)
+    def _emit(self, seq: SequenceState, event: SeqEvent) -> None:
+        self._outbox.append((seq, event))
+
+    def _deliver(self) -> None:
+        """Hand the step's events to their sinks, all together once the step is done: a consumer on
+        another thread (the HTTP event loop) is then woken once per step, not once per token."""
+        outbox, self._outbox = self._outbox, []
+        for seq, event in outbox:
+            try:
+                seq.sink(event)
+            except Exception:  # a consumer's bug must not stop the batch
+                log.exception("sink of sequence %s failed", seq.seq_id)
 
     def _release_finished(self) -> None:
-        """Drop finished sequences from the batch; the last running sequence moves into each freed slot."""
+        """Drop finished sequences from the batch; the last running sequence moves into each freed slot,
+        and a partly prefilled prompt into the slot after the last running one."""
+        partial_slot = len(self.running)
         done = [i for i, s in enumerate(self.running) if s.finish_reason is not None]
         for i in reversed(done):
             last = len(self.running) - 1
@@ -368,6 +362,8 @@ class BatchEngine:
                 self.pool.move(last, i, self.running[last].pos)
                 self.running[i] = self.running[last]
             self.running.pop()
+        if self.prefilling is not None and partial_slot != len(self.running):
+            self.pool.move(partial_slot, len(self.running), self.prefilling.pos)
 
     # -- synchronous use --------------------------------------------------------------------------
 
@@ -396,7 +392,7 @@ class BatchEngine:
         starts = start_at_step or [0] * len(prompts)
         pending = sorted(range(len(prompts)), key=lambda i: starts[i])
         step = 0
-        while pending or self.waiting or self.running or self._incoming:
+        while pending or self._has_work() or self._incoming:
             while pending and starts[pending[0]] <= step:
                 i = pending.pop(0)
                 self.submit(f"gen-{i}", prompts[i], params[i], sink_for(f"gen-{i}"))

@@ -15,10 +15,10 @@ from typing import Any, Protocol
 
 from tokenizers import Tokenizer
 
-from runyard.serve.batch_engine import SeqEvent, Sink
 from runyard.serve.metrics import ServerMetrics
 from runyard.serve.responses import usage
 from runyard.serve.sampling import SamplingParams
+from runyard.serve.sequence import SeqEvent, Sink
 
 
 class Engine(Protocol):

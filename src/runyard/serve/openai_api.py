@@ -24,7 +24,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runyard.serve.batch_engine import SeqEvent
 from runyard.serve.chat import ChatTemplate
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, ModelNotFound, QueueFull
 from runyard.serve.inflight import Choice, Engine, InFlight, by_choice
@@ -39,6 +38,7 @@ from runyard.serve.responses import (
     sse,
 )
 from runyard.serve.sampling import SamplingParams, derive_seed
+from runyard.serve.sequence import SeqEvent
 
 log = logging.getLogger("runyard.serve")
 

@@ -109,6 +109,8 @@ def sample_batch(
     """Next token of every row of `logits` [B, vocab] (on any device), each by its own params and
     generator; with logprobs for the rows that asked for them. Rows with plain temperature sampling
     are done together (the same per-row arithmetic as one row alone); top-k / top-p rows one by one."""
+    if all(p.greedy and p.logprobs is None for p in params):  # the common case, without the per-row work
+        return logits.argmax(-1).tolist(), [None] * len(params)
     logits = logits.float().cpu()
     tokens = torch.empty(len(params), dtype=torch.long)
     greedy = [i for i, p in enumerate(params) if p.greedy]

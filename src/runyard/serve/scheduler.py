@@ -1,13 +1,15 @@
-"""Which waiting requests join the running batch this step: a pure function of the queue and the free
-KV memory, so it is tested without a model.
+"""Which waiting requests are prefilled this step, and how much of each: a pure function of the queue
+and the free KV memory, so it is tested without a model.
 
-The KV memory is a pool of slots, one per running sequence (model/kv_cache.py `KVPool`); a sequence
-holds its slot from prefill until it finishes, and a slot holds a whole context, so a running
-sequence never runs out of room and nothing is ever preempted. Admission is first come, first served:
-the queue's head is admitted while slots are free and the step's prefill stays within its token
-budget (rows times the longest prompt, since a batched prefill is padded to it); the scan stops at
-the first request that does not fit, so a long prompt is never overtaken and starved by short ones.
-The head is admitted even if its prompt alone exceeds the budget, so every prompt eventually runs.
+The KV memory is a pool of slots, one per sequence (model/kv_cache.py `KVPool`); a sequence holds its
+slot from its first prefill chunk until it finishes, and a slot holds a whole context, so a running
+sequence never runs out of room and nothing is ever preempted.
+
+Every step is one forward over the decoding sequences' next tokens and chunks of prompts (chunked
+prefill, as vLLM schedules it): prompts are taken first come, first served while slots are free, each
+as far as the step's prompt-token budget reaches. A prompt the budget cuts short continues at the
+head of the next step (one prompt at a time is partly prefilled), so a long prompt neither stalls the
+decoding sequences for more than a budget's worth of tokens nor is ever overtaken by short ones.
 """
 
 from __future__ import annotations
@@ -18,32 +20,49 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WaitingSequence:
-    """What the scheduler needs to know about a queued sequence."""
+    """What the scheduler needs to know about a sequence still to be prefilled."""
 
     seq_id: str
-    prompt_tokens: int
+    prompt_tokens: int  # prompt tokens not yet in the KV cache
 
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_prefill_tokens: int = 4096  # padded prompt tokens prefilled in one step (bounds a step's stall)
-    max_prefill_seqs: int = 64  # prompts prefilled together in one step
+    max_prefill_tokens: int = 4096  # prompt tokens prefilled in one step (bounds a step's stall)
+    max_prefill_seqs: int = 64  # prompts (chunks) prefilled together in one step
 
     def __post_init__(self) -> None:
         if self.max_prefill_tokens < 1 or self.max_prefill_seqs < 1:
             raise ValueError("max_prefill_tokens and max_prefill_seqs must be >= 1")
 
 
-def schedule(waiting: Sequence[WaitingSequence], free_slots: int, config: SchedulerConfig) -> list[str]:
-    """The ids of the waiting sequences to prefill this step, in queue order."""
-    admitted: list[str] = []
-    longest = 0
-    for seq in waiting:
-        if len(admitted) >= min(free_slots, config.max_prefill_seqs):
+@dataclass(frozen=True)
+class Chunk:
+    """Prefill the next `tokens` prompt tokens of `seq_id` this step."""
+
+    seq_id: str
+    tokens: int
+
+
+def schedule(
+    waiting: Sequence[WaitingSequence],
+    free_slots: int,
+    config: SchedulerConfig,
+    partial: WaitingSequence | None = None,
+) -> list[Chunk]:
+    """This step's prefill chunks, in order: first the rest of `partial` (a prompt an earlier step cut
+    short; it already holds a slot), then waiting prompts in queue order, one free slot each, while the
+    step's prompt-token budget lasts. The last chunk may be a prompt's first part."""
+    chunks: list[Chunk] = []
+    budget = config.max_prefill_tokens
+    if partial is not None:
+        take = min(partial.prompt_tokens, budget)
+        chunks.append(Chunk(partial.seq_id, take))
+        budget -= take
+    for seq in waiting[: max(0, min(free_slots, config.max_prefill_seqs - len(chunks)))]:
+        if budget <= 0:
             break
-        padded = (len(admitted) + 1) * max(longest, seq.prompt_tokens)
-        if admitted and padded > config.max_prefill_tokens:
-            break
-        admitted.append(seq.seq_id)
-        longest = max(longest, seq.prompt_tokens)
-    return admitted
+        take = min(seq.prompt_tokens, budget)
+        chunks.append(Chunk(seq.seq_id, take))
+        budget -= take
+    return chunks

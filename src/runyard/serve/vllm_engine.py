@@ -22,10 +22,10 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
-from runyard.serve.batch_engine import SeqEvent, Sink
 from runyard.serve.engine import find_eos_id
 from runyard.serve.errors import InvalidRequest, QueueFull, ServeConfigError
 from runyard.serve.sampling import SamplingParams, TokenLogprobs
+from runyard.serve.sequence import SeqEvent, Sink
 
 log = logging.getLogger("runyard.serve")
 
