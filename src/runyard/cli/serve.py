@@ -60,7 +60,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
     g.add_argument("--max-batch", type=_positive, default=64, help="most sequences decoded together (default 64)")
     g.add_argument("--max-queue", type=_positive, default=256, help="waiting sequences before 429 (default 256)")
     g.add_argument("--max-prefill-tokens", type=_positive, default=4096,
-                   help="padded prompt tokens prefilled in one step (default 4096)")
+                   help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks over several "
+                   "steps (default 4096)")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (slow first requests)")
     g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
     d = p.add_argument_group("traffic, drift and retraining")
