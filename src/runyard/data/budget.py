@@ -43,9 +43,9 @@ MAX_MINHASH_BATCH = 1 << 20
 MAX_ENCODE_BATCH = 1 << 20
 MAX_IO_BLOCK = 64 * MIB
 # The main process's sorts and reads: a larger block is no faster (the merge reads every run a window
-# at a time either way) but is filled only by a larger corpus, so a cap set by the limit alone made the
-# peak grow with the corpus until the corpus filled it (measured: +250 MiB from 100 MB to 1 GB under a
-# 2 GiB limit). Capped, the peak is the same for any corpus large enough to fill one block.
+# at a time either way) but only a larger corpus fills it, so sized from the limit alone (208 MiB under
+# 2 GiB) the dedup peak grew with the corpus until the corpus filled it (measured, near dedup's process
+# at 1 GB: ~310 MiB; capped: 204). Capped, it is the same for every corpus that fills one block.
 MAX_SORT_BLOCK = 32 * MIB
 MAX_TEXT_BLOCK = 4 * MIB
 MIN_TASK_BUFFERS = 48 * MIB
