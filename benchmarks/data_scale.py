@@ -17,6 +17,10 @@ resident memory sampled every 50 ms, children included):
 - `data_scale_two_workers_vs_one`: throughput with data.workers 2 over 1, same corpus (target >= 1.7);
 - `data_scale_slurm_vs_local`: throughput with `--executor slurm` over local, 2 workers each, same
   corpus, on this machine's single-node Slurm (target >= 0.9).
+- where the time goes, load-insensitive: each run's CPU seconds per step (prepared.json's
+  stats.cpu_seconds: the main process's own steps, and the tasks' summed), and from the one-worker runs
+  the most two workers could gain (Amdahl: the main process's steps run alone, the tasks share 2 CPUs).
+  On a shared machine the wall-clock ratios measure the neighbours as much as runyard; print the load.
 
 Run: python benchmarks/data_scale.py [--sizes 100M,1G,4G] [--ratio-size 100M] [--repeats 2] [--record]
 Disk: the corpora and caches go under --work (default /tmp/runyard-data-scale), removed at the end;
@@ -194,9 +198,10 @@ class TreeMemory:
 
 
 def prepare(spec: Path, cache: Path, *extra: str) -> dict:
-    """One `runyard prepare` in its own process (into a cache the caller emptied); its wall time and
-    memory peaks."""
+    """One `runyard prepare` in its own process (into a cache the caller emptied); its wall time, memory
+    peaks, the load average around it and its recorded CPU seconds per step."""
     argv = [sys.executable, "-m", "runyard", "prepare", str(spec), "--cache-dir", str(cache), "--no-progress", *extra]
+    load = os.getloadavg()[0]
     start = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -206,7 +211,24 @@ def prepare(spec: Path, cache: Path, *extra: str) -> dict:
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"runyard prepare failed ({proc.returncode}):\n{err[-3000:]}")
-    return {"seconds": seconds, "peak_rss": memory.peak_rss, "peak_pss": memory.peak_pss}
+    stats = json.loads(next((cache / "datasets").glob("*/prepared.json")).read_text())["stats"]
+    return {"seconds": seconds, "peak_rss": memory.peak_rss, "peak_pss": memory.peak_pss,
+            "load": [round(load, 2), round(os.getloadavg()[0], 2)], "cpu_seconds": stats.get("cpu_seconds", {})}
+
+
+def _autogroup_on() -> bool:
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
+def amdahl_two_workers(cpu_seconds: dict[str, float]) -> float:
+    """The most 2 workers can gain over 1 given a run's CPU seconds per step: the tasks' work split in two,
+    the main process's steps (deduplication, tokenizer training, assembly) as they are."""
+    tasks = sum(v for k, v in cpu_seconds.items() if k.endswith("_tasks"))
+    main = sum(v for k, v in cpu_seconds.items() if not k.endswith("_tasks"))
+    return (main + tasks) / (main + tasks / 2)
 
 
 def main() -> int:
@@ -241,11 +263,13 @@ def main() -> int:
             peaks[size] = run
             print(f"size {written / 1e6:.0f} MB: {written / 1e6 / run['seconds']:.2f} MB/s "
                   f"({run['seconds']:.0f} s), peak RSS {run['peak_rss'] / 2**20:.0f} MiB, "
-                  f"peak PSS {run['peak_pss'] / 2**20:.0f} MiB (limit {MEMORY_LIMIT / 2**20:.0f} MiB)", flush=True)
+                  f"peak PSS {run['peak_pss'] / 2**20:.0f} MiB (limit {MEMORY_LIMIT / 2**20:.0f} MiB), "
+                  f"load {run['load'][0]}-{run['load'][1]}, CPU s {run['cpu_seconds']}", flush=True)
             if size != ratio_size and not args.keep:
                 shutil.rmtree(corpus, ignore_errors=True)
         rss = Samples([p["peak_rss"] for p in peaks.values()])
-        detail = {str(s): {k: round(v, 1) for k, v in p.items()} for s, p in peaks.items()}
+        detail = {str(s): {k: round(v, 1) for k, v in p.items() if isinstance(v, float | int)}
+                  for s, p in peaks.items()}
         report.ratio("data_scale_peak_rss_flatness", Samples([rss.high / rss.low]),
                      f"the smallest corpus's peak RSS ({', '.join(map(str, sizes))} bytes)", "<=", 1.2, detail)
         report.ratio("data_scale_peak_rss_vs_limit", Samples([rss.high / MEMORY_LIMIT]),
@@ -253,22 +277,34 @@ def main() -> int:
 
         corpus = work / f"corpus-{ratio_size}"
         one, two = spec_file(work / "one.yaml", corpus, 1), spec_file(work / "two.yaml", corpus, 2)
-        contenders = {
-            "1 worker": lambda: prepare(one, work / "cache"),
-            "2 workers": lambda: prepare(two, work / "cache"),
-        }
+        runs: dict[str, list[dict]] = {}
+
+        def contender(name: str, spec: Path, *extra: str):
+            return lambda: runs.setdefault(name, []).append(prepare(spec, work / "cache", *extra))
+
+        contenders = {"1 worker": contender("1 worker", one), "2 workers": contender("2 workers", two)}
         if not args.no_slurm:
-            contenders["slurm, 2 workers"] = lambda: prepare(two, work / "cache", "--executor", "slurm")
+            contenders["slurm, 2 workers"] = contender("slurm, 2 workers", two, "--executor", "slurm")
         times = interleaved(contenders, args.repeats, warmup=0,
                             before=lambda _: shutil.rmtree(work / "cache", ignore_errors=True))
         for name, samples in times.items():
             print(f"{name}: {samples.rate(ratio_size / 1e6).spread()} MB/s", flush=True)
+            for run in runs[name]:
+                print(f"  {run['seconds']:.1f} s at load {run['load'][0]}-{run['load'][1]}; CPU s per step "
+                      f"{run['cpu_seconds']}", flush=True)
+        bound = Samples([amdahl_two_workers(r["cpu_seconds"]) for r in runs["1 worker"]])
+        report.note(f"two workers over one, the most the CPU seconds allow (main-process steps alone, tasks "
+                    f"on 2 CPUs): {bound.spread()}")
         report.ratio("data_scale_two_workers_vs_one", paired_ratio(times["1 worker"], times["2 workers"]),
                      "the same prepare with data.workers 1", ">=", 1.7)
         if not args.no_slurm:
             report.ratio("data_scale_slurm_vs_local", paired_ratio(times["2 workers"], times["slurm, 2 workers"]),
                          "the local executor, 2 workers, same machine", ">=", 0.9)
         report.note(f"1-minute load average before: {report.load_before[0]:.1f} on {os.cpu_count()} cores")
+        if _autogroup_on():
+            report.note("CFS autogroup is on: CPU is shared between sessions, and Slurm's array tasks each run in "
+                        "a session of their own while the local workers share the preparer's; on a busy machine "
+                        "the wall-clock ratios measure that as much as the executors")
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -61,7 +61,12 @@ def test_slurm_arrays_prepare_the_dataset_the_local_executor_does(tmp_path: Path
     clean, tokenize = submitted(tmp_path / "slurm", "clean"), submitted(tmp_path / "slurm", "tokenize")
     assert list(clean) == [1] and len(clean[1]) >= 2 and list(tokenize) == [1]
     script = next((tmp_path / "slurm" / "steps" / "logs").rglob("clean-a1-000.sbatch")).read_text()
-    assert "#SBATCH --array=0-" in script and "%2" in script and "#SBATCH --mem=4096M" in script
+    # two array tasks (data.workers) drain the list of more tasks: each claimed by exactly one of them
+    assert "#SBATCH --array=0-1%2" in script and "--drain" in script and "#SBATCH --mem=4096M" in script
+    claims = next((tmp_path / "slurm" / "steps" / "logs").rglob("clean-a1-000.claims"))
+    claimed = sorted(int(p.name) for p in claims.iterdir() if p.name.isdigit())
+    assert claimed == list(range(len(clean[1])))
+    assert {p.read_text().split()[0] for p in claims.iterdir() if p.name.isdigit()} <= {"0", "1"}
 
 
 def test_a_failing_array_task_is_retried_alone_named_and_rerun_alone_later(tmp_path: Path):
@@ -119,22 +124,31 @@ def test_an_array_task_killed_mid_run_is_rerun_alone(tmp_path: Path):
     worker = threading.Thread(target=prepare, daemon=True)
     worker.start()
     deadline = time.monotonic() + 120
-    target = killed = None
+    position = killed = None
     while time.monotonic() < deadline and killed is None and worker.is_alive():
         lists = list(logs.rglob("clean-a1-000.json")) if logs.exists() else []
-        if lists and target is None:
+        if lists and position is None:
             tasks = json.loads(lists[0].read_text())
-            target = next(str(k) for k, t in enumerate(tasks) if any(f["path"] == str(big) for f in t["args"]["files"]))
-        for job, index, state in _squeue(name):
-            if index == target and state == "RUNNING":
-                subprocess.run(["scancel", "--signal=KILL", f"{job}_{index}"], check=True)
-                killed = index
+            position = next(k for k, t in enumerate(tasks) if any(f["path"] == str(big) for f in t["args"]["files"]))
+        # the array task that runs it: the one at its position, or (more tasks than array tasks) the one
+        # draining the list that claimed it
+        claims = lists[0].with_suffix(".claims") if lists else None
+        element = None
+        if claims is not None and not claims.exists():
+            element = str(position)
+        elif claims is not None and (claims / str(position)).exists():
+            element = ((claims / str(position)).read_text().split() or [None])[0]
+        if element is not None:
+            for job, index, state in _squeue(name):
+                if index == element and state == "RUNNING":
+                    subprocess.run(["scancel", "--signal=KILL", f"{job}_{index}"], check=True)
+                    killed = position
         time.sleep(0.1)
     worker.join(300)
     assert killed is not None, "the long task was never seen running"
     assert not worker.is_alive() and "error" not in outcome, outcome.get("error")
     clean = submitted(tmp_path / "c", "clean")
-    assert len(clean[2]) == 1 and clean[2][0] == clean[1][int(killed)]
+    assert len(clean[2]) == 1 and clean[2][0] == clean[1][killed]  # only the killed task reran
     reference = prepare_data(spec, seed=0, report_dir=None, cache_dir=tmp_path / "ref", progress=False)
     assert outcome["prepared"].fingerprint == reference.fingerprint
     assert shard_hashes(outcome["prepared"]) == shard_hashes(reference)

@@ -39,8 +39,8 @@ def register(subparsers) -> None:
         choices=["local", "slurm", "ray"],
         default="local",
         help="where the clean and tokenize tasks run: local worker processes (default), a Slurm job array "
-        "per step (sbatch; the data cache must be on storage every node sees), or a Ray cluster "
-        "(--ray-address). The dataset is the same on each",
+        "per step (sbatch; the data cache must be on storage every node sees), or Ray (the cluster at "
+        "--ray-address, else $RAY_ADDRESS's, else a local Ray; needs runyard[ray]). The dataset is the same on each",
     )
     p.add_argument("--partition", default=None, help="Slurm partition for the array tasks")
     p.add_argument(
@@ -50,7 +50,7 @@ def register(subparsers) -> None:
         metavar="ARG",
         help="extra sbatch argument for the array tasks (repeat for several, e.g. --sbatch-arg=--account=x)",
     )
-    p.add_argument("--ray-address", default=None, help="Ray cluster address (ray://head:10001, or auto)")
+    p.add_argument("--ray-address", default=None, help="Ray cluster address (ray://head:10001, or auto); none: $RAY_ADDRESS, else a local Ray")
     p.add_argument(
         "--retries", type=int, default=2, help="reruns of a failed Slurm or Ray task before giving up (default 2)"
     )

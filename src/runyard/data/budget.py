@@ -42,6 +42,12 @@ SORT_BYTES_PER_RECORD_BYTE = 4
 MAX_MINHASH_BATCH = 1 << 20
 MAX_ENCODE_BATCH = 1 << 20
 MAX_IO_BLOCK = 64 * MIB
+# The main process's sorts and reads: a larger block is no faster (the merge reads every run a window
+# at a time either way) but only a larger corpus fills it, so sized from the limit alone (208 MiB under
+# 2 GiB) the dedup peak grew with the corpus until the corpus filled it (measured, near dedup's process
+# at 1 GB: ~310 MiB; capped: 204). Capped, it is the same for every corpus that fills one block.
+MAX_SORT_BLOCK = 32 * MIB
+MAX_TEXT_BLOCK = 4 * MIB
 MIN_TASK_BUFFERS = 48 * MIB
 
 try:  # glibc: malloc_trim hands freed heap pages back to the system
@@ -132,12 +138,12 @@ class MemoryBudget:
     @property
     def sort_block_bytes(self) -> int:
         """Bytes of fixed-size records the main process sorts in memory at once (one spill bucket)."""
-        return max(64 << 10, self.main_buffers // (2 * SORT_BYTES_PER_RECORD_BYTE))
+        return max(64 << 10, min(MAX_SORT_BLOCK, self.main_buffers // (2 * SORT_BYTES_PER_RECORD_BYTE)))
 
     @property
-    def spill_buffer_bytes(self) -> int:
-        """Bytes of records the main process gathers before appending them to their bucket files."""
-        return max(1 << 20, min(256 * MIB, self.main_buffers // 8))
+    def text_block_bytes(self) -> int:
+        """Text the main process reads from a part at once (the tokenizer trainer's input, streamed)."""
+        return max(64 << 10, min(MAX_TEXT_BLOCK, self.main_buffers // 16))
 
     @property
     def cluster_bytes(self) -> int:

@@ -84,7 +84,7 @@ def _tokenizer(spec: DataSpec, corpus: Corpus, dataset_dir: Path, budget: Memory
         with progress_bars(progress) as bars:
             bars.add_task("train BPE tokenizer", total=None, info=f"vocab {spec.tokenizer.vocab_size}")
             tok = train_bpe(
-                training_texts(corpus, budget.io_block_bytes),
+                training_texts(corpus, budget.text_block_bytes),
                 spec.tokenizer.vocab_size,
                 spec.tokenizer.min_frequency,
                 spec.tokenizer.train_max_bytes,
@@ -127,7 +127,10 @@ def build_dataset(
     work.mkdir(parents=True, exist_ok=True)
     corpus = Corpus.open(part_dirs, work / "flags.u8")
 
-    t = time.perf_counter()
+    # CPU seconds per step: the main process's for its own steps (time.process_time: every thread of it),
+    # the tasks' as the executor reports them (summed over workers: the step's work, whatever the load)
+    cpu: dict[str, float] = {}
+    t, c = time.perf_counter(), time.process_time()
     dedup: dict[str, Any] = {"exact_removed": 0, "near_removed": 0, "threshold": spec.dedup.threshold}
     with progress_bars(progress) as bars:
         bars.add_task("deduplicate", total=None, info=f"{corpus.n_docs:,} documents")
@@ -137,6 +140,7 @@ def build_dataset(
             dedup.update(near_dedup(corpus, spec.dedup, work, budget))
     release_freed_memory()
     timings["dedup_s"] = time.perf_counter() - t
+    cpu["dedup"] = time.process_time() - c
     kept = corpus.n_docs - dedup["exact_removed"] - dedup["near_removed"]
     if kept < 2:
         raise DataError(
@@ -150,12 +154,13 @@ def build_dataset(
         "heldout_ids_sha256": held["sha256"],
     })
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     tok, tok_source = _tokenizer(spec, corpus, dataset_dir, budget, progress)
     eos_token = end_of_document_token(spec)
     eos, vocab = eos_id(tok, eos_token), tok.get_vocab_size()
     release_freed_memory()  # the trainer's word and pair counts
     timings["tokenizer_s"] = time.perf_counter() - t
+    cpu["tokenizer"] = time.process_time() - c
 
     t = time.perf_counter()
     tasks = [
@@ -172,7 +177,7 @@ def build_dataset(
         executor.run("tokenize", tasks, lambda task: bars.advance(bar))
     timings["tokenize_s"] = time.perf_counter() - t
 
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.process_time()
     chunk_files = [work / name for task in tasks for name in _chunk_list(Path(task.output))]
     with progress_bars(progress) as bars:
         bar = bars.add_task("assemble shards", total=len(chunk_files), info=f"{len(chunk_files)} chunks")
@@ -184,9 +189,11 @@ def build_dataset(
     np.save(buf, counts, allow_pickle=False)
     atomic_write_bytes(dataset_dir / COUNTS_FILE, buf.getvalue())
     timings["assemble_s"] = time.perf_counter() - t
+    cpu["assemble"] = time.process_time() - c
+    cpu.update({f"{step}_tasks": v for step, v in executor.task_cpu_s.items()})
 
     stats = _stats(spec, seed, fp, n_files, totals, dedup, corpus, held, split_totals, tok_source, vocab, eos,
-                   timings)
+                   timings, cpu)
     meta = {
         "fingerprint": fp,
         "vocab_size": vocab,
@@ -216,7 +223,7 @@ def _chunk_list(output: Path) -> list[str]:
 
 def _stats(spec: DataSpec, seed: int, fp: str, n_files: int, totals: dict[str, Any], dedup: dict[str, Any],
            corpus: Corpus, held: dict[str, Any], split_totals: dict[str, dict[str, int]], tok_source: str,
-           vocab: int, eos: int, timings: dict[str, float]) -> dict[str, Any]:
+           vocab: int, eos: int, timings: dict[str, float], cpu: dict[str, float]) -> dict[str, Any]:
     figures = corpus_stats(corpus)
     tally = figures["tallies"]
     steps = [
@@ -264,4 +271,5 @@ def _stats(spec: DataSpec, seed: int, fp: str, n_files: int, totals: dict[str, A
         },
         "doc_length_histogram": figures["doc_length_histogram"],
         "timings": {k: round(v, 3) for k, v in timings.items()},
+        "cpu_seconds": {k: round(v, 3) for k, v in sorted(cpu.items())},
     }

@@ -184,10 +184,11 @@ def _confirm(corpus: Corpus, pairs: SortedRuns, threshold: float, edges_path: Pa
             candidates += len(unique)
             pending.append(unique)
             pending_n += len(unique)
-            if pending_n >= per_block:
-                confirm(np.concatenate(pending))
-                pending, pending_n = [], 0
-        if pending:
+            while pending_n >= per_block:  # a merged block holds up to a sort block of pairs: confirm in slices
+                gathered = np.concatenate(pending)
+                confirm(gathered[:per_block])
+                pending, pending_n = [gathered[per_block:]], len(gathered) - per_block
+        if pending_n:
             confirm(np.concatenate(pending))
     return candidates
 

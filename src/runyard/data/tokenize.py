@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -27,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from runyard.data.budget import MemoryBudget
 from runyard.data.corpus import HELDOUT, REMOVED
@@ -39,6 +40,21 @@ from runyard.fsutil import atomic_write_bytes, atomic_write_json
 
 CHUNK_BYTES = 1 << 22  # ~4 MB of text per chunk
 SPLITS = ("train", "heldout")
+
+# The tokenizer of the last tokenize task in this process, by (path, identity, eos token): a worker runs
+# many tasks with one tokenizer, and each Tokenizer loaded and dropped left ~3.5 MiB resident (its
+# encode cache; measured), so a worker's resident size grew with the number of parts it tokenized.
+_LOADED: dict[tuple, Tokenizer] = {}
+
+
+def task_tokenizer(path: Path, eos_token: str) -> Tokenizer:
+    """`load_tokenizer(path, eos_token)`, reused while the file is the same one."""
+    st = os.stat(path)
+    key = (str(path), st.st_ino, st.st_size, st.st_mtime_ns, eos_token)
+    if key not in _LOADED:
+        _LOADED.clear()
+        _LOADED[key] = load_tokenizer(path, eos_token)
+    return _LOADED[key]
 
 
 @contextmanager
@@ -73,25 +89,94 @@ def sized_ranges(sizes: np.ndarray, target: int) -> list[tuple[int, int]]:
     return ranges
 
 
-def encode_documents(
-    tok: Tokenizer, texts: list[str], eos: int, dtype: np.dtype
-) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens of all documents, each followed by eos; per-document lengths including eos)."""
+# Where a text may be cut without changing its tokens under byte-level BPE with GPT-2's split regex
+# (`'s|'t|...| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+`): the regex looks only rightwards,
+# and at these points every match of the whole text ends, and matching the two sides apart gives the
+# same pieces. (1) before the last space of a whitespace run that follows and precedes printable ASCII:
+# the run less that space is one pre-token (`\s+(?!\S)`), the space starts the next (` ?X`); (2) after
+# a lone tab or line break between printable ASCII: it is a pre-token of its own. BPE merges never
+# cross pre-tokens, so the pieces' tokens joined are the whole text's (tested on real text).
+_CUT_BEFORE_SPACE = re.compile(r"(?<=[!-~])[ \t\r\n]* (?=[!-~])")
+_CUT_AFTER_BREAK = re.compile(r"(?<=[!-~])[\t\r\n](?=[!-~])")
+
+
+def cuts_at_lines(tok: Tokenizer) -> bool:
+    """Whether `tok` encodes a text cut at those points to the tokens of the whole: byte-level BPE with
+    the split regex, no prefix space, no normaliser, no dropout, and no added token that strips or holds
+    whitespace (what runyard trains, and GPT-2's; other families are encoded whole)."""
+    pre, model = tok.pre_tokenizer, tok.model
+    if not (tok.normalizer is None and isinstance(model, models.BPE) and model.dropout is None
+            and isinstance(pre, pre_tokenizers.ByteLevel) and pre.use_regex and not pre.add_prefix_space):
+        return False
+    return all(not (t.lstrip or t.rstrip or any(c.isspace() for c in t.content))
+               for t in tok.get_added_tokens_decoder().values())
+
+
+def cut_points(text: str) -> np.ndarray:
+    """The positions (sorted) where `text` may be cut without changing its tokens (see above)."""
+    points = [m.end() - 1 for m in _CUT_BEFORE_SPACE.finditer(text)]
+    points += [m.end() for m in _CUT_AFTER_BREAK.finditer(text)]
+    return np.unique(np.asarray(points, dtype=np.int64))
+
+
+def line_pieces(text: str, max_chars: int) -> list[str]:
+    """`text` cut at `cut_points` into pieces of at most `max_chars` characters (longer only where no cut
+    point falls within `max_chars`): the pieces joined are the text."""
+    if len(text) <= max_chars:
+        return [text]
+    points = cut_points(text)
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        k = int(np.searchsorted(points, start + max_chars, side="right")) - 1  # last cut within reach
+        if k < 0 or points[k] <= start:
+            k = int(np.searchsorted(points, start, side="right"))  # none: the first one beyond
+            if k >= len(points):
+                break
+        pieces.append(text[start : points[k]])
+        start = int(points[k])
+    pieces.append(text[start:])
+    return pieces
+
+
+def _encode_ids(tok: Tokenizer, texts: list[str], dtype: np.dtype) -> list[np.ndarray]:
     encodings = tok.encode_batch_fast(texts) if hasattr(tok, "encode_batch_fast") else tok.encode_batch(texts)
-    lengths = np.fromiter((len(e.ids) + 1 for e in encodings), dtype=np.int64, count=len(encodings))
+    return [np.asarray(e.ids, dtype=dtype) for e in encodings]
+
+
+def encode_documents(
+    tok: Tokenizer, texts: list[str], eos: int, dtype: np.dtype, max_piece_chars: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens of all documents, each followed by eos; per-document lengths including eos).
+
+    With `max_piece_chars`, a document longer than that is encoded a piece at a time (`line_pieces`)
+    when the tokenizer gives the same tokens that way (`cuts_at_lines`): the encoder's working memory
+    (~110 bytes per character) then follows the piece, not the document."""
+    if max_piece_chars is None or not cuts_at_lines(tok) or all(len(t) <= max_piece_chars for t in texts):
+        pieces, owners = texts, np.arange(len(texts))
+    else:
+        # added tokens (`<|endoftext|>`) are split out before the regex runs: cut no text that holds one
+        added = [t.content for t in tok.get_added_tokens_decoder().values()]
+        cut = [[t] if any(a in t for a in added) else line_pieces(t, max_piece_chars) for t in texts]
+        pieces = [p for ps in cut for p in ps]
+        owners = np.repeat(np.arange(len(texts)), [len(ps) for ps in cut])
+    ids: list[np.ndarray] = []
+    for a, b in chunk_ranges(pieces, max_piece_chars) if max_piece_chars else [(0, len(pieces))]:
+        ids += _encode_ids(tok, pieces[a:b], dtype)
+    per_piece = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
+    lengths = np.bincount(owners, weights=per_piece, minlength=len(texts)).astype(np.int64) + 1
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
-    pos = 0
-    for e, n in zip(encodings, lengths, strict=True):
-        tokens[pos : pos + n - 1] = e.ids
-        tokens[pos + n - 1] = eos
-        pos += n
+    tokens[np.cumsum(lengths) - 1] = eos
+    body = np.ones(len(tokens), dtype=bool)
+    body[np.cumsum(lengths) - 1] = False
+    tokens[body] = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
     return tokens, lengths
 
 
 def _encode_chunk(tok: Tokenizer, texts: list[str], eos: int, dtype: np.dtype,
                   batch_bytes: int) -> tuple[np.ndarray, np.ndarray]:
-    """encode_documents over `texts` in calls of at most about `batch_bytes` characters each."""
-    parts = [encode_documents(tok, texts[a:b], eos, dtype) for a, b in chunk_ranges(texts, batch_bytes)]
+    """encode_documents over `texts` in calls of at most about `batch_bytes` characters each (a longer
+    document in pieces of about that, where the tokenizer allows)."""
+    parts = [encode_documents(tok, texts[a:b], eos, dtype, batch_bytes) for a, b in chunk_ranges(texts, batch_bytes)]
     if not parts:
         return np.zeros(0, dtype=dtype), np.zeros(0, dtype=np.int64)
     return np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -120,7 +205,7 @@ def tokenize_part(
     flags = FlagFile(flags_path).read(first_doc, first_doc + part.n_docs)
     kept = (flags & REMOVED) == 0
     held = (flags & HELDOUT) != 0
-    tok = load_tokenizer(tokenizer_path, eos_token)
+    tok = task_tokenizer(tokenizer_path, eos_token)
     eos = eos_id(tok, eos_token)
     dtype = dtype_for_vocab(tok.get_vocab_size())
     chunks = []

@@ -1,5 +1,5 @@
 """Where a step's tasks run: `local` (worker processes on this machine), `slurm` (a job array per step,
-through sbatch) or `ray` (tasks on a Ray cluster, where an address is given).
+through sbatch) or `ray` (tasks on a Ray cluster: the one at an address, else a local one).
 
 Every executor has one method, `run(label, tasks, on_done)`: run each task whose output is missing,
 call `on_done(task)` as each finishes, and raise `TaskFailed` (naming the task and where its log is)
@@ -27,6 +27,7 @@ class Executor(Protocol):
     pool for every step)."""
 
     name: str
+    task_cpu_s: dict[str, float]  # step -> CPU seconds of its tasks, where the executor can know them
 
     def __enter__(self) -> Executor: ...
 
@@ -54,8 +55,6 @@ def make_executor(choice: ExecutorChoice | None, workers: int | None, memory_lim
         return LocalExecutor(workers or 1)
     if choice.kind == "slurm":
         return SlurmExecutor(log_dir, workers, memory_limit, choice.partition, choice.sbatch_args, choice.retries)
-    if choice.kind == "ray":
-        if not choice.ray_address:
-            raise DataError("--executor ray needs a cluster address (--ray-address, e.g. ray://head:10001 or auto)")
-        return RayExecutor(choice.ray_address, memory_limit, choice.retries)
+    if choice.kind == "ray":  # no address: $RAY_ADDRESS, else a local Ray (executors/ray.py)
+        return RayExecutor(choice.ray_address, memory_limit, choice.retries, workers)
     raise DataError(f"unknown executor {choice.kind!r}; choose one of {', '.join(EXECUTORS)}")

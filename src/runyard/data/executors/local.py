@@ -39,6 +39,7 @@ class LocalExecutor:
     def __init__(self, workers: int):
         self.workers = max(1, workers)
         self._pool: ProcessPoolExecutor | None = None
+        self.task_cpu_s: dict[str, float] = {}  # step -> CPU seconds its tasks took, summed
 
     def __enter__(self) -> LocalExecutor:
         if self.workers > 1:
@@ -56,7 +57,7 @@ class LocalExecutor:
         todo = [t for t in tasks if not t.done()]
         if self.workers == 1 or len(todo) <= 1:
             for task in todo:
-                run_task(task)
+                self._count(label, run_task(task))
                 on_done(task)
             return
         with contextlib.ExitStack() as stack:
@@ -69,9 +70,12 @@ class LocalExecutor:
                 while pending:
                     done, pending = wait(pending, return_when=FIRST_EXCEPTION)
                     for future in done:
-                        future.result()  # a task's error, as the task raised it
+                        self._count(label, future.result())  # a task's error, as the task raised it
                         on_done(futures[future])
             except BaseException:
                 for future in futures:
                     future.cancel()
                 raise
+
+    def _count(self, label: str, cpu_s: float) -> None:
+        self.task_cpu_s[label] = self.task_cpu_s.get(label, 0.0) + cpu_s

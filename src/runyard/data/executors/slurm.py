@@ -5,15 +5,20 @@ pickled closures to ship), sbatch is what every Slurm site has, and runyard's ot
 control plane's backend, `reproduce`) speaks it too; submitit would add a dependency and pickle the
 task functions onto shared storage for nothing.
 
-- One array per step (`--array=0-N%W`: W is data.workers, the most tasks running at once; none when
-  unset), one CPU and `--mem` = data.memory_limit per task. Arrays larger than the cluster's
+- One array per step, one CPU and `--mem` = data.memory_limit per array task. With data.workers W set,
+  the array has at most W tasks (`--array=0-N%W`) and each drains the step's task list (tasks.py
+  `--drain`: a task is claimed by an exclusive create on shared storage): one interpreter start per
+  array task rather than per task, and whichever array task is free takes the next task. Without W,
+  one array task per task (as many at once as the cluster gives). Arrays larger than the cluster's
   MaxArraySize are submitted in pieces.
 - The data cache must be on storage every node sees (data.cache_dir on a shared filesystem): the tasks
   write their outputs there, and the preparing process reads them.
-- A task is done when its output exists (written atomically and last). When an array ends, the tasks
-  without output (failed, killed, lost with their node) are submitted again, alone, up to `retries`
-  times; then the step fails naming each task and the end of its log. A later `runyard prepare` skips
-  every task whose output exists, so it too reruns only the failed ones.
+- A task is done when its output exists (written atomically and last); the step is over as soon as
+  every output exists (the array tasks then only exit). Polling starts at POLL_MIN_S and backs off to
+  POLL_MAX_S while nothing finishes; one squeue call a poll, for every array of the step.
+- When the arrays end, the tasks without output (failed, killed, lost with their node) are submitted
+  again, alone, up to `retries` times; then the step fails naming each task and the end of its log. A
+  later `runyard prepare` skips every task whose output exists, so it too reruns only the failed ones.
 - The array is cancelled (scancel) if the preparing process stops on an error, Ctrl-C or SIGTERM.
   If it is SIGKILLed the array runs on; its outputs are the same ones a rerun would write (atomic
   renames of identical content), so they are used, never mixed.
@@ -37,8 +42,12 @@ from runyard.data.errors import TaskFailed
 from runyard.data.tasks import Task, write_task_list
 from runyard.errors import DataError
 
-POLL_S = 1.0
+POLL_MIN_S = 0.1
+POLL_MAX_S = 2.0
 LOG_TAIL = 1500
+# squeue's states of a job that has not ended (its array tasks may still run or start)
+_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
+                "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -67,10 +76,17 @@ class SlurmExecutor:
         self.workers, self.memory_limit = workers, memory_limit
         self.partition, self.sbatch_args, self.retries = partition, list(sbatch_args or []), retries
         self.submissions: list[dict] = []  # (job id, label, attempt, task indices): what was submitted
+        self._max_array: int | None = None
+        self.task_cpu_s: dict[str, float] = {}  # not known here: the tasks ran elsewhere
+
+    def array_tasks(self, count: int) -> int:
+        """Array tasks for a list of `count` tasks: one each, or at most data.workers draining the list."""
+        return min(count, self.workers) if self.workers else count
 
     def script(self, label: str, tasks_file: Path, count: int) -> str:
         """The batch script of one array over the `count` tasks listed in `tasks_file`."""
-        array = f"0-{count - 1}" + (f"%{self.workers}" if self.workers else "")
+        elements = self.array_tasks(count)
+        array = f"0-{elements - 1}" + (f"%{self.workers}" if self.workers else "")
         lines = [
             "#!/bin/bash",
             f"#SBATCH --job-name=runyard-data-{label}",
@@ -84,14 +100,35 @@ class SlurmExecutor:
         if self.partition:
             lines.append(f"#SBATCH --partition={self.partition}")
         command = [sys.executable, "-m", "runyard.data.tasks", str(tasks_file)]
-        lines += ["export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1",
-                  f"exec {shlex.join(command)} \"$SLURM_ARRAY_TASK_ID\"", ""]
+        if elements < count:
+            command += ["--drain", str(self.claims_dir(tasks_file))]
+        else:
+            command += ["$SLURM_ARRAY_TASK_ID"]
+        run = shlex.join(command).replace("'$SLURM_ARRAY_TASK_ID'", '"$SLURM_ARRAY_TASK_ID"')
+        lines += ["export TOKENIZERS_PARALLELISM=false OMP_NUM_THREADS=1", f"exec {run}", ""]
         return "\n".join(lines)
+
+    @staticmethod
+    def claims_dir(tasks_file: Path) -> Path:
+        return tasks_file.with_suffix(".claims")
+
+    def task_log(self, tasks_file: Path, position: int, count: int) -> Path:
+        """Where the output of the task at `position` of a list of `count` goes."""
+        if self.array_tasks(count) < count:
+            return self.claims_dir(tasks_file) / f"{position}.log"
+        return self.log_dir / f"{tasks_file.stem}-{position}.log"
+
+    def max_array_size(self) -> int:
+        if self._max_array is None:
+            self._max_array = max_array_size()
+        return self._max_array
 
     def _submit(self, label: str, tasks: list[Task], attempt: int, piece: int) -> tuple[str, Path]:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         stem = f"{label}-a{attempt}-{piece:03d}"
         tasks_file = self.log_dir / f"{stem}.json"
+        if self.array_tasks(len(tasks)) < len(tasks):
+            self.claims_dir(tasks_file).mkdir(exist_ok=True)
         write_task_list(tasks_file, tasks)
         script = self.log_dir / f"{stem}.sbatch"
         script.write_text(self.script(label, tasks_file, len(tasks)))
@@ -103,9 +140,14 @@ class SlurmExecutor:
                                  "tasks": [t.index for t in tasks]})
         return job_id, tasks_file
 
-    def _active(self, job_id: str) -> bool:
-        proc = _run(["squeue", "-h", "-j", job_id, "-o", "%T"], check=False)
-        return proc.returncode == 0 and bool(proc.stdout.strip())
+    def _active(self, job_ids: list[str]) -> list[str]:
+        """The jobs among `job_ids` that have not ended (one squeue call)."""
+        proc = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%F %T"], check=False)
+        if proc.returncode != 0:  # squeue refuses the list when a job in it is long gone: ask one by one
+            return [j for j in job_ids if len(job_ids) > 1 and self._active([j])]
+        live = {f for f, state in (line.split()[:2] for line in proc.stdout.splitlines() if line.strip())
+                if state in _LIVE_STATES}
+        return [j for j in job_ids if j in live]
 
     def __enter__(self):
         return self
@@ -124,26 +166,35 @@ class SlurmExecutor:
             with stop:
                 while todo:
                     attempt += 1
-                    size = max(1, max_array_size() - 1)
+                    size = max(1, self.max_array_size() - 1)
                     jobs = []
                     for piece, start in enumerate(range(0, len(todo), size)):
                         batch = todo[start : start + size]
                         job_id, tasks_file = self._submit(label, batch, attempt, piece)
                         jobs.append(job_id)
                         for k, t in enumerate(batch):
-                            logs[t.index] = self.log_dir / f"{tasks_file.stem}-{k}.log"
-                    waiting = list(todo)
-                    while jobs:
-                        time.sleep(POLL_S)
-                        waiting = self._report(waiting, on_done)
-                        jobs = [j for j in jobs if self._active(j)]
-                    waiting = self._report(waiting, on_done)
-                    todo = waiting
+                            logs[t.index] = self.task_log(tasks_file, k, len(batch))
+                    todo = self._wait(jobs, todo, on_done)
+                    jobs = []
                     if todo and attempt > self.retries:
                         raise TaskFailed(self._failure(label, todo, logs, attempt))
         finally:
             for job_id in jobs:
                 _run(["scancel", job_id], check=False)
+
+    def _wait(self, jobs: list[str], waiting: list[Task], on_done: Callable[[Task], None]) -> list[Task]:
+        """Poll until every task has its output or every job has ended; returns the tasks without output."""
+        delay = POLL_MIN_S
+        while True:
+            time.sleep(delay)
+            before = len(waiting)
+            waiting = self._report(waiting, on_done)
+            if not waiting:
+                return waiting
+            jobs = self._active(jobs)
+            if not jobs:
+                return self._report(waiting, on_done)
+            delay = POLL_MIN_S if len(waiting) < before else min(POLL_MAX_S, delay * 1.5)
 
     def _report(self, waiting: list[Task], on_done: Callable[[Task], None]) -> list[Task]:
         still = []
