@@ -11,6 +11,8 @@ from tests.model.toy_family import ToyFamily
 
 
 def test_the_registered_families_by_task_and_rows():
+    pytest.importorskip("lightgbm")  # the tabular families register with the predict extra only
+    pytest.importorskip("sklearn")
     assert choose_family("language_model", None).family.name == "decoder"
     assert choose_family("image_classification", 10).family.name == "cnn"
     big = choose_family("tabular_classification", 569)
