@@ -25,6 +25,7 @@ def test_the_registered_families_by_task_and_rows():
 
 
 def test_the_family_wanting_the_most_rows_the_data_has_wins(monkeypatch):
+    pytest.importorskip("lightgbm")  # the registered trees are one of the contenders
     for family in (ToyFamily("aa-deep-tabular", ("tabular_classification",), deep=True, min_rows=0),
                    ToyFamily("zz-big", ("tabular_classification",), deep=False, min_rows=10_000)):
         monkeypatch.setitem(registry._FAMILIES, family.name, family)
