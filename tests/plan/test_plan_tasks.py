@@ -12,6 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from runyard.model import choice
+from runyard.model.registry import FamilyUnavailable, get_family
+from runyard.plan.planner import make_plan
+from runyard.plan.preflight import preflight
+from runyard.spec import parse_spec
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -58,3 +64,12 @@ def test_an_unknown_bundled_set_is_a_spec_error_naming_the_source(tmp_path):
     out = subprocess.run([sys.executable, "-m", "runyard", "plan", "spec.yaml", "--no-calibrate"],
                          capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert out.returncode == 2 and "data.sources[0].path" in out.stderr and "nosuchset" in out.stderr
+
+
+def test_a_table_without_its_extra_is_refused_naming_the_extra(tmp_path, monkeypatch):
+    (tmp_path / "t.csv").write_text("a,y\n" + "".join(f"{i},{i % 2}\n" for i in range(20)))
+    spec = parse_spec({"task": "tabular_classification", "name": "t",
+                       "data": {"sources": [{"path": str(tmp_path / "t.csv"), "format": "csv"}], "table": {"target": "y"}}})
+    monkeypatch.setattr(choice, "installed_families", lambda: [get_family("decoder"), get_family("cnn")])
+    with pytest.raises(FamilyUnavailable, match=r"runyard\[predict\]"):
+        make_plan(spec, preflight(spec, tmp_path / "run").files, tmp_path / "run", calibrate=False)

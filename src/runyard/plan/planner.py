@@ -33,7 +33,7 @@ from runyard.cpus import choose_threads
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
-from runyard.model.registry import get_family
+from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.model.tabular import TableFacts
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
@@ -154,6 +154,8 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
     choice = recommend_family(spec.task, data.facts)
     warnings = []
+    if spec.model.family is None and choice.family is None:
+        raise FamilyUnavailable(f"nothing to plan: {choice.why}")
     if spec.model.family is None and choice.family is not None:
         # What the run does with model.family left out: the data's recommendation trains (run_predictive).
         spec = spec.model_copy(update={"model": spec.model.model_copy(update={"family": choice.family})})
