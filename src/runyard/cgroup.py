@@ -24,3 +24,11 @@ def own_cgroup(controller: str | None, root: Path = CGROUP_ROOT, proc_cgroup: Pa
         if controller is not None and controller in controllers.split(","):
             return root / controller / path.lstrip("/")
     return None
+
+
+def read_setting(path: Path) -> str:
+    """A cgroup file's text; "" where it does not exist or cannot be read (a controller not enabled)."""
+    try:
+        return path.read_text()
+    except OSError:
+        return ""

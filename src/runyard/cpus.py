@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runyard.cgroup import CGROUP_ROOT, PROC_CGROUP, own_cgroup
+from runyard.cgroup import CGROUP_ROOT, PROC_CGROUP, own_cgroup, read_setting
 
 
 @dataclass(frozen=True)
@@ -50,12 +50,12 @@ def cpu_quota(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> floa
     limits = []
     v2 = own_cgroup(None, root, proc_cgroup)
     for path in _up_to(v2, root):
-        fields = _read(path / "cpu.max").split()
+        fields = read_setting(path / "cpu.max").split()
         if len(fields) == 2 and fields[0] != "max":
             limits.append(int(fields[0]) / int(fields[1]))
     v1 = own_cgroup("cpu", root, proc_cgroup)
     for path in _up_to(v1, root / "cpu"):
-        quota, period = _read(path / "cpu.cfs_quota_us").strip(), _read(path / "cpu.cfs_period_us").strip()
+        quota, period = read_setting(path / "cpu.cfs_quota_us").strip(), read_setting(path / "cpu.cfs_period_us").strip()
         if quota.lstrip("-").isdigit() and int(quota) > 0 and period.isdigit() and int(period) > 0:
             limits.append(int(quota) / int(period))
     return min(limits) if limits else None
@@ -97,10 +97,3 @@ def _up_to(path: Path | None, top: Path) -> list[Path]:
     while chain[-1] != top:
         chain.append(chain[-1].parent)
     return chain
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from runyard import manifest as mf
-from runyard import rundir
+from runyard import run_predictive, rundir
 from runyard.cpus import ThreadChoice, choose_threads, local_processes
 from runyard.data.config import DataSpec
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
@@ -383,10 +383,7 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
 
 
 def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate) -> RunSummary:
-    """A tabular or image run (runyard.run_predictive)."""
-    # The tabular and image tasks need the optional extra runyard[predict] (scikit-learn, LightGBM).
-    from runyard import run_predictive
-
+    """A tabular or image run (runyard.run_predictive; its libraries, the extra runyard[predict], load there)."""
     stop = StopRequest()
     with stop_on_signals(stop):
         result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)

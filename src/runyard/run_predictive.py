@@ -46,7 +46,7 @@ from runyard.plan.stages import (
 )
 from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.predict_export import KIND_IMAGE, KIND_TABLE, export_predictor, image_drift_features
-from runyard.spec import JobSpec, ResolvedStage, resolved_stage
+from runyard.spec import JobSpec, ResolvedStage, resolved_stage, with_family
 from runyard.spec_checks import IMAGE_TASK
 from runyard.spec_tasks import PredictionEvalSpec
 from runyard.tasks import DataSummary, Recommendation, recommend_family, table_summary
@@ -74,13 +74,6 @@ class TaskRunResult:
     fit_to_ship: bool | None = None
     evaluated: bool = False
     family: str | None = None
-
-
-def with_family(spec: JobSpec, family: str) -> JobSpec:
-    """The spec with `model.family` filled in (stages that name their own keep it)."""
-    if spec.model.family == family:
-        return spec
-    return spec.model_copy(update={"model": spec.model.model_copy(update={"family": family})})
 
 
 def run_family(spec: JobSpec, summary: DataSummary) -> tuple[str, str]:

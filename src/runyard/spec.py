@@ -240,6 +240,13 @@ def resolved_stage(spec: JobSpec, name: str) -> ResolvedStage:
     raise KeyError(f"no stage named {name!r}; stages are {[s.name for s in spec.stages]}")
 
 
+def with_family(spec: JobSpec, family: str) -> JobSpec:
+    """The spec with `model.family` filled in (stages that name their own keep it)."""
+    if spec.model.family == family:
+        return spec
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"family": family})})
+
+
 def spec_warnings(spec: JobSpec) -> list[tuple[str, object, str]]:
     """Values the run will not use as written, though the spec is valid: (field path, value, what
     happens). Errors are raised by validation; these are logged when a spec is loaded."""

@@ -75,7 +75,7 @@ def test_tables_and_images_are_counted_from_their_files(tmp_path):
     files, _ = resolve_sources(image_data)
     img = estimate_data("image_classification", image_data, 0, files, 1)
     assert (img.facts.rows, img.facts.image_shape, img.facts.classes, img.facts.features) == (12, (1, 8, 8), 3, 64)
-    assert img.facts.config_facts()["channels"] == 1
+    assert img.facts.config_facts("image_classification")["channels"] == 1
 
 
 def test_plan_times_every_phase_writes_the_requirement_and_weighs_inference(spec_file, tmp_path, capsys):

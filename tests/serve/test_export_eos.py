@@ -35,3 +35,9 @@ def test_ids_outside_the_vocabulary_and_unreadable_files_are_ignored(tmp_path):
     (tmp_path / "tokenizer_config.json").write_text("{not json")
     assert export_eos_ids(tmp_path, _tokenizer()) == {2}
     assert export_eos_ids(tmp_path / "missing", _tokenizer()) == set()
+
+
+def test_config_json_names_end_tokens_too(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 4}))  # what vLLM's engine read alone
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert export_eos_ids(tmp_path, _tokenizer()) == {2, 4}

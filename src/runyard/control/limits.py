@@ -23,7 +23,7 @@ import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runyard.cgroup import own_cgroup
+from runyard.cgroup import own_cgroup, read_setting
 
 
 @dataclass
@@ -76,7 +76,7 @@ def _lower(which: int, value: int) -> None:
 def _join_cgroup(name: str, limits: Limits) -> list[Path]:
     """Create cgroups for the job, set its limits, move this process in; [] where that is not possible."""
     v2 = own_cgroup(None)
-    if v2 is not None and "memory" in _read(v2 / "cgroup.subtree_control").split():
+    if v2 is not None and "memory" in read_setting(v2 / "cgroup.subtree_control").split():
         made = _make(v2 / name, {"memory.max": limits.memory_bytes, "pids.max": limits.max_pids})
         if made:
             return made
@@ -112,7 +112,7 @@ def oom_kills(cgroups: list[Path]) -> int:
     kills = 0
     for path in cgroups:
         for name in ("memory.events", "memory.oom_control"):
-            for line in _read(path / name).splitlines():
+            for line in read_setting(path / name).splitlines():
                 key, _, value = line.partition(" ")
                 if key == "oom_kill" and value.strip().isdigit():
                     kills += int(value)
@@ -144,10 +144,3 @@ def remove_stale(name: str) -> int:
 def cgroup_name(lease_id: int, job_id: int | str) -> str:
     """The cgroup a lease's job runs in (one name for all its attempts)."""
     return f"runyard-lease-{lease_id}-{job_id}"
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text()
-    except OSError:
-        return ""

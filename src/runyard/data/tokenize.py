@@ -165,9 +165,10 @@ def encode_documents(
     per_piece = np.fromiter((len(x) for x in ids), dtype=np.int64, count=len(ids))
     lengths = np.bincount(owners, weights=per_piece, minlength=len(texts)).astype(np.int64) + 1
     tokens = np.empty(int(lengths.sum()), dtype=dtype)
-    tokens[np.cumsum(lengths) - 1] = eos
+    ends = np.cumsum(lengths) - 1  # each document's eos
+    tokens[ends] = eos
     body = np.ones(len(tokens), dtype=bool)
-    body[np.cumsum(lengths) - 1] = False
+    body[ends] = False
     tokens[body] = np.concatenate(ids) if ids else np.zeros(0, dtype=dtype)
     return tokens, lengths
 

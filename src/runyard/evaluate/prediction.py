@@ -6,19 +6,31 @@ and calibration figures. The baseline predicts the training split's class freque
 accuracy is the majority class's). Regression: RMSE, MAE and R²; the baseline predicts the training mean.
 `must_beat_baseline` compares the loss (log loss, or RMSE) with the baseline's.
 
-scikit-learn is the optional extra runyard[predict], which every tabular and image run has.
+scikit-learn is the optional extra runyard[predict], which every tabular and image run has; it is loaded
+when metrics are first computed, so that importing the run's modules needs no extra.
 """
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import asdict, dataclass, field
+from types import ModuleType
 from typing import Any
 
 import numpy as np
-from sklearn import metrics as skm
 
+from runyard.errors import RunyardError
 from runyard.evaluate.report import Verdict
 from runyard.spec_tasks import PredictionEvalSpec
+
+
+def _sklearn_metrics() -> ModuleType:
+    try:
+        return importlib.import_module("sklearn.metrics")
+    except ImportError as exc:
+        raise RunyardError(f"held-out metrics of a table or image model need scikit-learn: "
+                           f"pip install 'runyard[predict]' ({exc})") from None
+
 
 MAJORITY, MEAN = "class frequencies of the training split (majority class for accuracy)", "mean of the training split"
 
@@ -56,6 +68,7 @@ def _f1_average(setting: str, n_classes: int) -> str:
 def classification_scores(y: np.ndarray, proba: np.ndarray, n_classes: int, average: str,
                           notes: list[str] | None = None) -> dict[str, float | None]:
     """accuracy, f1, roc_auc (None when the test split lacks a class) and log_loss of probabilities."""
+    skm = _sklearn_metrics()
     labels = list(range(n_classes))
     predicted = proba.argmax(axis=1)
     out: dict[str, float | None] = {
@@ -76,6 +89,7 @@ def classification_scores(y: np.ndarray, proba: np.ndarray, n_classes: int, aver
 
 
 def regression_scores(y: np.ndarray, prediction: np.ndarray) -> dict[str, float | None]:
+    skm = _sklearn_metrics()
     return {
         "rmse": float(np.sqrt(skm.mean_squared_error(y, prediction))),
         "mae": float(skm.mean_absolute_error(y, prediction)),
@@ -106,6 +120,7 @@ def calibration(y: np.ndarray, proba: np.ndarray, bins: int) -> dict[str, list[f
 
 def evaluate_classification(y: np.ndarray, proba: np.ndarray, train_y: np.ndarray, classes: list[str],
                             thresholds: PredictionEvalSpec) -> PredictionMetrics:
+    skm = _sklearn_metrics()
     n = len(classes)
     average = _f1_average(thresholds.f1_average, n)
     notes: list[str] = []

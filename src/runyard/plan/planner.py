@@ -34,7 +34,6 @@ from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
 from runyard.model.registry import FamilyUnavailable, get_family
-from runyard.model.tabular import TableFacts
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
     Machine,
@@ -51,7 +50,7 @@ from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, FamilyChoice, Hardware, recommend_family
-from runyard.spec import JobSpec, resolved_stage
+from runyard.spec import JobSpec, resolved_stage, with_family
 
 # Stated costs of steps not worth timing (seconds), and rates of ones too cheap to calibrate.
 STAGE_SETUP_S = 0.5  # building the model and optimizer, the gates record
@@ -150,25 +149,19 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
         machine = table_machine("cpu", spec.resources.threads or cpu_count())
     data = estimate_data(spec.task, spec.data, spec.seed, files, machine.devices if machine.kind == "cpu" else cpu_count(),
                          cache_dir, measure=calibrate)
-    facts = dict(data.facts.config_facts())
+    facts = dict(data.facts.config_facts(spec.task))
     facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
     choice = recommend_family(spec.task, data.facts)
     warnings = []
-    if spec.model.family is None and choice.family is None:
+    unnamed = any(resolved_stage(spec, s.name).model.family is None for s in spec.stages)
+    if unnamed and choice.family is None:
         raise FamilyUnavailable(f"nothing to plan: {choice.why}")
-    if spec.model.family is None and choice.family is not None:
+    if unnamed:
         # What the run does with model.family left out: the data's recommendation trains (run_predictive).
-        spec = spec.model_copy(update={"model": spec.model.model_copy(update={"family": choice.family})})
+        spec = with_family(spec, choice.family)
     elif choice.family is not None and any(resolved_stage(spec, s.name).model.family != choice.family
                                            for s in spec.stages):
         warnings.append(f"the spec's model.family differs from the recommendation {choice.family!r}: {choice.why}")
-    # The keyword facts the families' configs take from prepared data (train/batches.py, run_predictive),
-    # here from what the plan counted before preparing anything.
-    if data.facts.kind == "tabular":
-        classes = data.facts.classes if spec.task.endswith("classification") else None
-        facts["table"] = TableFacts(n_features=data.facts.features or 1, categorical=(), n_classes=classes)
-    elif data.facts.kind == "image" and data.facts.image_shape is not None and data.facts.classes:
-        facts["shape"], facts["n_classes"] = tuple(data.facts.image_shape), data.facts.classes
 
     train_rows = int((data.facts.rows or 0) * (1 - spec.data.heldout_fraction)) if data.facts.rows else None
     loader = _loader_bytes(data, facts["vocab_size"])
@@ -324,7 +317,7 @@ def lifetime_for(spec: JobSpec, plan: Plan, traffic: Traffic) -> Lifetime:
     """Training cost against serving on the cheapest fitting hardware for the traffic."""
     last = plan.stages[-1]
     stage = resolved_stage(spec, last.plan.stage)
-    facts = dict(plan.data.facts.config_facts())
+    facts = dict(plan.data.facts.config_facts(spec.task))
     facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
     family, config = sizing.stage_config(spec, stage, facts)
     size = family.sizing(config)

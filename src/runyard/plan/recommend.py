@@ -22,6 +22,7 @@ from typing import Any
 
 from runyard.market.requirement import Interconnect
 from runyard.model.choice import choose_family, needs_deep_network, no_family_message
+from runyard.model.tabular import TableFacts
 from runyard.plan.devices import Device, device, usable_memory
 
 # Tasks by the kind of data they read.
@@ -67,8 +68,9 @@ class DataFacts:
     vocab_size: int | None = None  # text: the tokenizer's (known once prepared)
     extra: dict[str, Any] = field(default_factory=dict)
 
-    def config_facts(self) -> dict[str, Any]:
-        """Keyword arguments a family's `config_from_spec` may take from the data."""
+    def config_facts(self, task: str) -> dict[str, Any]:
+        """Keyword arguments a family's `config_from_spec` takes from the data (what train/batches.py and
+        run_predictive read from the prepared data), here from what was counted before preparing it."""
         out: dict[str, Any] = {}
         for key in ("vocab_size", "features", "classes", "rows"):
             if getattr(self, key) is not None:
@@ -76,6 +78,11 @@ class DataFacts:
         if self.image_shape is not None:
             out["channels"], out["height"], out["width"] = self.image_shape
             out["image_shape"] = self.image_shape
+            if self.classes:
+                out["shape"], out["n_classes"] = tuple(self.image_shape), self.classes
+        if self.kind == "tabular":
+            classes = self.classes if task.endswith("classification") else None  # regression: a value
+            out["table"] = TableFacts(n_features=self.features or 1, categorical=(), n_classes=classes)
         return out
 
     def describe(self) -> str:

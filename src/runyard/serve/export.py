@@ -30,6 +30,8 @@ from tokenizers import Tokenizer
 from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, special_token, token_ids, tokenizer_config_for
 from runyard.diskspace import nbytes_of, writing
 from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
+from runyard.model.hf.config import CONFIG_FILE, read_json
+from runyard.model.hf.errors import ModelDirectoryError
 from runyard.model.registry import DEFAULT_FAMILY, ExportError, UnknownFamily, get_family
 
 EXPORT_FORMAT = "runyard-export"
@@ -131,28 +133,29 @@ def install_export(tmp: Path, out_dir: Path, names: list[str], provenance_json: 
 
 
 def export_eos_ids(export_dir: Path, tokenizer: Tokenizer) -> set[int]:
-    """The token ids that end a generation with this export, as transformers reads them:
-    generation_config.json's `eos_token_id` (one id or a list: Llama 3 instruct ends turns with
-    `<|eot_id|>` and documents with `<|end_of_text|>`) and tokenizer_config.json's `eos_token`.
-    Empty when neither names one (the caller may fall back to common names)."""
+    """The token ids that end a generation with this export, as transformers reads them: the
+    `eos_token_id` of generation_config.json and config.json (one id or a list: Llama 3 instruct ends
+    turns with `<|eot_id|>` and documents with `<|end_of_text|>`) and tokenizer_config.json's
+    `eos_token`. Empty when none names one (the caller may fall back to common names)."""
     export_dir = Path(export_dir)
     ids: set[int] = set()
-    try:
-        generation = json.loads((export_dir / GENERATION_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        generation = {}
-    listed = generation.get("eos_token_id") if isinstance(generation, dict) else None
-    for value in listed if isinstance(listed, list) else [listed]:
-        if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size():
-            ids.add(value)
-    try:
-        tok_config = json.loads((export_dir / TOKENIZER_CONFIG_FILE).read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        tok_config = {}
-    token = special_token(tok_config, "eos_token") if isinstance(tok_config, dict) else None
+    for name in (GENERATION_CONFIG_FILE, CONFIG_FILE):
+        listed = _json_object(export_dir / name).get("eos_token_id")
+        for value in listed if isinstance(listed, list) else [listed]:
+            if isinstance(value, int) and not isinstance(value, bool) and 0 <= value < tokenizer.get_vocab_size():
+                ids.add(value)
+    token = special_token(_json_object(export_dir / TOKENIZER_CONFIG_FILE), "eos_token")
     if token is not None and (found := tokenizer.token_to_id(token)) is not None:
         ids.add(found)
     return ids
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A JSON file's object; {} when it is missing, unreadable or not an object."""
+    try:
+        return read_json(path)
+    except ModelDirectoryError:
+        return {}
 
 
 def _generation_config(ids: dict[str, int | None]) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from tokenizers import Tokenizer
 
 from runyard.serve.engine import find_eos_id
 from runyard.serve.errors import InvalidRequest, QueueFull, ServeConfigError
+from runyard.serve.export import export_eos_ids
 from runyard.serve.sampling import SamplingParams, TokenLogprobs
 from runyard.serve.sequence import SeqEvent, Sink
 
@@ -64,11 +65,7 @@ class VllmEngine:
         self._vllm = vllm
         self.tokenizer = Tokenizer.from_file(str(Path(export_dir) / "tokenizer.json"))
         self.context_length = int(config.get("max_position_embeddings") or 2048)
-        eos = config.get("eos_token_id")
-        eos_ids = set(eos if isinstance(eos, list) else [eos] if isinstance(eos, int) else [])
-        if not eos_ids and (found := find_eos_id(self.tokenizer)) is not None:
-            eos_ids = {found}
-        self.eos_ids = frozenset(eos_ids)
+        self.eos_ids = frozenset(export_eos_ids(Path(export_dir), self.tokenizer) or {find_eos_id(self.tokenizer)} - {None})
         self.max_queue, self._slots = max_queue, max_num_seqs
         args = vllm.AsyncEngineArgs(
             model=str(export_dir),

@@ -26,9 +26,8 @@ from runyard.control.backends.base import Ended, Launched, Requeued, attempt_sta
 from runyard.control.states import JobState
 from runyard.control.store import Job
 from runyard.errors import EXIT_OUT_OF_MEMORY, RunyardError
+from runyard.slurm_states import QUEUED_STATES, RUNNING_STATES
 
-RUNNING_STATES = {"RUNNING", "COMPLETING", "SUSPENDED", "STOPPED", "SIGNALING", "STAGE_OUT"}
-QUEUED_STATES = {"PENDING", "CONFIGURING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING"}
 LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "DEADLINE", "TIMEOUT"}
 # Slurm's cgroup killed the job for going past --mem: the job's fault, not the node's (the shim's file only
 # saw a SIGKILL, so this state wins over it).

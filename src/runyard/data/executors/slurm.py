@@ -41,13 +41,11 @@ from pathlib import Path
 from runyard.data.errors import TaskFailed
 from runyard.data.tasks import Task, write_task_list
 from runyard.errors import DataError
+from runyard.slurm_states import LIVE_STATES
 
 POLL_MIN_S = 0.1
 POLL_MAX_S = 2.0
 LOG_TAIL = 1500
-# squeue's states of a job that has not ended (its array tasks may still run or start)
-_LIVE_STATES = {"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED", "REQUEUE_HOLD",
-                "REQUEUE_FED", "RESIZING", "SIGNALING", "STAGE_OUT", "STOPPED", "RESV_DEL_HOLD"}
 
 
 def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
@@ -146,7 +144,7 @@ class SlurmExecutor:
         if proc.returncode != 0:  # squeue refuses the list when a job in it is long gone: ask one by one
             return [j for j in job_ids if len(job_ids) > 1 and self._active([j])]
         live = {f for f, state in (line.split()[:2] for line in proc.stdout.splitlines() if line.strip())
-                if state in _LIVE_STATES}
+                if state in LIVE_STATES}
         return [j for j in job_ids if j in live]
 
     def __enter__(self):
