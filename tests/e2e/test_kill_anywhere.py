@@ -42,7 +42,10 @@ PATCH = {
     "train": {"steps": STEPS},
     "checkpoint": {"interval": 4, "keep_last": 2},
     "stages": [{"name": "main", "gates": {"min_loss_drop": 0.05, "min_tokens_per_s": 1.0}}],
-    "data": {"workers": 2},
+    # Over 1 MiB of sources: more than one clean and tokenize part, so two workers really run (one part is
+    # cleaned in the main process and no pool starts).
+    "data": {"workers": 2, "sources": [{"path": "{stdlib}/json/*.py"}, {"path": "{stdlib}/email/*.py"},
+                                       {"path": "{stdlib}/asyncio/*.py"}, {"path": "{stdlib}/logging/*.py"}]},
 }
 # Two processes: the same global batch (2 ranks x 4 sequences) and dropout on (per-rank RNG restored).
 TWO = {"train": {"batch_size": 4}, "resources": {"nproc": 2}}
