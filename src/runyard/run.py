@@ -54,7 +54,7 @@ from runyard.plan.stages import (
 from runyard.plan.weights_in import check_weights_in, stage_start, weights_tokenizer_dir
 from runyard.serve.drift import build_reference
 from runyard.serve.engine import Generator
-from runyard.serve.export import GENERATION_CONFIG_FILE, load_export
+from runyard.serve.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
 from runyard.serve.export import export_model as write_export
 from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
 from runyard.train import parallel
@@ -314,7 +314,7 @@ def evaluate_and_export(
     # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py).
     build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift")).save(export_dir)
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
-    generator = Generator(exported, tokenizer, device=str(device))
+    generator = Generator(exported, tokenizer, device=str(device), eos_ids=export_eos_ids(export_dir, tokenizer))
     samples = []
     for i, prompt in enumerate(spec.eval.prompts):
         completion = generator.generate(

@@ -59,11 +59,24 @@ def test_generate_returns_only_the_completion_text(tokenizer, make_model):
 
 def test_stops_at_eos(tokenizer, make_model):
     gen = Generator(make_model(tokenizer), tokenizer)
-    assert gen.eos_id == tokenizer.token_to_id("<|endoftext|>")  # found by its conventional name
+    assert gen.eos_ids == {tokenizer.token_to_id("<|endoftext|>")}  # found by its conventional name
     full = gen.generate_ids([5, 6], max_tokens=12, temperature=0, stop_at_eos=False)
     stop = full[4]  # treat a token the greedy path emits as end-of-text: output ends before it
     assert gen.generate_ids([5, 6], max_tokens=12, temperature=0, eos_id=stop) == full[: full.index(stop)]
     assert gen.generate_ids([5, 6], max_tokens=12, temperature=0, eos_id=stop, stop_at_eos=False) == full
+
+
+def test_any_of_several_end_tokens_ends_a_generation(tokenizer, make_model):
+    model = make_model(tokenizer)
+    sampled = {"max_tokens": 12, "temperature": 1.0, "seed": 3}  # the same tokens up to the stop
+    full = Generator(model, tokenizer).generate_ids([5, 6], stop_at_eos=False, **sampled)
+    distinct = list(dict.fromkeys(full))  # in order of first appearance
+    assert len(distinct) >= 3, full
+    first, later = distinct[1], distinct[2]  # a chat export ends turns and documents with different tokens
+    for ends in ({first, later}, {later}):
+        gen = Generator(model, tokenizer, eos_ids=ends)
+        stop = min(full.index(t) for t in ends)
+        assert gen.generate_ids([5, 6], **sampled) == full[:stop]
 
 
 def test_empty_prompt_starts_from_end_of_text(tokenizer, make_model):

@@ -19,7 +19,7 @@ from runyard.manifest import read_manifest
 from runyard.plan.stages import read_gates
 from runyard.run import SPEC_FILE, default_run_dir, execute_run
 from runyard.serve.engine import Generator
-from runyard.serve.export import load_export
+from runyard.serve.export import export_eos_ids, load_export
 from runyard.spec import load_spec
 from runyard.train.launch import launch, run_worker, under_launcher
 
@@ -221,8 +221,9 @@ def cmd_generate(args) -> int:
     if problems:
         raise SpecError("generate command line", problems)
     say_if_live(args.run_dir)
-    model, _cfg, tokenizer = load_export(export_dir_of(args.run_dir))
-    text = Generator(model, tokenizer).generate(
+    export_dir = export_dir_of(args.run_dir)
+    model, _cfg, tokenizer = load_export(export_dir)
+    text = Generator(model, tokenizer, eos_ids=export_eos_ids(export_dir, tokenizer)).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
     )
     print(args.prompt + text)

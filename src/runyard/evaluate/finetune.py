@@ -93,7 +93,7 @@ def answers(model: torch.nn.Module, tokenizer: Tokenizer, store: SampleStore, id
             max_new_tokens: int, device: torch.device) -> list[str]:
     """Greedy answers of `model` to the held-out samples `ids` (prompted with everything before their
     last response), stopping at the end-of-text token."""
-    generator = Generator(model, tokenizer, device=device, eos_id=eos_id)
+    generator = Generator(model, tokenizer, device=device, eos_ids={eos_id})
     out = []
     for i in ids:
         completion = generator.generate_ids(store.prompt(int(i)), max_tokens=max_new_tokens, temperature=0.0)

@@ -65,12 +65,14 @@ class Generator:
         model: torch.nn.Module,
         tokenizer: Tokenizer,
         device: str | torch.device = "cpu",
-        eos_id: int | None = None,
+        eos_ids: Iterable[int] | None = None,
     ):
+        """`eos_ids`: the tokens that end a generation (an export's, `serve.export.export_eos_ids`: a chat
+        model may end turns and documents with different ones); default the tokenizer's end-of-text."""
         self.device = torch.device(device)
         self.model = model.to(self.device)
         self.tokenizer = tokenizer
-        self.eos_id = eos_id if eos_id is not None else find_eos_id(tokenizer)
+        self.eos_ids = frozenset(eos_ids) if eos_ids else frozenset({find_eos_id(tokenizer)} - {None})
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text).ids
@@ -86,13 +88,14 @@ class Generator:
         stop_at_eos: bool = True,
         eos_id: int | None = None,
     ) -> Iterator[int]:
-        """Yield completion token ids one by one (the prompt is not repeated)."""
+        """Yield completion token ids one by one (the prompt is not repeated); `eos_id`, when given, is the
+        one token that ends it instead of the generator's."""
         ids = list(prompt_ids)
-        eos = eos_id if eos_id is not None else self.eos_id
+        eos = frozenset({eos_id}) if eos_id is not None else self.eos_ids
         if not ids:
-            if eos is None:
+            if not eos:
                 raise ValueError("the prompt encodes to no tokens and the tokenizer has no end-of-text token")
-            ids = [eos]  # start as if at a document boundary
+            ids = [min(eos)]  # start as if at a document boundary
         vocab = self.model.cfg.vocab_size
         if not all(0 <= i < vocab for i in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
@@ -117,7 +120,7 @@ class Generator:
         pos = len(window)
         for _ in range(max_tokens):
             token = sample_next(logits.to("cpu"), temperature, top_k, top_p, generator)
-            if stop_at_eos and eos is not None and token == eos:
+            if stop_at_eos and token in eos:
                 return
             yield token
             ids.append(token)
