@@ -246,7 +246,9 @@ def run_stages(
             record = {"passed": True}
             if ctx.is_main:
                 rows = MetricsLog(sdir / "metrics.jsonl").read()
-                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.checkpointed_module)
+                before = read_finetune_record(sdir).get("before", {}).get("metrics", {})
+                results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.checkpointed_module,
+                                                  heldout_start=before.get("heldout_loss"))
                 record = write_gates(sdir, name, results)
             record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:

@@ -227,6 +227,14 @@ class GateSpec(_Strict):
     max_heldout_loss: float | None = Field(
         default=None, gt=0, description="bound on the held-out loss (nats per token) at the end of the stage"
     )
+    min_heldout_loss_drop: float | None = Field(
+        default=None,
+        ge=0,
+        lt=1,
+        description="fraction by which the held-out loss must fall during the stage: from the stage's initial "
+        "weights (sft and dpo stages, evaluated before their first step) or its first held-out evaluation "
+        "(pretrain stages), to its last evaluation",
+    )
     checkpoint_roundtrip: bool = Field(
         default=True, description="reload the stage's final checkpoint and compare every tensor bitwise with the model"
     )

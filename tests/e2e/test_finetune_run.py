@@ -68,8 +68,9 @@ def test_two_ddp_processes_match_one_with_masks(tmp_path, lora):
 
 
 def test_a_run_with_an_sft_stage_reports_before_and_after(tmp_path):
+    gated = merge(SFT_STAGE, {"gates": {"min_heldout_loss_drop": 0.001}})  # measured from the `before` record
     spec = write(tmp_path, "run", {"stages": [{"name": "pre", "train": {"steps": 4}, "gates": {"min_loss_drop": None}},
-                                              SFT_STAGE]})
+                                              gated]})
     run_dir = tmp_path / "run"
     runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True)
     report = (run_dir / "eval/report.md").read_text()
@@ -78,7 +79,11 @@ def test_a_run_with_an_sft_stage_reports_before_and_after(tmp_path):
     assert "Python functions:" in data_report and "supervised tokens" in data_report
     record = json.loads((run_dir / "stages/tune/finetune.json").read_text())
     assert record["before"]["metrics"]["heldout_loss"] > record["after"]["metrics"]["heldout_loss"]
-    assert json.loads((run_dir / "stages/tune/gates.json").read_text())["passed"]
+    gates = json.loads((run_dir / "stages/tune/gates.json").read_text())
+    assert gates["passed"]
+    (drop,) = [g for g in gates["gates"] if g["name"] == "heldout_loss_drop"]
+    start, end = record["before"]["metrics"]["heldout_loss"], record["after"]["metrics"]["heldout_loss"]
+    assert drop["value"] == pytest.approx((start - end) / start)
 
 
 def test_sigterm_mid_sft_then_resume_is_bitwise_equal(tmp_path):

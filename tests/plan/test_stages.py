@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from runyard.plan.stages import GATES_FILE, evaluate_gates, format_failures, read_gates, write_gates
+from runyard.plan.stages import (
+    GATES_FILE,
+    evaluate_gates,
+    evaluate_recorded_gates,
+    format_failures,
+    read_gates,
+    write_gates,
+)
 from runyard.spec import GateSpec
 
 
@@ -25,6 +32,21 @@ def test_each_gate_passes_and_fails_on_its_bound():
     bad = _by_name(evaluate_gates(gates, [5.0] * 5 + [4.5] * 4 + [math.nan], 3.5, 50.0, None, model))
     assert not any(r.passed for r in bad.values())
     assert bad["finite"].detail.endswith("[10]")
+
+
+def test_heldout_drop_is_measured_from_the_initial_weights_or_the_first_evaluation():
+    gates = GateSpec(min_loss_drop=None, checkpoint_roundtrip=False, require_finite=False, min_heldout_loss_drop=0.1)
+    rows = [{"step": 1, "loss": 4.0, "heldout_loss": 4.0}, {"step": 2, "loss": 3.0},
+            {"step": 3, "loss": 2.0, "heldout_loss": 3.5}]
+    (first,) = evaluate_recorded_gates(gates, rows, None, torch.nn.Linear(2, 2))  # 4.0 -> 3.5: 12.5%
+    assert first.passed and first.value == pytest.approx(0.125) and "4.0000 -> 3.5000" in first.detail
+    # a fine-tuning stage's `before` record: 3.8 -> 3.5 is under 10%
+    (before,) = evaluate_recorded_gates(gates, rows, None, torch.nn.Linear(2, 2), heldout_start=3.8)
+    assert not before.passed and before.value == pytest.approx(0.3 / 3.8)
+    (none,) = evaluate_recorded_gates(gates, [{"step": 1, "loss": 2.0}], None, torch.nn.Linear(2, 2))
+    assert not none.passed and none.detail == "no held-out loss to compare"
+    (worse,) = evaluate_gates(gates, [1.0], math.nan, 1.0, None, None, heldout_start=3.0)
+    assert not worse.passed
 
 
 def test_missing_checkpoint_fails_the_roundtrip_gate():

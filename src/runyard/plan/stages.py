@@ -67,9 +67,11 @@ def evaluate_gates(
     model: torch.nn.Module,
     samples_per_s: float = 0.0,
     rewards: dict[str, float] | None = None,
+    heldout_start: float | None = None,
 ) -> list[GateResult]:
     """Each set gate against the stage's record. `rewards`: a dpo stage's last held-out reward accuracy
-    and margin (`heldout_reward_accuracy`, `heldout_reward_margin`)."""
+    and margin (`heldout_reward_accuracy`, `heldout_reward_margin`); `heldout_start`: the held-out loss
+    the stage started from."""
     results: list[GateResult] = []
     rewards = rewards or {}
     for name, field, key, what in (
@@ -97,6 +99,14 @@ def evaluate_gates(
         results.append(
             GateResult("heldout_loss", ok, heldout_loss, gates.max_heldout_loss, "held-out loss at the end")
         )
+    if gates.min_heldout_loss_drop is not None:
+        drop = None
+        if heldout_start is not None and heldout_loss is not None and heldout_start > 0:
+            drop = (heldout_start - heldout_loss) / heldout_start
+        ok = drop is not None and math.isfinite(drop) and drop >= gates.min_heldout_loss_drop
+        detail = ("no held-out loss to compare" if drop is None
+                  else f"held-out loss {heldout_start:.4f} -> {heldout_loss:.4f} ({drop:.1%})")
+        results.append(GateResult("heldout_loss_drop", ok, drop, gates.min_heldout_loss_drop, detail))
     if gates.min_tokens_per_s is not None:
         ok = tokens_per_s >= gates.min_tokens_per_s
         results.append(
@@ -126,9 +136,12 @@ def steady_tokens_per_s(rows: list[dict], key: str = "tokens_per_s") -> float:
 
 
 def evaluate_recorded_gates(
-    gates: GateSpec, rows: list[dict], checkpoint_path: Path | None, model: torch.nn.Module
+    gates: GateSpec, rows: list[dict], checkpoint_path: Path | None, model: torch.nn.Module,
+    heldout_start: float | None = None,
 ) -> list[GateResult]:
-    """The stage's gates from its metrics log `rows` (one per step, in order) and its final checkpoint."""
+    """The stage's gates from its metrics log `rows` (one per step, in order) and its final checkpoint.
+    `heldout_start`: the held-out loss of the stage's initial weights where it was measured (a fine-tuning
+    stage's `before`); else the first held-out evaluation in `rows` stands for it."""
     losses = [float(r["loss"]) for r in rows if "loss" in r]
     held = [r["heldout_loss"] for r in rows if r.get("heldout_loss") is not None]
     rewards = {}
@@ -138,7 +151,8 @@ def evaluate_recorded_gates(
             rewards[key] = float(values[-1])
     return evaluate_gates(gates, losses, held[-1] if held else None, steady_tokens_per_s(rows),
                           checkpoint_path, model, samples_per_s=steady_tokens_per_s(rows, "samples_per_s"),
-                          rewards=rewards)
+                          rewards=rewards, heldout_start=heldout_start if heldout_start is not None else
+                          (held[0] if held else None))
 
 
 def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:
