@@ -213,7 +213,8 @@ def prepare(spec: Path, cache: Path, *extra: str) -> dict:
         raise SystemExit(f"runyard prepare failed ({proc.returncode}):\n{err[-3000:]}")
     stats = json.loads(next((cache / "datasets").glob("*/prepared.json")).read_text())["stats"]
     return {"seconds": seconds, "peak_rss": memory.peak_rss, "peak_pss": memory.peak_pss,
-            "load": [round(load, 2), round(os.getloadavg()[0], 2)], "cpu_seconds": stats.get("cpu_seconds", {})}
+            "load": [round(load, 2), round(os.getloadavg()[0], 2)], "cpu_seconds": stats.get("cpu_seconds", {}),
+            "step_seconds": stats.get("timings", {})}
 
 
 def _autogroup_on() -> bool:
@@ -291,7 +292,7 @@ def main() -> int:
             print(f"{name}: {samples.rate(ratio_size / 1e6).spread()} MB/s", flush=True)
             for run in runs[name]:
                 print(f"  {run['seconds']:.1f} s at load {run['load'][0]}-{run['load'][1]}; CPU s per step "
-                      f"{run['cpu_seconds']}", flush=True)
+                      f"{run['cpu_seconds']}; wall s per step {run['step_seconds']}", flush=True)
         bound = Samples([amdahl_two_workers(r["cpu_seconds"]) for r in runs["1 worker"]])
         report.note(f"two workers over one, the most the CPU seconds allow (main-process steps alone, tasks "
                     f"on 2 CPUs): {bound.spread()}")

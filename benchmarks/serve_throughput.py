@@ -48,7 +48,10 @@ import httpx
 import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from train_throughput import build_hf, copy_weights_to_hf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import Report, Samples, add_common_args  # noqa: E402
+from train_throughput import build_hf, copy_weights_to_hf  # noqa: E402  (a sibling script: the HF peer)
 
 from runyard.data.tokenizer import tokenizer_config_for
 from runyard.http_thread import free_port
@@ -72,7 +75,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--requests-per-client", type=int, default=2, help="requests each client sends (at least 16 in all)")
-    p.add_argument("--repeats", type=int, default=3, help="interleaved rounds")
+    add_common_args(p, repeats=3)
     p.add_argument("--threads", type=int, default=1, help="torch threads, the same for both sides")
     p.add_argument("--seed", type=int, default=0)
     return p.parse_args(argv)
@@ -349,21 +352,25 @@ def pct(values: list[float], q: float) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+FIGURES = {
+    "tokens/s": lambda r: r.tokens_per_s,
+    "ttft p50 ms": lambda r: 1000 * pct(r.ttft_s, 50),
+    "ttft p99 ms": lambda r: 1000 * pct(r.ttft_s, 99),
+    "tpot p50 ms": lambda r: 1000 * pct(r.tpot_s, 50),
+    "tpot p99 ms": lambda r: 1000 * pct(r.tpot_s, 99),
+    "latency p50 ms": lambda r: 1000 * pct(r.latency_s, 50),
+}
+
+
 def summary(runs: list[Result]) -> dict[str, tuple[float, float, float]]:
     """median (min, max) over rounds of each figure."""
-    figures = {
-        "tokens/s": [r.tokens_per_s for r in runs],
-        "ttft p50 ms": [1000 * pct(r.ttft_s, 50) for r in runs],
-        "ttft p99 ms": [1000 * pct(r.ttft_s, 99) for r in runs],
-        "tpot p50 ms": [1000 * pct(r.tpot_s, 50) for r in runs],
-        "tpot p99 ms": [1000 * pct(r.tpot_s, 99) for r in runs],
-        "latency p50 ms": [1000 * pct(r.latency_s, 50) for r in runs],
-    }
+    figures = {name: [figure(r) for r in runs] for name, figure in FIGURES.items()}
     return {k: (statistics.median(v), min(v), max(v)) for k, v in figures.items()}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    report = Report("serve_throughput", args, packages=["transformers", "tokenizers"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
     import transformers  # optional extra (bench): the peer
 
@@ -419,10 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     print()
     header = f"{'engine':<18}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(next(iter(results.values()))))
     print(header)
-    table = {}
     for (mode, clients), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         s = summary(runs)
-        table[(mode, clients)] = s
         cells = "".join(f"{f'{m:.1f} ({lo:.1f}..{hi:.1f})':>24}" for m, lo, hi in s.values())
         print(f"{mode:<18}{clients:>8}{cells}")
     print("(median over rounds, min..max in brackets; 'runyard http': `runyard serve` measured at streaming HTTP "
@@ -430,32 +435,29 @@ def main(argv: list[str] | None = None) -> int:
 
     top, one = max(args.clients), min(args.clients)
 
-    def ratio(mode: str, peer: str, clients: int, figure: str) -> float:
-        return table[(mode, clients)][figure][0] / table[(peer, clients)][figure][0]
+    def paired(mode: str, peer: str, clients: int, figure: str) -> Samples:
+        """Per-round ratios of one figure: each round ran every mode back to back on the same machine state."""
+        ours, theirs = results[(mode, clients)], results[(peer, clients)]
+        return Samples([FIGURES[figure](a) / FIGURES[figure](b) for a, b in zip(ours, theirs, strict=True)])
 
-    # Other work on a shared machine changes speed between rounds; each round runs every mode back to
-    # back, so the ratio within a round is also printed (its median and spread), beside the ratio of
-    # the medians that the RATIO lines give.
-    for mode in ("runyard engine", "runyard http"):
-        paired = [a.tokens_per_s / b.tokens_per_s for a, b in zip(results[(mode, top)], results[("hf static batch", top)], strict=True)]
-        print(f"{mode} / hf static batch, {top} clients, tokens/s within each round: "
-              + ", ".join(f"{x:.2f}" for x in paired) + f" (median {statistics.median(paired):.2f})")
     for mode in ("runyard engine", "runyard http"):
         tag = mode.split()[1]
-        print(f"RATIO serve_{tag}_tokens_per_s_{top}_clients {ratio(mode, 'hf static batch', top, 'tokens/s'):.2f} "
-              "(HF generate statically batched, target >= 3.0)")
-        print(f"RATIO serve_{tag}_request_latency_{one}_client {ratio(mode, 'hf one at a time', one, 'latency p50 ms'):.2f} "
-              "(HF generate, target <= 1.1)")
-        print(f"RATIO serve_{tag}_time_per_output_token_{one}_client "
-              f"{ratio(mode, 'hf one at a time', one, 'tpot p50 ms'):.2f} (HF generate, target <= 1.1)")
-        print(f"RATIO serve_{tag}_ttft_p50_{top}_clients {ratio(mode, 'hf static batch', top, 'ttft p50 ms'):.2f} "
-              "(HF generate statically batched, lower is better, no target)")
+        report.ratio(f"serve_{tag}_tokens_per_s_{top}_clients", paired(mode, "hf static batch", top, "tokens/s"),
+                     f"HF generate statically batched, {top} clients", ">=", 3.0)
+        report.ratio(f"serve_{tag}_request_latency_{one}_client",
+                     paired(mode, "hf one at a time", one, "latency p50 ms"), "HF generate, one client", "<=", 1.1)
+        report.ratio(f"serve_{tag}_time_per_output_token_{one}_client",
+                     paired(mode, "hf one at a time", one, "tpot p50 ms"), "HF generate, one client", "<=", 1.1)
+        ttft = paired(mode, "hf static batch", top, "ttft p50 ms")
+        report.note(f"{mode}: time to first token p50 at {top} clients over HF static batching's: {ttft.spread()} "
+                    "(lower is better; no target)")
+    report.note(f"1-minute load average before: {report.load_before[0]:.1f} on {os.cpu_count()} cores")
     print(f"load average at the end: {os.getloadavg()[0]:.1f}")
     if vllm_available():
         measure_vllm(hf, tok, texts, args)
     else:
         print("vLLM: not measured (needs a CUDA GPU and the vllm package)")
-    return 0
+    return report.finish()
 
 
 def measure_vllm(hf, tok: Tokenizer, texts: list[str], args: argparse.Namespace) -> None:
