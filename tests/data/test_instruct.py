@@ -4,6 +4,7 @@ named, removals counted, groups kept on one side of the split, and a resumable p
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +12,8 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from runyard.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, choose_template
-from runyard.data.instruct_sources import RecordError
+from runyard.data.instruct_config import InstructSourceSpec
+from runyard.data.instruct_sources import RecordError, preference_pairs, python_function_records
 from runyard.data.samples import SampleLoader
 from tests.train.finetune_fixtures import function_pairs, prepare, write_sft_jsonl, write_tokenizer
 
@@ -143,3 +145,20 @@ def test_python_functions_give_preference_pairs_from_the_same_module(tok, tmp_pa
     assert differ == len(chosen)
     # the prompt part is shared: the rendered conversation up to the response is the same tokens
     assert all(chosen.prompt(i) == rejected.prompt(i) for i in range(len(chosen)))
+
+
+def test_shuffled_lines_reject_a_functions_own_body_out_of_order():
+    source = InstructSourceSpec(path="{stdlib}/json/*.py", format="python_functions", rejected="shuffled_lines")
+    records = [r for path in sorted(Path(json.__file__).parent.glob("*.py"))
+               for r in python_function_records(path.name, path.read_text(), path.stem, source, Counter())]
+    counts = Counter()
+    pairs = list(preference_pairs(records, "shuffled_lines", counts))
+    assert len(pairs) + counts["functions_without_a_rival"] == len(records) and len(pairs) > 3
+    for pair in pairs:
+        chosen = pair.messages[-1]["content"]
+        assert pair.rejected != chosen
+        assert sorted(pair.rejected.splitlines()) == sorted(chosen.splitlines())  # the same lines, reordered
+    again = list(preference_pairs(records, "shuffled_lines", Counter()))
+    assert [p.rejected for p in again] == [p.rejected for p in pairs]  # fixed by the function, not by chance
+    rivals = list(preference_pairs(records, "next_function", Counter()))
+    assert [p.rejected for p in rivals][:-1] == [r.messages[-1]["content"] for r in records[1:len(rivals)]]

@@ -32,7 +32,14 @@ class InstructSourceSpec(_Strict):
         description="`jsonl` (one record per line), `parquet` (one record per row), or `python_functions`: "
         "Python files whose documented functions become records (the prompt: the function's signature and "
         "docstring; the response: its body; the group: its module), built with `ast` at data-prep time; for a dpo "
-        "stage the rejected response is the body of the module's next function",
+        "stage the rejected response is made as `rejected` says",
+    )
+    rejected: Literal["next_function", "shuffled_lines"] = Field(
+        default="next_function",
+        description="`python_functions` in a dpo stage only: the rejected response. `next_function`: the body of "
+        "the module's next function (the same style and vocabulary, the wrong meaning: hard for a small model); "
+        "`shuffled_lines`: the function's own body with its lines in another order (the same tokens, not a "
+        "program that runs in that order), a permutation fixed by the function's id",
     )
     group_field: str | None = Field(
         default=None,

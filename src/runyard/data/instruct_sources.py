@@ -11,8 +11,10 @@ is well formed but unusable (an empty response) is counted and left out.
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
+import random
 import textwrap
 from collections import Counter
 from collections.abc import Iterator
@@ -168,19 +170,35 @@ def python_function_records(path: str, text: str, module: str, source: InstructS
         )
 
 
-def preference_pairs(records: list[Record], counts: Counter) -> Iterator[Record]:
-    """Preference records from one module's functions: chosen, a function's own body; rejected, the body
-    of the next function of the same module (in source order, cyclically): code of the same style and
-    vocabulary that does not implement this signature and docstring."""
-    if len(records) < 2:
-        counts["functions_without_a_rival"] += len(records)
-        return
+def preference_pairs(records: list[Record], rejected: str, counts: Counter) -> Iterator[Record]:
+    """Preference records from one module's functions: chosen, a function's own body; rejected, by the
+    `rejected` policy (see InstructSourceSpec.rejected). A function left without a distinct rejected
+    body is counted and skipped."""
+    make = _next_function_body if rejected == "next_function" else _shuffled_body
     for i, record in enumerate(records):
-        rival = records[(i + 1) % len(records)].messages[-1]["content"]
-        if rival == record.messages[-1]["content"]:
+        chosen = record.messages[-1]["content"]
+        rival = make(records, i)
+        if rival is None or rival == chosen:
             counts["functions_without_a_rival"] += 1
             continue
         yield Record(record.id, record.group, record.messages, rejected=rival, meta=record.meta)
+
+
+def _next_function_body(records: list[Record], i: int) -> str | None:
+    """The body of the module's next function, in source order, cyclically: code of the same style and
+    vocabulary that does not implement this signature and docstring."""
+    return records[(i + 1) % len(records)].messages[-1]["content"] if len(records) > 1 else None
+
+
+def _shuffled_body(records: list[Record], i: int) -> str | None:
+    """Function i's body with its lines permuted: seeded by the function's id (so the same on every
+    machine and run), rotated by one line when the shuffle happens to leave the order as it was."""
+    lines = records[i].messages[-1]["content"].splitlines(keepends=True)
+    order = list(range(len(lines)))
+    random.Random(hashlib.sha256(records[i].id.encode()).digest()).shuffle(order)
+    if order == sorted(order):
+        order = order[1:] + order[:1]
+    return "".join(lines[j] for j in order)
 
 
 def iter_records(source: InstructSourceSpec, file: InputFile, base: str, preference: bool,
@@ -195,7 +213,7 @@ def iter_records(source: InstructSourceSpec, file: InputFile, base: str, prefere
         text = data.decode("utf-8", errors="replace")
         module = rel.removesuffix(".py").replace(os.sep, ".").removesuffix(".__init__")
         records = python_function_records(rel, text, module, source, counts)
-        yield from (preference_pairs(list(records), counts) if preference else records)
+        yield from (preference_pairs(list(records), source.rejected, counts) if preference else records)
         return
     raw = _jsonl_records(rel, data) if source.format == "jsonl" else _parquet_records(rel, data)
     for rid, item in raw:
