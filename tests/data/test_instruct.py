@@ -162,3 +162,9 @@ def test_shuffled_lines_reject_a_functions_own_body_out_of_order():
     assert [p.rejected for p in again] == [p.rejected for p in pairs]  # fixed by the function, not by chance
     rivals = list(preference_pairs(records, "next_function", Counter()))
     assert [p.rejected for p in rivals][:-1] == [r.messages[-1]["content"] for r in records[1:len(rivals)]]
+
+
+def test_function_fields_on_a_records_file_are_refused_by_name():
+    with pytest.raises(ValueError, match="rejected apply to format python_functions only, not 'jsonl'"):
+        InstructSourceSpec(path="pairs.jsonl", rejected="shuffled_lines")
+    assert InstructSourceSpec(path="pairs.jsonl").rejected == "next_function"  # the default is no choice made

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runyard.data.config import DedupSpec, NormalizeSpec
 
@@ -53,6 +53,16 @@ class InstructSourceSpec(_Strict):
         default=40, ge=1, description="`python_functions` only: functions whose body is longer are skipped"
     )
     exclude: list[str] = Field(default_factory=list, description="glob patterns of paths to leave out")
+
+    @model_validator(mode="after")
+    def _function_fields_need_python_functions(self) -> InstructSourceSpec:
+        # Records of a JSONL or Parquet file bring their own responses: these fields would do nothing there.
+        # Compared with their defaults, not by whether they were written: a resolved spec writes them all.
+        fields = type(self).model_fields
+        stray = [n for n in ("min_body_lines", "max_body_lines", "rejected") if getattr(self, n) != fields[n].default]
+        if stray and self.format != "python_functions":
+            raise ValueError(f"{', '.join(stray)} apply to format python_functions only, not {self.format!r}")
+        return self
 
 
 class InstructDataSpec(_Strict):
