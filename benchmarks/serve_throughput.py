@@ -50,7 +50,7 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import Report, Samples, add_common_args  # noqa: E402
+from harness import Report, Samples, add_common_args, paired_ratio  # noqa: E402
 from train_throughput import build_hf, copy_weights_to_hf  # noqa: E402  (a sibling script: the HF peer)
 
 from runyard.data.tokenizer import tokenizer_config_for
@@ -437,8 +437,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def paired(mode: str, peer: str, clients: int, figure: str) -> Samples:
         """Per-round ratios of one figure: each round ran every mode back to back on the same machine state."""
-        ours, theirs = results[(mode, clients)], results[(peer, clients)]
-        return Samples([FIGURES[figure](a) / FIGURES[figure](b) for a, b in zip(ours, theirs, strict=True)])
+        ours, theirs = ([FIGURES[figure](r) for r in results[(m, clients)]] for m in (mode, peer))
+        return paired_ratio(Samples(ours), Samples(theirs))
 
     for mode in ("runyard engine", "runyard http"):
         tag = mode.split()[1]

@@ -174,7 +174,7 @@ def preference_pairs(records: list[Record], rejected: str, counts: Counter) -> I
     """Preference records from one module's functions: chosen, a function's own body; rejected, by the
     `rejected` policy (see InstructSourceSpec.rejected). A function left without a distinct rejected
     body is counted and skipped."""
-    make = _next_function_body if rejected == "next_function" else _shuffled_body
+    make = _REJECTED_BODY[rejected]
     for i, record in enumerate(records):
         chosen = record.messages[-1]["content"]
         rival = make(records, i)
@@ -199,6 +199,10 @@ def _shuffled_body(records: list[Record], i: int) -> str | None:
     if order == sorted(order):
         order = order[1:] + order[:1]
     return "".join(lines[j] for j in order)
+
+
+# InstructSourceSpec.rejected -> how a function's rejected body is made
+_REJECTED_BODY = {"next_function": _next_function_body, "shuffled_lines": _shuffled_body}
 
 
 def iter_records(source: InstructSourceSpec, file: InputFile, base: str, preference: bool,
