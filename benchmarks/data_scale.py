@@ -46,7 +46,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
 
-from runyard.diskspace import free_bytes, human_bytes  # noqa: E402
+from runyard.system.diskspace import free_bytes, human_bytes  # noqa: E402
 
 SUFFIXES = {".py", ".rst", ".txt", ".md", ".c", ".h", ".html", ".pyi", ".cfg", ".toml"}
 SHARD_BYTES = 8 << 20

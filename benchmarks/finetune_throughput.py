@@ -47,15 +47,15 @@ import train_throughput as tt  # noqa: E402
 from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
 
 from runyard.data.instruct import prepare_instruct  # noqa: E402
-from runyard.data.instruct_config import InstructDataSpec  # noqa: E402
 from runyard.data.samples import Batch, SampleLoader  # noqa: E402
 from runyard.data.sources import expand_path_template  # noqa: E402
 from runyard.data.tokenizer import EOS_TOKEN, train_bpe  # noqa: E402
+from runyard.model.compute import token_loss_sum  # noqa: E402
 from runyard.model.config import default_ffn_hidden  # noqa: E402
 from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
-from runyard.spec_finetune import LoRASpec  # noqa: E402
+from runyard.spec.data_instruct import InstructDataSpec  # noqa: E402
+from runyard.spec.finetune import LoRASpec  # noqa: E402
 from runyard.train.lora import apply_lora  # noqa: E402
-from runyard.train.objectives import token_loss_sum  # noqa: E402
 
 LR = 3e-4
 

@@ -38,7 +38,7 @@ RESULTS = REPO / "benchmarks" / "results"
 README = REPO / "benchmarks" / "README.md"
 sys.path.insert(0, str(REPO / "src"))  # the worktree's code even without an install
 
-from runyard.fsutil import atomic_write_json, atomic_write_text  # noqa: E402
+from runyard.system.files import atomic_write_json, atomic_write_text  # noqa: E402
 
 OPS: dict[str, Callable[[float, float], bool]] = {
     ">=": operator.ge, "<=": operator.le, ">": operator.gt, "<": operator.lt,

@@ -46,12 +46,12 @@ from rich.console import Console  # noqa: E402
 from rich.progress import Progress  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from runyard.http_thread import free_port  # noqa: E402
 from runyard.market.identity import create_operator  # noqa: E402
 from runyard.market.matching import DemandView, ListingView, OrderBook, best_listing  # noqa: E402
 from runyard.market.service import Market  # noqa: E402
 from runyard.market.signing import generate_keypair  # noqa: E402
 from runyard.market.verifiers import AutoApproveVerifier  # noqa: E402
+from runyard.system.http_thread import free_port  # noqa: E402
 
 console = Console()
 KINDS = ["h100-80gb", "a100-80gb", "l40s", "h200-141gb", "mi300x"]

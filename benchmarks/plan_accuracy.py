@@ -36,7 +36,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import REPO, Report, Samples, add_common_args  # noqa: E402
 
-from runyard.lifetime import die_with_parent  # noqa: E402
+from runyard.system.processes import die_with_parent  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

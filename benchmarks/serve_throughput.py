@@ -54,12 +54,12 @@ from harness import Report, Samples, add_common_args, paired_ratio  # noqa: E402
 from train_throughput import build_hf, copy_weights_to_hf  # noqa: E402  (a sibling script: the HF peer)
 
 from runyard.data.tokenizer import tokenizer_config_for
-from runyard.http_thread import free_port
 from runyard.model.config import default_ffn_hidden
+from runyard.model.hf.export import export_model
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.serve.batch_engine import BatchEngine, SeqEvent
-from runyard.serve.export import export_model
 from runyard.serve.sampling import SamplingParams
+from runyard.system.http_thread import free_port
 
 # Long-tailed, as real completions are (most short, a few long): the waste static batching pays for.
 OUTPUT_LENGTHS = (16, 16, 16, 32, 32, 64, 128, 256)

@@ -33,7 +33,7 @@ from harness import Report, Samples, add_common_args, interleaved, paired_ratio 
 from runyard.data.tabular import prepare_table  # noqa: E402
 from runyard.model import get_family  # noqa: E402
 from runyard.model.trees import tree_datasets  # noqa: E402
-from runyard.spec import parse_spec, resolved_stage  # noqa: E402
+from runyard.spec.job import parse_spec, resolved_stage  # noqa: E402
 from runyard.train.tabular_stage import fit_stage, table_facts  # noqa: E402
 
 SEED = 7

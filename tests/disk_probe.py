@@ -12,10 +12,10 @@ import torch
 
 from runyard.data.tokenizer import train_bpe
 from runyard.errors import DiskFull
-from runyard.fsutil import atomic_write_bytes
 from runyard.model.config import ModelConfig
+from runyard.model.hf.export import export_model
 from runyard.model.transformer import Transformer
-from runyard.serve.export import export_model
+from runyard.system.files import atomic_write_bytes
 from runyard.train.checkpoint import write_checkpoint
 
 

@@ -1,4 +1,4 @@
-"""Each process's CPU threads (runyard/cpus.py): the spec's, else $OMP_NUM_THREADS, else the cores this
+"""Each process's CPU threads (runyard/system/cpus.py): the spec's, else $OMP_NUM_THREADS, else the cores this
 process may use (affinity capped by a cgroup CPU quota) shared among the node's workers."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from runyard.cpus import affinity_cores, choose_threads, cpu_quota, local_processes, usable_cores
+from runyard.system.cpus import affinity_cores, choose_threads, cpu_quota, local_processes, usable_cores
 from runyard.train.launch import worker_threads
 
 

@@ -16,10 +16,18 @@ from pathlib import Path
 import pytest
 import yaml
 
-from runyard import cli, fsutil
+from runyard import cli
 from runyard.cli import spec as spec_cli
-from runyard.diskspace import DiskNeed, check_disk, free_bytes, group_by_filesystem, is_disk_full, writing
 from runyard.errors import DiskFull, InsufficientDiskSpace
+from runyard.system import files as fsutil
+from runyard.system.diskspace import (
+    DiskNeed,
+    check_disk,
+    free_bytes,
+    group_by_filesystem,
+    is_disk_full,
+    writing,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 

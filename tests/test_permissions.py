@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 
 from runyard.data.tokenizer import train_bpe
-from runyard.fsutil import atomic_write_bytes, make_temp_dir
 from runyard.model.config import ModelConfig
+from runyard.model.hf.export import export_model
 from runyard.model.transformer import Transformer
-from runyard.serve.export import export_model
+from runyard.system.files import atomic_write_bytes, make_temp_dir
 
 
 @contextmanager

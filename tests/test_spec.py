@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from runyard.errors import EXIT_BAD_SPEC, SpecError
-from runyard.spec import dump_spec, load_spec, parse_spec, resolved_stage, spec_warnings
+from runyard.spec.job import dump_spec, load_spec, parse_spec, resolved_stage, spec_warnings
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stdlib-code.yaml"
 
@@ -85,7 +85,7 @@ def test_warmup_longer_than_the_stage_is_a_warning_naming_the_field(tmp_path, ca
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(base() | {"train": {"steps": 5},
                                              "stages": [{"name": "a"}, {"name": "b", "schedule": {"warmup_steps": 80}}]}))
-    with caplog.at_level("WARNING", logger="runyard.spec"):
+    with caplog.at_level("WARNING", logger="runyard.spec.job"):
         spec = load_spec(path)
     assert spec.schedule.warmup_steps == 20  # the spec is not changed, only flagged
     assert "schedule.warmup_steps = 20" in caplog.text and "peaks at 25% of optim.lr" in caplog.text

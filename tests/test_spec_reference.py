@@ -15,8 +15,8 @@ import yaml
 
 from runyard import cli
 from runyard.errors import EXIT_BAD_SPEC, SpecError
-from runyard.spec import TASKS, parse_spec
-from runyard.spec_reference import (
+from runyard.spec.job import TASKS, parse_spec
+from runyard.spec.reference import (
     MARKDOWN_FILE,
     SCHEMA_FILE,
     UnknownSpecField,
@@ -26,7 +26,7 @@ from runyard.spec_reference import (
     markdown_reference,
     undocumented_fields,
 )
-from runyard.spec_template import TEMPLATES, render_template
+from runyard.spec.templates import TEMPLATES, render_template
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -6,8 +6,8 @@ import pytest
 import yaml
 
 from runyard.errors import SpecError
-from runyard.spec import dump_spec, parse_spec, resolved_stage
-from runyard.spec_template import TEMPLATES
+from runyard.spec.job import dump_spec, parse_spec, resolved_stage
+from runyard.spec.templates import TEMPLATES
 
 
 def tabular(**over):
@@ -64,7 +64,7 @@ def test_a_stage_changes_a_family_section_field_by_field():
     smoke, main = resolved_stage(spec, "smoke").model.cnn, resolved_stage(spec, "main").model.cnn
     assert smoke.channels == [8, 16] and smoke.hidden == 4 and main.hidden == 32
     assert spec.model.family == "cnn"
-    assert parse_spec(tabular()).model.family is None  # left to the data (runyard.tasks.recommend_family)
+    assert parse_spec(tabular()).model.family is None  # left to the data (runyard.plan.families.recommend_family)
 
 
 @pytest.mark.parametrize("task", ["tabular_classification", "tabular_regression", "image_classification"])

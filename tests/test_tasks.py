@@ -10,11 +10,11 @@ import pytest
 
 from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.plan.dataprep import estimate_data
-from runyard.plan.preflight import resolve_sources
+from runyard.plan.families import recommend_family, summarize_data
 from runyard.plan.recommend import recommend_family as plan_recommendation
-from runyard.run_predictive import run_family
-from runyard.spec import parse_spec
-from runyard.tasks import recommend_family, summarize_data
+from runyard.run.predictive import run_family
+from runyard.run.preflight import resolve_sources
+from runyard.spec.job import parse_spec
 
 
 def _table(tmp_path, rows: int):
@@ -51,7 +51,7 @@ def test_the_run_and_the_plan_choose_the_same_family_for_the_same_data(tmp_path,
     files, _ = resolve_sources(spec.data)
     facts = estimate_data(spec.task, spec.data, spec.seed, files, 1, measure=False).facts
     planned = plan_recommendation(spec.task, facts)
-    # A language model's spec names the decoder itself (runyard.spec); cleared, so the run's rule answers.
+    # A language model's spec names the decoder itself (runyard.spec.job); cleared, so the run's rule answers.
     left_to_data = spec.model_copy(update={"model": spec.model.model_copy(update={"family": None})})
     ran, chosen = run_family(left_to_data, summarize_data(spec))
     assert planned.family == ran == family

@@ -8,7 +8,7 @@ import math
 
 from runyard.evaluate.heldout import summarise
 from runyard.evaluate.report import stalled_heldout, verdict, write_report
-from runyard.spec import EvalSpec
+from runyard.spec.job import EvalSpec
 
 
 def ppl_metrics(heldout_ppl: float, unigram_ppl: float):

@@ -18,8 +18,8 @@ import pytest
 
 from runyard.control.endpoint import Endpoint, percentile
 from runyard.control.serve_relay import STOPPED, exit_code
-from runyard.http_thread import free_port
 from runyard.market.serving import token_digest
+from runyard.system.http_thread import free_port
 
 ECHO = str(Path(__file__).with_name("echo_server.py"))
 TOKEN = "rye_the-tenants-own-token"

@@ -9,12 +9,13 @@ import sys
 
 import pytest
 
-from runyard.control.backends.slurm import SlurmBackend, parse_sacct, parse_scontrol
+from runyard.control.backends.slurm import SlurmBackend, parse_sacct
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.states import FailureReason, JobState, classify_exit
 from runyard.control.store import Job
 from runyard.errors import EXIT_OUT_OF_MEMORY
+from runyard.system.slurm import parse_scontrol
 
 from .helpers import job
 

@@ -7,7 +7,7 @@ import random
 import time
 from pathlib import Path
 
-from runyard.data.config import DataSpec
+from runyard.spec.data import DataSpec
 
 WORDS = [
     "alpha",

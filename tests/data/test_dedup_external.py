@@ -9,13 +9,13 @@ import numpy as np
 import pytest
 
 from runyard.data.budget import PROCESS_BASE, MemoryBudget
-from runyard.data.config import DedupSpec
 from runyard.data.corpus import EXACT_DUP, NEAR_DUP, REMOVED, Corpus
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.dedup_external import exact_dedup, near_dedup
 from runyard.data.minhash import EMPTY
 from runyard.data.partstore import PartWriter
 from runyard.data.spill import FlagFile, SortedRuns, as_records, field
+from runyard.spec.data import DedupSpec
 
 NUM_PERM = 32
 

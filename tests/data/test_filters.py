@@ -8,10 +8,10 @@ from pydoc_data.topics import topics as PYTHON_REFERENCE  # Python's own referen
 
 import pytest
 
-from runyard.data.config import FilterSpec, NormalizeSpec
 from runyard.data.filters import check_document
 from runyard.data.markup import classify_line, prose_view
 from runyard.data.normalize import normalize_text
+from runyard.spec.data import FilterSpec, NormalizeSpec
 
 PROSE = (
     "The river ran quietly past the old stone bridge, where children gathered each evening to watch "

@@ -12,7 +12,7 @@ from runyard.data.image_loader import ImageLoader, image_eval_sample
 from runyard.data.image_prep import prepare_images
 from runyard.data.images import read_images
 from runyard.errors import DataError
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
 
 
 def spec_for(sources: list[dict], images: dict | None = None, heldout: float = 0.2):

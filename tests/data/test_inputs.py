@@ -10,13 +10,13 @@ from pathlib import Path
 import pytest
 
 import runyard.data.sources as sources_module
-import runyard.data.tasks as tasks_module
+import runyard.data.work_units as tasks_module
 from runyard.data.budget import MemoryBudget
 from runyard.data.clean import clean_part
-from runyard.data.config import SourceSpec
 from runyard.data.errors import DocumentTooLarge, InputChanged, MemoryBudgetTooSmall
 from runyard.data.pipeline import fingerprint_inputs, prepare_data
 from runyard.data.sources import iter_file_documents, list_input_files
+from runyard.spec.data import SourceSpec
 from tests.data.data_fixtures import age_file, spec_for, write_corpus
 
 

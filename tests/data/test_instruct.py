@@ -12,9 +12,9 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from runyard.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, choose_template
-from runyard.data.instruct_config import InstructSourceSpec
 from runyard.data.instruct_sources import RecordError, preference_pairs, python_function_records
 from runyard.data.samples import SampleLoader
+from runyard.spec.data_instruct import InstructSourceSpec
 from tests.train.finetune_fixtures import function_pairs, prepare, write_sft_jsonl, write_tokenizer
 
 CHATML = (

@@ -28,7 +28,7 @@ _SLOW_PREPARE = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[4])
     import runyard.data.pipeline as pipeline
-    import runyard.data.tasks as tasks
+    import runyard.data.work_units as tasks
     from tests.data.data_fixtures import spec_for
 
     real_clean = tasks.clean_part

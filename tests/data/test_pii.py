@@ -7,8 +7,8 @@ from pydoc_data.topics import topics as PYTHON_REFERENCE
 
 import pytest
 
-from runyard.data.config import PiiSpec
 from runyard.data.pii import scrub_pii
+from runyard.spec.data import PiiSpec
 
 ON = PiiSpec(enabled=True)
 

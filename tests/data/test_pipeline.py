@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import runyard.data.tasks as tasks_module
+import runyard.data.work_units as tasks_module
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.loader import DocumentIndex, TokenLoader, TokenStream, eval_sample
 from runyard.data.partstore import PartReader

@@ -7,10 +7,10 @@ import json
 from pathlib import Path
 from pydoc_data.topics import topics as PYTHON_REFERENCE
 
-from runyard.data.config import DataSpec
 from runyard.data.pipeline import prepare_data
 from runyard.data.report import markdown_report
 from runyard.data.tokenizer import vocab_shortfall
+from runyard.spec.data import DataSpec
 
 
 def _corpus(directory: Path) -> Path:

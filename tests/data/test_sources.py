@@ -14,9 +14,9 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from runyard.data.config import SourceSpec
 from runyard.data.sources import expand_path_template, iter_file_documents, list_input_files
 from runyard.errors import DataError
+from runyard.spec.data import SourceSpec
 
 
 def read_all(source: SourceSpec) -> tuple[list[tuple[str, str]], Counter]:

@@ -13,7 +13,7 @@ from runyard.data.row_split import TEST, TRAIN, VALID
 from runyard.data.table_schema import MISSING_CATEGORY
 from runyard.data.tabular import prepare_table
 from runyard.errors import DataError
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
 
 
 def spec_for(path, table: dict, task: str = "tabular_classification", fmt: str = "csv", heldout: float = 0.2):

@@ -14,7 +14,7 @@ from pathlib import Path
 from runyard.data.budget import MIB
 from runyard.data.partstore import is_complete
 from runyard.data.sources import list_input_files
-from runyard.data.tasks import Task, claim, drain, read_task_list, write_task_list
+from runyard.data.work_units import Task, claim, drain, read_task_list, write_task_list
 from tests.data.data_fixtures import age_file, spec_for, write_corpus
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,7 +58,7 @@ def test_drain_runs_each_unclaimed_task_once_and_reports_a_failure_in_its_log(tm
     write_task_list(tmp_path / "retry.json", later)
     assert [t.output for t in read_task_list(tmp_path / "retry.json")] == [t.output for t in later]
     (tmp_path / "retry.claims").mkdir()
-    proc = subprocess.run([sys.executable, "-m", "runyard.data.tasks", str(tmp_path / "retry.json"), "--drain",
+    proc = subprocess.run([sys.executable, "-m", "runyard.data.work_units", str(tmp_path / "retry.json"), "--drain",
                            str(tmp_path / "retry.claims")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 1, proc.stderr
     assert tasks[0].done() and "task 1: FAILED" in proc.stdout and "task 0: done" in proc.stdout
@@ -71,7 +71,7 @@ def test_drain_runs_each_unclaimed_task_once_and_reports_a_failure_in_its_log(tm
     fixed = Task("clean", bad, tasks[bad].output, {"spec": spec_json, "files": [asdict(relisted)]}, (512 * MIB, 1))
     (tmp_path / "again.claims").mkdir()
     write_task_list(tmp_path / "again.json", [fixed])
-    proc = subprocess.run([sys.executable, "-m", "runyard.data.tasks", str(tmp_path / "again.json"), "--drain",
+    proc = subprocess.run([sys.executable, "-m", "runyard.data.work_units", str(tmp_path / "again.json"), "--drain",
                            str(tmp_path / "again.claims")], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert fixed.done()

@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from runyard.lifetime import is_zombie_or_gone, processes_with_env
+from runyard.system.processes import is_zombie_or_gone, processes_with_env
 
 TREE_ENV = "RUNYARD_TEST_TREE"
 FAULT_SEED_ENV = "RUNYARD_FAULT_SEED"

@@ -15,8 +15,8 @@ import yaml
 from safetensors.torch import load_file
 
 from runyard.data.chat import ChatTemplate
-from runyard.evaluate.finetune import read_record
-from runyard.serve.export import load_export
+from runyard.model.hf.export import load_export
+from runyard.train.finetune_metrics import read_record
 from tests.model.hf_models import hf_model, save_hf_model
 
 from .conftest import TINY_SPEC, merge, runyard

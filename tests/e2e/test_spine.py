@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from runyard.errors import EXIT_GATE_FAILED, EXIT_PREEMPTED
-from runyard.serve.export import load_export
+from runyard.model.hf.export import load_export
 from runyard.train import checkpoint as ckpt
 
 from .conftest import TINY_SPEC, merge, runyard

@@ -18,11 +18,11 @@ import numpy as np
 import pytest
 import yaml
 
-from runyard.cpus import choose_threads
-from runyard.http_thread import free_port
-from runyard.run import execute_run
+from runyard.run.execute import execute_run
 from runyard.serve.predict_export import load_predictor
-from runyard.spec import load_spec, parse_spec
+from runyard.spec.job import load_spec, parse_spec
+from runyard.system.cpus import choose_threads
+from runyard.system.http_thread import free_port
 from tests.e2e.conftest import runyard
 
 pytestmark = pytest.mark.slow
@@ -45,7 +45,7 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
         assert (run_dir / "eval" / name).stat().st_size > 1000
     for name in ("report.md", "class_balance.png", "features.png"):
         assert (run_dir / "data" / name).is_file()
-    # One thread count for torch and LightGBM, recorded in the manifest (runyard/cpus.py).
+    # One thread count for torch and LightGBM, recorded in the manifest (runyard/system/cpus.py).
     threads = json.loads((run_dir / "manifest.json").read_text())["threads"]
     fitted = json.loads((run_dir / "stages" / "main" / "model" / "stage.json").read_text())
     assert threads["threads"] >= 1 and fitted["details"]["params"]["num_threads"] == threads["threads"]

@@ -13,7 +13,7 @@ import transformers
 import yaml
 
 from runyard.errors import EXIT_BAD_SPEC
-from runyard.serve.export import load_export
+from runyard.model.hf.export import load_export
 from runyard.train import checkpoint as ckpt
 from tests.model.hf_models import hf_model, save_hf_model
 

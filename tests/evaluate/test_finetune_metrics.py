@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from runyard.evaluate.finetune import finetune_markdown, python_syntax, task_metric
-from runyard.plan.stages import evaluate_recorded_gates
-from runyard.spec import GateSpec
+from runyard.spec.job import GateSpec
+from runyard.train.finetune_metrics import finetune_markdown, python_syntax, task_metric
+from runyard.train.gates import evaluate_recorded_gates
 
 
 def test_checkers():

@@ -7,7 +7,7 @@ import torch
 
 from runyard.evaluate.heldout import summarise, unigram_loss
 from runyard.evaluate.report import verdict, write_report
-from runyard.spec import EvalSpec
+from runyard.spec.job import EvalSpec
 
 
 def test_unigram_loss_is_the_smoothed_cross_entropy():

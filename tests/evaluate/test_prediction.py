@@ -13,7 +13,7 @@ from runyard.evaluate.prediction import (
     evaluate_regression,
     prediction_verdict,
 )
-from runyard.spec_tasks import PredictionEvalSpec
+from runyard.spec.predictive import PredictionEvalSpec
 
 
 def test_binary_metrics_and_the_class_frequency_baseline_by_hand():

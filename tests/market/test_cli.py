@@ -16,7 +16,7 @@ import pytest
 
 from runyard.cli.market_admin import admin_market
 from runyard.errors import RunyardError
-from runyard.http_thread import free_port
+from runyard.system.http_thread import free_port
 
 
 def runyard(*args: str, env: dict, check: bool = True, cwd=None) -> subprocess.CompletedProcess:

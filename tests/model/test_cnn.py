@@ -9,8 +9,8 @@ import torch
 from runyard.model import get_family
 from runyard.model.cnn import CnnConfig
 from runyard.model.registry import ExportError
-from runyard.spec_sections import ModelSpec, OptimSpec
-from runyard.spec_tasks import CnnSpec
+from runyard.spec.predictive import CnnSpec
+from runyard.spec.sections import ModelSpec, OptimSpec
 
 
 def config(**over) -> CnnConfig:

@@ -12,8 +12,8 @@ from runyard.errors import RunyardError
 from runyard.model import DEFAULT_FAMILY, family_names, get_family, registry
 from runyard.model.config import ModelConfig
 from runyard.model.registry import ExportError, FamilyUnavailable, ModelFamily, UnknownFamily, register
-from runyard.spec import ModelSpec, OptimSpec, parse_spec
-from runyard.spec_sections import Family
+from runyard.spec.job import ModelSpec, OptimSpec, parse_spec
+from runyard.spec.sections import Family
 
 
 def test_the_spec_offers_exactly_the_registered_families():

@@ -8,8 +8,8 @@ import pytest
 
 from runyard.model import get_family
 from runyard.model.tabular import TableFacts, table_loss
-from runyard.spec_sections import ModelSpec
-from runyard.spec_tasks import LinearSpec, TreesSpec
+from runyard.spec.predictive import LinearSpec, TreesSpec
+from runyard.spec.sections import ModelSpec
 
 
 def make_table(n=400, seed=0, classes=2):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from runyard.model.config import ModelConfig, default_ffn_hidden
 from runyard.model.transformer import Transformer
-from runyard.spec import ModelSpec
+from runyard.spec.job import ModelSpec
 
 torch.set_num_threads(1)
 

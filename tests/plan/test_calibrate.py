@@ -20,7 +20,7 @@ from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes
 from runyard.plan.planner import stage_memory, stage_phases
 from runyard.plan.sizing import MemoryEstimate, plan_stage
-from runyard.spec import OptimSpec, parse_spec
+from runyard.spec.job import OptimSpec, parse_spec
 
 DECODER = get_family("decoder")
 CONFIG = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, context_length=16)

@@ -5,7 +5,7 @@ import pytest
 from runyard.errors import SpecError
 from runyard.plan.cost import cost_of, energy_kwh, format_money, money, price_per_device_hour
 from runyard.plan.devices import DEVICES, UnknownDevice, device, kind_of_cuda_name, usable_memory
-from runyard.spec import CostsSpec, parse_spec
+from runyard.spec.job import CostsSpec, parse_spec
 
 
 def test_cost_of_rented_devices_is_price_times_device_hours():

@@ -17,7 +17,7 @@ from runyard.plan.lifetime import (
     plot_lifetime,
     serving_for,
 )
-from runyard.spec import CostsSpec
+from runyard.spec.job import CostsSpec
 
 
 def test_crossover_day_by_hand():

@@ -15,8 +15,8 @@ import pytest
 from runyard.model import choice
 from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.plan.planner import make_plan
-from runyard.plan.preflight import preflight
-from runyard.spec import parse_spec
+from runyard.run.preflight import preflight
+from runyard.spec.job import parse_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -13,8 +13,8 @@ from runyard.data.pipeline import prepare_data
 from runyard.errors import EXIT_BAD_SPEC
 from runyard.market.requirement import Requirement
 from runyard.plan.dataprep import estimate_data
-from runyard.plan.preflight import resolve_sources
-from runyard.spec import parse_spec
+from runyard.run.preflight import resolve_sources
+from runyard.spec.job import parse_spec
 
 SPEC = {
     "name": "tiny-plan",

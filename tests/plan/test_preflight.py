@@ -13,7 +13,6 @@ import torch
 import yaml
 
 from runyard import cli
-from runyard.data.config import DataSpec
 from runyard.data.footprint import data_cache_bytes
 from runyard.data.pipeline import prepare_data
 from runyard.data.sources import list_input_files
@@ -22,8 +21,9 @@ from runyard.model.config import ModelConfig
 from runyard.model.transformer import Transformer
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.disk import checkpoint_bytes, checkpoints_kept, run_dir_needs, stage_parameters
-from runyard.plan.preflight import preflight, resolve_sources
-from runyard.spec import parse_spec
+from runyard.run.preflight import preflight, resolve_sources
+from runyard.spec.data import DataSpec
+from runyard.spec.job import parse_spec
 from runyard.train.checkpoint import write_checkpoint
 from tests.data.data_fixtures import write_corpus
 

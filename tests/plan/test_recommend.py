@@ -10,7 +10,7 @@ from runyard.model.registry import get_family
 from runyard.plan.devices import DEVICES, UTILISATION, usable_memory
 from runyard.plan.recommend import DataFacts, Hardware, recommend_family, training_hardware
 from runyard.plan.sizing import plan_run, requirement_for
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
 from tests.model.toy_family import ToyFamily
 
 GIB = 2**30

@@ -6,8 +6,8 @@ import json
 import pytest
 
 from runyard.plan.runlife import training_seconds
-from runyard.run import execute_run
-from runyard.spec import parse_spec
+from runyard.run.execute import execute_run
+from runyard.spec.job import parse_spec
 
 from .test_planner import SPEC
 

@@ -7,7 +7,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from runyard.model.config import ModelConfig
 from runyard.plan.sizing import count_parameters, flops_per_token, plan_run
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
 
 SHAPES = [
     # vocab, d_model, layers, heads, kv heads, ffn, context, tied

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from runyard.plan.stages import (
+from runyard.spec.job import GateSpec
+from runyard.train.gates import (
     GATES_FILE,
     evaluate_gates,
     evaluate_recorded_gates,
@@ -17,7 +18,6 @@ from runyard.plan.stages import (
     read_gates,
     write_gates,
 )
-from runyard.spec import GateSpec
 
 
 def _by_name(results):

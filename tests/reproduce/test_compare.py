@@ -13,7 +13,7 @@ import pytest
 from runyard.reproduce.compare import BITWISE, DIFFERENT, WITHIN_TOLERANCE, compare_runs
 from runyard.reproduce.datacheck import check_inputs, record_data_files
 from runyard.reproduce.report import write_report
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
 
 from .helpers import write_run
 

@@ -10,7 +10,6 @@ import sys
 
 import pytest
 
-from runyard.fsutil import sha256_file
 from runyard.reproduce.archives import ArchiveFinder, ArchiveMemo, PipLocations, pip_locations
 from runyard.reproduce.errors import NotReproducible
 from runyard.reproduce.installed import installed_distributions, read_wheel, wheel_filename
@@ -23,6 +22,7 @@ from runyard.reproduce.lock import (
     read_lock,
     write_lock,
 )
+from runyard.system.files import sha256_file
 
 from .helpers import make_wheel, pip_install_target
 

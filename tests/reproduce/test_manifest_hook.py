@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 
-from runyard.manifest import new_manifest, read_manifest, record_environment, write_manifest
 from runyard.reproduce.lock import read_lock
-from runyard.spec import parse_spec
+from runyard.reproduce.manifest import new_manifest, read_manifest, record_environment, write_manifest
+from runyard.spec.job import parse_spec
 
 
 def _spec(data_glob: str):

@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import openai
 
-from runyard.http_thread import AppThread
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.chat import load_chat_template
 from runyard.serve.openai_api import create_app
+from runyard.system.http_thread import AppThread
 
 # ChatML-like, checking the conversation the way real templates do.
 CHAT_TEMPLATE = (

@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from runyard.cli import main
-from runyard.http_thread import free_port
+from runyard.model.hf.export import export_model
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.drift import DriftReference
-from runyard.serve.export import export_model
 from runyard.serve.sampling import SamplingParams
+from runyard.system.http_thread import free_port
 
 
 def runyard(capsys, *args: str) -> tuple[int, str, str]:

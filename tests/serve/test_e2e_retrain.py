@@ -20,8 +20,8 @@ import pytest
 import yaml
 
 from runyard.control.client import ControlClient
-from runyard.http_thread import free_port
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
+from runyard.system.http_thread import free_port
 
 from ..e2e.conftest import TINY_SPEC, merge, runyard
 

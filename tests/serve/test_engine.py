@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from runyard.model.hf.export import export_model, load_export
 from runyard.serve.engine import Generator, sample_next
-from runyard.serve.export import export_model, load_export
 
 
 def greedy_full_forward(model, prompt_ids, n):

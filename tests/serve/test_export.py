@@ -12,7 +12,7 @@ import transformers
 from safetensors import safe_open
 
 from runyard.errors import RunyardError
-from runyard.serve.export import ExportError, export_model, load_export, read_export_config
+from runyard.model.hf.export import ExportError, export_model, load_export, read_export_config
 from runyard.serve.vllm_engine import check_hf_directory
 
 EXPORT_FILES = ["config.json", "generation_config.json", "model.safetensors", "runyard.json", "tokenizer.json",

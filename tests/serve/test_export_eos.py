@@ -8,7 +8,7 @@ import json
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 
-from runyard.serve.export import export_eos_ids
+from runyard.model.hf.export import export_eos_ids
 
 VOCAB = {"<unk>": 0, "hello": 1, "<|end_of_text|>": 2, "<|eot_id|>": 3, "<|endoftext|>": 4}
 

@@ -16,7 +16,6 @@ import torch
 from PIL import Image
 
 from runyard.data.tabular import prepare_table
-from runyard.http_thread import AppThread
 from runyard.model import get_family
 from runyard.model.registry import ExportError
 from runyard.serve.feature_drift import FeatureReference
@@ -28,7 +27,8 @@ from runyard.serve.predict_export import (
     image_drift_features,
     load_predictor,
 )
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
+from runyard.system.http_thread import AppThread
 from runyard.train.tabular_stage import table_facts
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runyard.serve.detokenize import IncrementalDetokenizer, StopScanner
-from runyard.serve.sampling import SamplingParams, derive_seed, new_generator, sample_batch
+from runyard.serve.sampling import SamplingParams, choice_seed, new_generator, sample_batch
 
 LOGITS = torch.tensor([1.0, 3.0, 2.0, -1.0])  # softmax ~ [0.09, 0.66, 0.24, 0.01]
 
@@ -52,7 +52,7 @@ def test_a_rows_draws_do_not_depend_on_its_neighbours():
 def test_unseeded_generators_differ():
     a = [int(torch.rand(1, generator=new_generator(None)) * 1e9) for _ in range(5)]
     assert len(set(a)) == 5
-    assert derive_seed(7, 0) == 7 and len({derive_seed(7, i) for i in range(5)}) == 5
+    assert choice_seed(7, 0) == 7 and len({choice_seed(7, i) for i in range(5)}) == 5
 
 
 def test_logprobs_are_the_models_log_softmax():

@@ -12,13 +12,13 @@ from collections import Counter
 import numpy as np
 import yaml
 
-from runyard.data.config import SourceSpec
 from runyard.data.sources import iter_file_documents, list_source_files
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import derive_spec, spec_supports_init
 from runyard.serve.watch import TrafficWatch
-from runyard.spec import parse_spec
+from runyard.spec.data import SourceSpec
+from runyard.spec.job import parse_spec
 
 # Real-looking PII: the scrubber leaves documentation addresses (example.com, 555-01xx, private ranges) alone.
 PII_PROMPT = "mail jane.doe@gmail.com or call +1 415-867-5309 from 81.2.69.160"

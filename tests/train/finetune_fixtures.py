@@ -11,10 +11,10 @@ from collections import Counter
 from pathlib import Path
 
 from runyard.data.instruct import prepare_instruct
-from runyard.data.instruct_config import InstructDataSpec, InstructSourceSpec
 from runyard.data.instruct_sources import python_function_records
 from runyard.data.pipeline import PreparedData
 from runyard.data.tokenizer import train_bpe
+from runyard.spec.data_instruct import InstructDataSpec, InstructSourceSpec
 
 STDLIB = sysconfig.get_paths()["stdlib"]
 

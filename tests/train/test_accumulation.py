@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from runyard.model.compute import forward_backward
 from runyard.model.transformer import ModelConfig, Transformer
-from runyard.train.loop import forward_backward
 
 
 def tiny_model() -> Transformer:

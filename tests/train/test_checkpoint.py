@@ -9,9 +9,9 @@ import torch
 from safetensors.torch import load_file
 
 from runyard.errors import CheckpointCorrupt
-from runyard.fsutil import sha256_file
 from runyard.model.config import ModelConfig
 from runyard.model.transformer import Transformer
+from runyard.system.files import sha256_file
 from runyard.train import checkpoint as ckpt
 from runyard.train.checkpoint import store, tensorfile
 from runyard.train.checkpoint.checksums import file_checksum

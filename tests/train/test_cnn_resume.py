@@ -13,9 +13,9 @@ import torch
 
 from runyard.data.image_prep import prepare_images
 from runyard.errors import Preempted
-from runyard.plan.stages import evaluate_recorded_gates
-from runyard.spec import parse_spec, resolved_stage
+from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import checkpoint, parallel
+from runyard.train.gates import evaluate_recorded_gates
 from runyard.train.loop import train_stage
 from runyard.train.signals import StopRequest
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runyard.errors import Preempted
-from runyard.evaluate.finetune import read_record
-from runyard.spec import parse_spec, resolved_stage
+from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import checkpoint, parallel
+from runyard.train.finetune_metrics import read_record
 from runyard.train.loop import final_stage_model, train_stage
 
 from .finetune_fixtures import (

@@ -14,8 +14,8 @@ from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData
 from runyard.data.shards import ShardWriter, write_index
 from runyard.errors import Preempted
-from runyard.evaluate.heldout import evaluation_seeds
-from runyard.spec import parse_spec, resolved_stage
+from runyard.spec.job import parse_spec, resolved_stage
+from runyard.spec.seeds import evaluation_seeds
 from runyard.train import checkpoint, parallel
 from runyard.train.loop import train_stage
 from runyard.train.signals import StopRequest

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from runyard.model.transformer import ModelConfig, Transformer
-from runyard.spec_finetune import LoRASpec
+from runyard.spec.finetune import LoRASpec
 from runyard.train.lora import adapters_disabled, apply_lora, base_sha256, merged_state_dict
 
 CFG = ModelConfig(vocab_size=60, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, context_length=16)

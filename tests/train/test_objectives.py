@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from runyard.data.samples import IGNORE_INDEX, pad_rows
+from runyard.model.compute import token_loss_sum
 from runyard.model.transformer import ModelConfig, Transformer
-from runyard.train.objectives import dpo_loss, sequence_logprobs, supervised_tokens, token_loss_sum
+from runyard.train.objectives import dpo_loss, sequence_logprobs, supervised_tokens
 
 
 def test_masked_loss_equals_a_hand_computation():

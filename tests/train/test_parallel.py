@@ -15,11 +15,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from runyard.data.loader import TokenLoader
 from runyard.data.shards import ShardWriter, write_index
+from runyard.model.compute import forward_backward
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
 from runyard.train.checkpoint import store
-from runyard.train.loop import TrainSetup, forward_backward
+from runyard.train.loop import TrainSetup
 from runyard.train.rng import capture_rng
 
 CPU = torch.device("cpu")

@@ -1,4 +1,4 @@
-"""The run directory's lock (runyard.rundir, runyard.locking): one writer, named when it refuses another,
+"""The run directory's lock (runyard.system.rundir, runyard.system.locking): one writer, named when it refuses another,
 released by the kernel when its holder dies, never held by a child of the holder."""
 
 from __future__ import annotations
@@ -14,15 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from runyard import rundir
-from runyard.locking import LockBusy, ProcessLock, lock_holder
+from runyard.system import rundir
+from runyard.system.locking import LockBusy, ProcessLock, lock_holder
 from tests.e2e.faults import ProcessTree, finish, wait_until
 
 # Holds the run directory's lock; with "fork", forks a child (which sleeps) after taking it.
 _HOLDER = textwrap.dedent("""
     import os, sys, time
     from pathlib import Path
-    from runyard import rundir
+    from runyard.system import rundir
     lock = rundir.acquire(Path(sys.argv[1]))
     if sys.argv[2] == "fork" and os.fork() == 0:
         Path(sys.argv[1], "child.pid").write_text(str(os.getpid()))
@@ -89,7 +89,7 @@ def test_asking_who_holds_it_from_the_holding_process_keeps_the_lock(tmp_path, t
     lock = rundir.acquire(run_dir)
     try:
         assert rundir.live_holder(run_dir).pid == os.getpid()  # must not open and close the file
-        other = tree.start([sys.executable, "-c", "import sys; from pathlib import Path; from runyard import rundir; "
+        other = tree.start([sys.executable, "-c", "import sys; from pathlib import Path; from runyard.system import rundir; "
                             "rundir.acquire(Path(sys.argv[1]))", str(run_dir)])
         assert finish(other, 60) != 0
         assert f"pid {os.getpid()}" in other.stderr.read().decode()

@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from runyard.spec import ScheduleSpec
+from runyard.spec.job import ScheduleSpec
 from runyard.train.schedule import lr_at
 
 

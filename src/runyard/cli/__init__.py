@@ -9,8 +9,8 @@ import sys
 from types import ModuleType
 
 from runyard import __version__
-from runyard.diskspace import free_bytes, human_bytes, is_disk_full, mount_point
 from runyard.errors import EXIT_BAD_SPEC, EXIT_FAILURE, RunyardError
+from runyard.system.diskspace import free_bytes, human_bytes, is_disk_full, mount_point
 
 # Every top-level verb: the module that registers it, the extra its dependencies come from (None: the
 # base install, the trainer), and its one-line help. `runyard --help` lists them without importing any

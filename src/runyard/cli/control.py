@@ -19,7 +19,7 @@ from runyard.control.lease_retention import DEFAULT_KEEP_FINISHED_S
 from runyard.control.loop import ControlConfig
 from runyard.control.retry import ClassBudget, RetryPolicy
 from runyard.control.states import JobState
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
 
 DEFAULT_STATE_DIR = os.environ.get("RUNYARD_CONTROL_DIR", str(Path.home() / ".runyard" / "control"))
 

@@ -12,7 +12,7 @@ from runyard.data.executors import ExecutorChoice
 from runyard.data.hydrate import find_fingerprint, hydrate_dataset, publish_dataset
 from runyard.data.pipeline import prepare_data
 from runyard.data.report import markdown_report
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
 
 
 def register(subparsers) -> None:

@@ -24,7 +24,6 @@ from sqlalchemy.exc import DBAPIError
 from runyard.cli.market_common import print_json
 from runyard.cli.market_trade import _option
 from runyard.errors import EXIT_FAILURE, RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.market import identity
 from runyard.market.api import DEFAULT_MAX_BODY, HANDLERS
 from runyard.market.operations import OPERATIONS, Operation
@@ -32,6 +31,7 @@ from runyard.market.rails import HmacRail, Rail, TestRail
 from runyard.market.server import serve, write_operator_token
 from runyard.market.service import Market, Principal, Settings
 from runyard.market.verifiers import OperatorVerifier
+from runyard.system.files import atomic_write_text
 
 DEFAULT_DB = os.environ.get("RUNYARD_MARKET_DB", "runyard-market.db")
 

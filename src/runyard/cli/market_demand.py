@@ -19,11 +19,11 @@ import yaml
 from runyard.cli.market_common import client_for, print_json, timestamp
 from runyard.cli.readers import export_dir_of
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.market.jobs import MAX_SPEC_BYTES, check_data_urls, check_env_lock, encode_files
 from runyard.market.operations import Operation
 from runyard.market.requirement import Requirement
 from runyard.market.serving import deployment_body
+from runyard.system.files import atomic_write_text
 
 
 def demand_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[argparse.Namespace], int]:

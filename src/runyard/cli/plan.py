@@ -9,15 +9,15 @@ import math
 from pathlib import Path
 
 from runyard.errors import SpecError
-from runyard.fsutil import atomic_write_json
 from runyard.plan.cost import format_money
 from runyard.plan.lifetime import plot_lifetime
 from runyard.plan.planner import Plan, make_plan, traffic_from
-from runyard.plan.preflight import preflight
 from runyard.plan.recommend import describe_devices
 from runyard.plan.sizing import human_bytes
-from runyard.run import default_run_dir
-from runyard.spec import load_spec
+from runyard.run.execute import default_run_dir
+from runyard.run.preflight import preflight
+from runyard.spec.job import load_spec
+from runyard.system.files import atomic_write_json
 
 DESCRIPTION = """\
 Plan a spec before any work: the data's facts and the model family they call for; per stage its parameters,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from runyard import rundir
+from runyard.system import rundir
 
 
 def export_dir_of(path: Path) -> Path:

@@ -12,15 +12,15 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from runyard import rundir
 from runyard.cli.readers import export_dir_of, say_if_live
 from runyard.errors import RunyardError, SpecError
-from runyard.manifest import read_manifest
-from runyard.plan.stages import read_gates
-from runyard.run import SPEC_FILE, default_run_dir, execute_run
+from runyard.model.hf.export import export_eos_ids, load_export
+from runyard.reproduce.manifest import read_manifest
+from runyard.run.execute import SPEC_FILE, default_run_dir, execute_run
 from runyard.serve.engine import Generator
-from runyard.serve.export import export_eos_ids, load_export
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
+from runyard.system import rundir
+from runyard.train.gates import read_gates
 from runyard.train.launch import launch, run_worker, under_launcher
 
 ONE_WRITER = (

@@ -10,16 +10,16 @@ from pathlib import Path
 import yaml
 
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
-from runyard.spec import TASKS, parse_spec
-from runyard.spec_reference import (
+from runyard.spec.job import TASKS, parse_spec
+from runyard.spec.reference import (
     MARKDOWN_FILE,
     SCHEMA_FILE,
     entry_text,
     json_schema_text,
     markdown_reference,
 )
-from runyard.spec_template import render_template
+from runyard.spec.templates import render_template
+from runyard.system.files import atomic_write_text
 
 
 def register(verbs: argparse._SubParsersAction) -> None:

@@ -71,11 +71,11 @@ from runyard.control.server import capacity
 from runyard.control.states import JobState
 from runyard.control.store import Job
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.market.client import MarketClient
 from runyard.market.jobs import MAX_JOB_FILES_BYTES, check_data_urls, decode_files
 from runyard.reproduce.env_cache import prune as prune_environments
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
+from runyard.system.files import atomic_write_text
 
 log = logging.getLogger("runyard.control.agent")
 LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-effort jobs
@@ -173,8 +173,8 @@ class MarketAgent:
                 if record.get("kind") == "deployment":
                     self.deployments.ended(lease, record)
                 elif state in ("terminated", "cancelled", "expired"):
-                    self._stop_jobs(record, f"the lease was {state}")
-                    self._finish(record)
+                    self.stop_jobs(record, f"the lease was {state}")
+                    self.finish_lease(record)
         if time.monotonic() - self._swept_at >= RETENTION_SWEEP_S:
             self._swept_at = time.monotonic()
             for lease_id in remove_expired_folders(self.dir, self.settings.keep_finished_s, time.time()):
@@ -227,11 +227,11 @@ class MarketAgent:
                   "results_to": str(results_to), "folder": str(folder.root), "requests": requests,
                   "job_ids": [], "seq": 0, "reported_device_seconds": 0,
                   "last_end": None, "delivered": False, "finished": False}
-        self._save(record)
+        self.save_record(record)
         self.client.accept_lease(lease["id"])
-        self._submit(record)
+        self.queue_jobs(record)
 
-    def _submit(self, record: dict) -> None:
+    def queue_jobs(self, record: dict) -> None:
         """Queue the accepted lease's job(s), once (also after a crash between accepting and queueing)."""
         with self.loop.mutex:
             if record["job_ids"]:
@@ -239,13 +239,13 @@ class MarketAgent:
             jobs = add_jobs(self.loop.store, record["requests"], self.loop.config,
                             actor=f"agent:lease-{record['lease_id']}")
             record["job_ids"] = [j.id for j in jobs]
-            self._save(record)
+            self.save_record(record)
         self.loop.wake.set()
         log.info("accepted lease %s: job(s) %s", record["lease_id"], record["job_ids"])
 
     def _follow(self, lease: dict, record: dict, now: int) -> None:
         if not record["job_ids"]:
-            self._submit(record)
+            self.queue_jobs(record)
         jobs = [self.loop.store.get(i) for i in record["job_ids"]]
         if not jobs:
             return
@@ -258,12 +258,12 @@ class MarketAgent:
                 self.client.start_lease(lease["id"])
                 self.client.terminate_lease(lease["id"], "job_failed",
                                             f"the job could not start: {self._why(record, job)}"[:2000])
-                self._finish(record)
+                self.finish_lease(record)
             return
         # Running lease.
         window_over = now >= lease["window_end"]
         if window_over and not all(j.state.terminal for j in jobs):
-            self._stop_jobs(record, "the lease's window ended")
+            self.stop_jobs(record, "the lease's window ended")
         due = record["last_end"] is None or now - record["last_end"] >= self.usage_interval_s
         ended = all(j.state.terminal for j in jobs)
         if due or ended or window_over:
@@ -273,11 +273,11 @@ class MarketAgent:
             if job.state != JobState.SUCCEEDED and not window_over:
                 self.client.terminate_lease(lease["id"], "job_failed",
                                             f"job {job.id} {job.state}: {self._why(record, job)}"[:2000])
-                self._finish(record)
+                self.finish_lease(record)
                 return
         if window_over and ended and record["delivered"]:
             self.client.close_lease(lease["id"])
-            self._finish(record)
+            self.finish_lease(record)
 
     # -- usage and results ------------------------------------------------------------------------
 
@@ -292,7 +292,7 @@ class MarketAgent:
         self.client.report_usage(lease["id"], seq, start, end, delta, evidence=metrics_digest(jobs[-1].run_dir),
                                  idempotency_key=f"lease-{lease['id']}-usage-{seq}")
         record.update(seq=seq, last_end=end, reported_device_seconds=record["reported_device_seconds"] + delta)
-        self._save(record)
+        self.save_record(record)
 
     @staticmethod
     def _device_seconds(job: Job) -> float:
@@ -314,7 +314,7 @@ class MarketAgent:
             record["delivery_error"] = str(exc)[:2000]
             log.error("lease %s: results of job %s not delivered: %s", record["lease_id"], job.id, exc)
         record["delivered"] = True
-        self._save(record)
+        self.save_record(record)
 
     @staticmethod
     def _why(record: dict, job: Job) -> str:
@@ -325,14 +325,14 @@ class MarketAgent:
         except (KeyError, OSError, ValueError, TypeError):
             return str(job.detail)
 
-    def _finish(self, record: dict) -> None:
+    def finish_lease(self, record: dict) -> None:
         """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
         record["finished"], record["finished_at"] = True, time.time()
-        self._save(record)
+        self.save_record(record)
         for job_id in record["job_ids"]:
             job_limits.remove_stale(job_limits.cgroup_name(record["lease_id"], job_id))
 
-    def _stop_jobs(self, record: dict, why: str) -> None:
+    def stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:
             job = self.loop.store.get(job_id)
             if not job.state.terminal:
@@ -373,5 +373,5 @@ class MarketAgent:
         except FileNotFoundError:
             return None
 
-    def _save(self, record: dict[str, Any]) -> None:
+    def save_record(self, record: dict[str, Any]) -> None:
         atomic_write_text(self._path(record["lease_id"]), json.dumps(record))

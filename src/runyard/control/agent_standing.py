@@ -30,19 +30,17 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 from runyard.control.deployment import SERVE_PORT, job_request, lay_out, report_windows, serve_command
 from runyard.control.endpoint import Endpoint, Window
 from runyard.control.lease_job import LeaseFolder
+from runyard.control.loop import ControlLoop
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.server import capacity
 from runyard.control.states import FailureReason, JobState
-from runyard.http_thread import free_port
-from runyard.market.client import MarketClientError
-
-if TYPE_CHECKING:
-    from runyard.control.agent import MarketAgent
+from runyard.market.client import MarketClient, MarketClientError
+from runyard.system.http_thread import free_port
 
 log = logging.getLogger("runyard.control.agent")
 ENDED = ("window_closed", "terminated", "settled", "cancelled", "expired", "rejected")
@@ -77,10 +75,31 @@ def log_reason(log_path: str, limit: int = 600) -> str:
     return (said or lines or ["(no output)"])[-1][:limit]
 
 
-class Deployments:
-    """Standing leases with a deployment, for one `MarketAgent`."""
+class LeaseHost(Protocol):
+    """What the deployments need of the agent that holds their leases (runyard.control.agent.MarketAgent):
+    the control plane's loop, the market client, the agent's settings and folder, and the four steps of a
+    lease's record, each of which the agent also takes for its batch leases."""
 
-    def __init__(self, agent: MarketAgent):
+    loop: ControlLoop
+    client: MarketClient
+    settings: Any  # runyard.control.agent.LeaseJobSettings
+    dir: Path
+    priority: int
+    usage_interval_s: float
+
+    def save_record(self, record: dict[str, Any]) -> None: ...
+
+    def queue_jobs(self, record: dict) -> None: ...
+
+    def stop_jobs(self, record: dict, why: str) -> None: ...
+
+    def finish_lease(self, record: dict) -> None: ...
+
+
+class Deployments:
+    """Standing leases with a deployment, for the agent that holds them (a `LeaseHost`)."""
+
+    def __init__(self, agent: LeaseHost):
         self.agent = agent
         self.endpoints: dict[int, Endpoint] = {}
 
@@ -122,9 +141,9 @@ class Deployments:
                   "requests": [job_request(lease, argv, folder, agent.priority)], "job_ids": [], "seq": 0,
                   "last_end": None, "token_sha256": deployment["token_sha256"], "endpoint_port": None,
                   "published": None, "started": False, "finished": False}
-        agent._save(record)  # our intent, before accepting: a restart resumes from here
+        agent.save_record(record)  # our intent, before accepting: a restart resumes from here
         agent.client.accept_lease(lease_id)
-        agent._submit(record)
+        agent.queue_jobs(record)
 
     # -- accepted and running -------------------------------------------------------------------------
 
@@ -146,7 +165,7 @@ class Deployments:
             self.endpoints[lease_id] = made
             if record.get("endpoint_port") != made.port:
                 record["endpoint_port"] = made.port
-                self.agent._save(record)
+                self.agent.save_record(record)
         return self.endpoints[lease_id]
 
     def url(self, endpoint: Endpoint) -> str:
@@ -155,23 +174,23 @@ class Deployments:
     def follow(self, lease: dict, record: dict, now: int) -> None:
         agent = self.agent
         if not record["job_ids"]:
-            agent._submit(record)
+            agent.queue_jobs(record)
         job = agent.loop.store.get(record["job_ids"][0])
         endpoint = self.endpoint(record)
         if record.get("published") != self.url(endpoint):
             agent.client.publish_endpoint(lease["id"], self.url(endpoint))
             record["published"] = self.url(endpoint)
-            agent._save(record)
+            agent.save_record(record)
         if lease["state"] == "accepted":
             if endpoint.ever_healthy and job.state == JobState.RUNNING:
                 endpoint.take()  # the probes while the server loaded belong to no period
                 agent.client.start_lease(lease["id"])
                 record["started"] = True
-                agent._save(record)
+                agent.save_record(record)
                 log.info("lease %s: deployment serving at %s", lease["id"], record["published"])
             elif failed_before_serving(job.state, job.failures, endpoint.ever_healthy):
                 why = log_reason(job.log_path)
-                agent._stop_jobs(record, "the deployment did not start")
+                agent.stop_jobs(record, "the deployment did not start")
                 agent.client.start_lease(lease["id"])
                 agent.client.terminate_lease(lease["id"], "job_failed", f"the deployment did not start: {why}"[:2000])
                 self.close(record)
@@ -212,7 +231,7 @@ class Deployments:
                 endpoint.put_back(_rest(parts[i:]))  # the market did not take them: counted next time
                 raise
             record.update(seq=seq, last_end=part.end)
-            self.agent._save(record)
+            self.agent.save_record(record)
 
     # -- ended ----------------------------------------------------------------------------------------
 
@@ -226,14 +245,14 @@ class Deployments:
                 self.report(lease, record, lease["window_end"])
             except MarketClientError as exc:
                 log.warning("lease %s: the last availability record was refused: %s", lease["id"], exc.message)
-        self.agent._stop_jobs(record, f"the lease is {lease['state']}")
+        self.agent.stop_jobs(record, f"the lease is {lease['state']}")
         self.close(record)
 
     def close(self, record: dict) -> None:
         endpoint = self.endpoints.pop(int(record["lease_id"]), None)
         if endpoint is not None:
             endpoint.stop()
-        self.agent._finish(record)
+        self.agent.finish_lease(record)
 
     def stop_all(self) -> None:
         """The daemon is stopping: close the endpoints (they open again when it restarts)."""

@@ -17,7 +17,7 @@ import stat
 from pathlib import Path
 
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 TOKEN_FILE = "api-token"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")

@@ -34,7 +34,7 @@ from runyard.control.info import INFO_FILE, ControlError
 from runyard.control.loop import ControlConfig, ControlLoop
 from runyard.control.server import ControlServer
 from runyard.control.store import JobStore
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 log = logging.getLogger("runyard.control")
 LOOPBACK = ("127.0.0.1", "::1", "localhost")

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
-from runyard.fsutil import atomic_write_text, fsync_dir, fsync_file
+from runyard.system.files import atomic_write_text, fsync_dir, fsync_file
 
 # What a tenant gets of a run directory: everything but checkpoints, logs and scratch -- and with it
 # what reproducing the run takes: the spec, the manifest (seeds, data fingerprints, hardware), the

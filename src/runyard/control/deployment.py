@@ -30,9 +30,9 @@ from typing import Any
 
 from runyard.control.endpoint import Window
 from runyard.control.lease_job import LeaseFolder
-from runyard.fsutil import atomic_write_bytes
 from runyard.market.jobs import check_file_path, decode_files
 from runyard.market.serving import check_deployment_files
+from runyard.system.files import atomic_write_bytes
 
 SERVE_PORT = 8000  # inside the sandbox's own network namespace: no other process can hold it
 SERVE_OPTIONS = {"model_name": "--model-name", "max_batch": "--max-batch", "max_queue": "--max-queue",

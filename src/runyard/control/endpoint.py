@@ -38,7 +38,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from runyard.http_thread import AppThread
+from runyard.system.http_thread import AppThread
 
 log = logging.getLogger("runyard.control.endpoint")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",

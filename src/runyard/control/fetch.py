@@ -22,7 +22,7 @@ from pathlib import Path
 from urllib.parse import urljoin, urlsplit
 
 from runyard.errors import RunyardError
-from runyard.fsutil import fsync_dir
+from runyard.system.files import fsync_dir
 
 MAX_REDIRECTS = 5
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

@@ -21,7 +21,7 @@ from runyard.errors import RunyardError
 
 if TYPE_CHECKING:
     from runyard.control.loop import ControlConfig
-    from runyard.spec import JobSpec
+    from runyard.spec.job import JobSpec
 
 
 class JobRequestError(RunyardError):

@@ -35,7 +35,6 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runyard.fsutil import atomic_write_text
 from runyard.reproduce.build import (
     completed_requirements,
     fetch_archives,
@@ -48,6 +47,7 @@ from runyard.reproduce.build import (
 from runyard.reproduce.env_cache import READY_FILE, exclusive_build
 from runyard.reproduce.errors import EnvironmentBuildFailed, LockUnsatisfiable
 from runyard.reproduce.lock import EnvironmentLock, read_lock
+from runyard.system.files import atomic_write_text
 
 PIP_TIMEOUT_S = 1800
 

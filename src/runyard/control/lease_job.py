@@ -33,8 +33,8 @@ from typing import Any
 import yaml
 
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_bytes, atomic_write_text
 from runyard.market.jobs import check_env_lock, check_file_path
+from runyard.system.files import atomic_write_bytes, atomic_write_text
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
 

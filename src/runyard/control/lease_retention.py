@@ -13,7 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 DEFAULT_KEEP_FINISHED_S = 7 * 86400.0
 

@@ -23,7 +23,7 @@ import resource
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runyard.cgroup import own_cgroup, read_setting
+from runyard.system.cgroup import own_cgroup, read_setting
 
 
 @dataclass

@@ -15,7 +15,7 @@ import signal
 import time
 from pathlib import Path
 
-from runyard.lifetime import processes_with_env
+from runyard.system.processes import processes_with_env
 
 MARKER = "RUNYARD_CONTROL_JOB"
 

@@ -67,8 +67,8 @@ from runyard.control import lease_env
 from runyard.control import limits as job_limits
 from runyard.control.fetch import FetchError, allowed_networks, fetch_all
 from runyard.errors import EXIT_BAD_SPEC, EXIT_OUT_OF_MEMORY, RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.reproduce.errors import EnvironmentBuildFailed, ReproduceError
+from runyard.system.files import atomic_write_text
 
 BWRAP = "bwrap"
 # The control plane's own variables for an attempt (see ControlLoop.job_env): not the daemon's secrets.
@@ -222,7 +222,7 @@ def probe(timeout_s: float = 60.0) -> None:
         for name in ("passwd", "group"):
             (scratch / name).write_text("")
         policy = SandboxPolicy(lease_id=0, root=str(scratch))
-        argv = bwrap_argv(policy, [], [sys.executable, "-c", "import runyard.spec"])
+        argv = bwrap_argv(policy, [], [sys.executable, "-c", "import runyard.spec.job"])
         try:
             out = subprocess.run(argv, env=sandbox_env(policy, {}), capture_output=True, text=True,
                                  timeout=timeout_s, stdin=subprocess.DEVNULL)

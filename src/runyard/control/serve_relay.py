@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 
 from runyard.errors import EXIT_BAD_SPEC, EXIT_FAILURE
-from runyard.lifetime import die_with_parent
+from runyard.system.processes import die_with_parent
 
 CHUNK = 64 * 1024
 STOPPED = 128 + signal.SIGTERM

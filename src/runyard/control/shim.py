@@ -4,7 +4,7 @@ It runs the job's command as its child, and when the child ends writes how it en
 signal) atomically to a status file. Because the shim leads its own session, it outlives a daemon
 killed with SIGKILL, and a restarted daemon still learns how the job ended although it is no
 longer the job's parent. The job's command dies with the shim (parent-death signal): a shim killed
-alone never leaves its job running unwatched. Standard library, runyard.fsutil and runyard.lifetime
+alone never leaves its job running unwatched. Standard library, runyard.system.files and runyard.system.processes
 only: it starts fast and imports nothing heavy.
 
     python -m runyard.control.shim STATUS_FILE [--forward-signals] -- COMMAND [ARGS...]
@@ -23,8 +23,8 @@ import subprocess
 import sys
 import time
 
-from runyard.fsutil import atomic_write_text
-from runyard.lifetime import die_with_parent
+from runyard.system.files import atomic_write_text
+from runyard.system.processes import die_with_parent
 
 
 def main(argv: list[str]) -> int:

@@ -20,8 +20,8 @@ from runyard.control.jobs import JobRequestError, add_jobs, requests_for_spec
 from runyard.control.loop import ControlLoop
 from runyard.control.store import Job
 from runyard.errors import SpecError
-from runyard.fsutil import atomic_write_text
-from runyard.spec import parse_spec
+from runyard.spec.job import parse_spec
+from runyard.system.files import atomic_write_text
 
 MAX_SPEC_TEXT = 1 << 20
 

@@ -24,17 +24,17 @@ from typing import Any
 import numpy as np
 
 from runyard.data.budget import MemoryBudget, release_freed_memory
-from runyard.data.config import DataSpec
 from runyard.data.corpus import Corpus, corpus_stats, split_corpus, training_texts
 from runyard.data.dedup_external import exact_dedup, near_dedup
 from runyard.data.progress import progress_bars
 from runyard.data.split import SPLIT_METHOD
-from runyard.data.tasks import Task
 from runyard.data.tokenize import assemble_splits
 from runyard.data.tokenizer import EOS_TOKEN, eos_id, eos_token_beside, load_tokenizer, train_bpe
-from runyard.diskspace import writing
+from runyard.data.work_units import Task
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_bytes, atomic_write_json, sha256_file
+from runyard.spec.data import DataSpec
+from runyard.system.diskspace import writing
+from runyard.system.files import atomic_write_bytes, atomic_write_json, sha256_file
 
 log = logging.getLogger(__name__)
 

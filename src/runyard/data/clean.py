@@ -27,12 +27,12 @@ import numpy as np
 
 from runyard.data import minhash
 from runyard.data.budget import MemoryBudget
-from runyard.data.config import DataSpec
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
 from runyard.data.partstore import PartReader, PartWriter, is_complete
 from runyard.data.pii import scrub_pii
 from runyard.data.sources import InputFile, ReadLimits, iter_file_documents
+from runyard.spec.data import DataSpec
 
 SAMPLE_CHARS = 300
 

@@ -23,7 +23,7 @@ import numpy as np
 from runyard.data.partstore import PartReader
 from runyard.data.spill import FlagFile
 from runyard.data.split import split_key
-from runyard.diskspace import writing
+from runyard.system.diskspace import writing
 
 DOCS_PER_BLOCK = 1 << 20
 

@@ -31,13 +31,13 @@ from typing import Any
 import numpy as np
 
 from runyard.data.budget import MemoryBudget
-from runyard.data.config import DedupSpec
 from runyard.data.corpus import EXACT_DUP, NEAR_DUP, REMOVED, Corpus
 from runyard.data.dedup import optimal_bands
 from runyard.data.errors import MemoryBudgetTooSmall
 from runyard.data.minhash import EMPTY
 from runyard.data.spill import FlagFile, SortedRuns, as_records, field
-from runyard.diskspace import writing
+from runyard.spec.data import DedupSpec
+from runyard.system.diskspace import writing
 
 _NODE_BYTES = 8 + 8 + 8  # a node's document number, its label, and a scratch copy during a round
 

@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runyard.data.config import FilterSpec
 from runyard.data.markup import prose_view
+from runyard.spec.data import FilterSpec
 
 _PARAGRAPH_SPLIT = re.compile(r"\n\s*\n")
 _BULLETS = ("•", "‣", "◦", "⁃", "- ", "* ", "–", "—")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from runyard.data.config import DataSpec
 from runyard.data.dedup import optimal_bands
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
-from runyard.diskspace import DiskNeed, check_disk
+from runyard.spec.data import DataSpec
+from runyard.system.diskspace import DiskNeed, check_disk
 
 COMPRESSION_RATIO = 4  # text in a .gz/.zst file is taken to be this many times its size
 DOC_BYTES_RECORD = 500  # an average record's text, to count the documents of JSONL and Parquet sources

@@ -27,7 +27,6 @@ from pathlib import Path
 import fsspec
 
 from runyard.data import residency
-from runyard.data.config import DataSpec
 from runyard.data.pipeline import (
     PreparedData,
     dataset_fingerprint,
@@ -39,7 +38,8 @@ from runyard.data.progress import progress_bars
 from runyard.data.shards import HEADER, ShardCorrupt
 from runyard.data.sources import list_input_files
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_bytes, sha256_file
+from runyard.spec.data import DataSpec
+from runyard.system.files import atomic_write_bytes, sha256_file
 
 META_FILES = ("tokenizer.json", "split.json", "train.json", "heldout.json")
 COPY_BLOCK = 1 << 22

@@ -19,12 +19,12 @@ from typing import Any
 
 import numpy as np
 
-from runyard.data.config import DataSpec
 from runyard.data.images import read_images
 from runyard.data.row_split import SPLIT_NAMES, TEST, TRAIN, VALID, check_split, stratified_split
-from runyard.data.task_config import ImagesSpec
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_json, fsync_dir, make_temp_dir
+from runyard.spec.data import DataSpec
+from runyard.spec.data_predictive import ImagesSpec
+from runyard.system.files import atomic_write_json, fsync_dir, make_temp_dir
 
 PIPELINE_VERSION = 1
 PREPARED_FILE = "prepared.json"

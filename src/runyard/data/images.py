@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from runyard.data.config import DataSpec, SourceSpec
 from runyard.data.sklearn_sets import load_bundled
 from runyard.data.sources import expand_path_template
-from runyard.data.task_config import ImagesSpec
 from runyard.errors import DataError
+from runyard.spec.data import DataSpec, SourceSpec
+from runyard.spec.data_predictive import ImagesSpec
 
 GREY_MODES = {"1", "L", "LA", "I", "I;16", "F"}
 

@@ -33,7 +33,6 @@ from runyard.data import minhash
 from runyard.data.chat import ChatTemplate, choose_template
 from runyard.data.clean import text_hash
 from runyard.data.dedup import exact_duplicates, near_duplicates
-from runyard.data.instruct_config import InstructDataSpec
 from runyard.data.instruct_report import write_instruct_report
 from runyard.data.instruct_sources import Record, iter_records
 from runyard.data.normalize import normalize_text
@@ -43,7 +42,8 @@ from runyard.data.sources import list_source_files, read_bytes
 from runyard.data.split import heldout_mask
 from runyard.data.tokenizer import eos_token_beside, load_tokenizer
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_json
+from runyard.spec.data_instruct import InstructDataSpec
+from runyard.system.files import atomic_write_json
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from runyard.fsutil import atomic_write_bytes
+from runyard.system.files import atomic_write_bytes
 
 _REASONS = {
     "empty_response": "an assistant message (or the rejected answer) is empty",

@@ -24,9 +24,9 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from runyard.data.instruct_config import InstructSourceSpec
 from runyard.data.sources import InputFile, read_bytes
 from runyard.errors import DataError
+from runyard.spec.data_instruct import InstructSourceSpec
 
 ROLES = ("system", "user", "assistant")
 

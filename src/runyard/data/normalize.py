@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from runyard.data.config import NormalizeSpec
+from runyard.spec.data import NormalizeSpec
 
 # C0 and C1 control characters other than tab and newline (CR is handled as a line ending first).
 _CONTROL = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")

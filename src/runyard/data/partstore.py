@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
-from runyard.diskspace import writing
-from runyard.fsutil import fsync_dir
+from runyard.system.diskspace import writing
+from runyard.system.files import fsync_dir
 
 _FILES = ("text.bin", "docs.bin", "sigs.u32", "ids.jsonl")
 DOC = np.dtype([("end", "<u8"), ("chars", "<u8"), ("exact", "u1", (16,))])

@@ -24,7 +24,7 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from runyard.data.config import PiiSpec
+from runyard.spec.data import PiiSpec
 
 EMAIL = re.compile(r"(?<![\w.+-])[A-Za-z0-9._%+-]+@([A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,})(?![\w-])")
 _EXAMPLE_DOMAINS = re.compile(r"(?:^|\.)(?:example\.(?:com|net|org)|example|test|invalid|localhost)$", re.I)

@@ -38,7 +38,6 @@ from runyard.data import residency
 from runyard.data.budget import PROCESS_BASE, MemoryBudget
 from runyard.data.build import build_dataset
 from runyard.data.clean import part_key, reusable_part
-from runyard.data.config import DataSpec
 from runyard.data.errors import InputChanged
 from runyard.data.executors import ExecutorChoice, make_executor
 from runyard.data.footprint import check_cache_space
@@ -53,11 +52,12 @@ from runyard.data.sources import (
     hash_file,
     list_input_files,
 )
-from runyard.data.tasks import Task
 from runyard.data.tokenize import cpu_count
 from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE
+from runyard.data.work_units import Task
 from runyard.errors import DataError
-from runyard.locking import LockHolder, ProcessLock
+from runyard.spec.data import DataSpec
+from runyard.system.locking import LockHolder, ProcessLock
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def plan_parts(files: list[InputFile]) -> list[list[InputFile]]:
 @contextmanager
 def _locked(lock_path: Path, what: str):
     """One preparer at a time (e.g. several ranks started at once): the others wait. The lock dies with
-    its holder and is never held by its worker processes (runyard.locking), so a killed preparer never
+    its holder and is never held by its worker processes (runyard.system.locking), so a killed preparer never
     leaves a later one waiting."""
 
     def waiting(holder: LockHolder | None) -> None:

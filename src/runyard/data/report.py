@@ -9,7 +9,7 @@ from typing import Any
 
 from runyard.data.filters import RULE_BOUNDS
 from runyard.data.tokenizer import vocab_shortfall
-from runyard.fsutil import atomic_write_bytes
+from runyard.system.files import atomic_write_bytes
 
 
 def markdown_report(stats: dict[str, Any]) -> str:

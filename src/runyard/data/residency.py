@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import os
 
-from runyard.data.config import DataSpec
 from runyard.errors import ResidencyError
+from runyard.spec.data import DataSpec
 
 
 def cache_region(spec: DataSpec) -> str | None:

@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
-from runyard.diskspace import writing
 from runyard.errors import DataError
-from runyard.fsutil import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
+from runyard.system.diskspace import writing
+from runyard.system.files import atomic_write_bytes, atomic_write_json, fsync_dir, sha256_file
 
 MAGIC = b"RYTOKENS"
 DOCS_MAGIC = b"RYDOCOFF"

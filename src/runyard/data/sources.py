@@ -40,9 +40,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import zstandard
 
-from runyard.data.config import SourceSpec
 from runyard.data.errors import DocumentTooLarge, InputChanged
 from runyard.errors import DataError
+from runyard.spec.data import SourceSpec
 
 READ_BLOCK = 1 << 20
 # A file modified this close to when it was read may change again within the same timestamp tick:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from runyard.diskspace import writing
+from runyard.system.diskspace import writing
 
 MIN_WINDOW_RECORDS = 256
 

@@ -18,10 +18,10 @@ import pyarrow as pa
 import pyarrow.csv as pa_csv
 import pyarrow.parquet as pq
 
-from runyard.data.config import SourceSpec
 from runyard.data.sklearn_sets import load_bundled
 from runyard.data.sources import list_source_files
 from runyard.errors import DataError
+from runyard.spec.data import SourceSpec
 
 NUMERIC, CATEGORICAL = "numeric", "categorical"
 

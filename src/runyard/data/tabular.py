@@ -17,7 +17,6 @@ from typing import Any
 
 import numpy as np
 
-from runyard.data.config import DataSpec
 from runyard.data.row_split import (
     TEST,
     TRAIN,
@@ -30,8 +29,9 @@ from runyard.data.row_split import (
 )
 from runyard.data.table_read import CATEGORICAL, NUMERIC, RawTable, read_table
 from runyard.data.table_schema import MISSING_CATEGORY, Feature, TableSchema, encode_columns
-from runyard.data.task_config import TableSpec
 from runyard.errors import DataError
+from runyard.spec.data import DataSpec
+from runyard.spec.data_predictive import TableSpec
 
 PIPELINE_VERSION = 1
 

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 MAX_FEATURE_PLOTS = 12
 

@@ -36,7 +36,7 @@ from runyard.data.partstore import PartReader
 from runyard.data.shards import ShardWriter, dtype_for_vocab, write_index
 from runyard.data.spill import FlagFile
 from runyard.data.tokenizer import EOS_TOKEN, eos_id, load_tokenizer
-from runyard.fsutil import atomic_write_bytes, atomic_write_json
+from runyard.system.files import atomic_write_bytes, atomic_write_json
 
 CHUNK_BYTES = 1 << 22  # ~4 MB of text per chunk
 SPLITS = ("train", "heldout")

@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from runyard.data.loader import TokenLoader
-from runyard.train.rng import derive_seed
 
 
 @dataclass(frozen=True)
@@ -33,16 +32,6 @@ class HeldoutMetrics:
     heldout_tokens: int
     # {"heldout": {...}, "train": {...}}: each sample's sequences, tokens, documents covered, seed.
     coverage: dict[str, dict[str, Any]] = field(default_factory=dict)
-
-
-def evaluation_seeds(spec_seed: int) -> dict[str, int]:
-    """The seeds of the evaluation samples, fixed for the run (recorded in the manifest): the held-out
-    sample scored during training, and the final held-out and train samples."""
-    return {
-        "eval.heldout": derive_seed(spec_seed, "eval", "heldout"),
-        "eval.final_heldout": derive_seed(spec_seed, "eval", "final", "heldout"),
-        "eval.final_train": derive_seed(spec_seed, "eval", "final", "train"),
-    }
 
 
 def train_token_counts(train_loader: TokenLoader, vocab_size: int, max_batches: int | None = None) -> np.ndarray:

@@ -21,7 +21,7 @@ import numpy as np
 
 from runyard.errors import RunyardError
 from runyard.evaluate.report import Verdict
-from runyard.spec_tasks import PredictionEvalSpec
+from runyard.spec.predictive import PredictionEvalSpec
 
 
 def _sklearn_metrics() -> ModuleType:

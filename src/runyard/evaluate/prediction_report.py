@@ -17,7 +17,7 @@ from matplotlib.figure import Figure
 
 from runyard.evaluate.prediction import PredictionMetrics
 from runyard.evaluate.report import Verdict
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 _WORDS = {"accuracy": "accuracy", "f1": "F1", "roc_auc": "ROC AUC", "log_loss": "log loss", "rmse": "RMSE",
           "mae": "MAE", "r2": "R²"}

@@ -12,11 +12,11 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from runyard.evaluate.finetune import finetune_markdown
 from runyard.evaluate.heldout import HeldoutMetrics
-from runyard.fsutil import atomic_write_text
 from runyard.plan.lifetime import Lifetime, plot_lifetime
-from runyard.spec import EvalSpec
+from runyard.spec.job import EvalSpec
+from runyard.system.files import atomic_write_text
+from runyard.train.finetune_metrics import finetune_markdown
 
 
 @dataclass(frozen=True)
@@ -134,7 +134,7 @@ def write_report(
     lifetime: Lifetime | None = None,
 ) -> dict:
     """Write report.json, report.md and the curves. `finetune` holds each sft/dpo stage's before/after
-    record (evaluate/finetune.py), shown side by side."""
+    record (train/finetune_metrics.py), shown side by side."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(stage_metrics, out_dir)
     report = {

@@ -47,12 +47,12 @@ from typing import Any
 import httpx
 
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.market import payloads
 from runyard.market.operations import BY_NAME, OPERATIONS, Operation
 from runyard.market.rails import TestRail
 from runyard.market.requirement import Requirement
 from runyard.market.signing import generate_keypair, public_key_of, sign
+from runyard.system.files import atomic_write_text
 
 RETRY_STATUSES = {502, 503, 504}
 

@@ -11,7 +11,6 @@ import sys
 import typing
 from pathlib import Path
 
-from runyard.fsutil import atomic_write_text
 from runyard.market import errors
 from runyard.market.operations import OPERATIONS
 from runyard.market.states import Machine
@@ -22,6 +21,7 @@ from runyard.market.states.lease import LEASE
 from runyard.market.states.listing import LISTING
 from runyard.market.states.period import PERIOD
 from runyard.market.states.record import RECORD
+from runyard.system.files import atomic_write_text
 
 MACHINES = (IDENTITY, LISTING, DEMAND, LEASE, PERIOD, RECORD, DISPUTE)
 SECTION = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated:\2 -->)", re.S)

@@ -2,7 +2,7 @@
 
 The market carries the job; it does not interpret it. The spec is checked only as what the market
 can promise about it: text within a size limit that parses as a YAML mapping. Whether it is a valid
-runyard job spec is the provider's question (its agent loads it with `runyard.spec.load_spec` and
+runyard job spec is the provider's question (its agent loads it with `runyard.spec.job.load_spec` and
 rejects the lease, returning the escrow, when it is not) -- so the market needs none of the
 training stack and never refuses a spec written for a newer runyard than its own.
 

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import uvicorn
 
-from runyard.fsutil import atomic_write_text
-from runyard.http_thread import AppThread
 from runyard.market import deadlines, identity
 from runyard.market.api import DEFAULT_MAX_BODY, create_app
 from runyard.market.service import Market
+from runyard.system.files import atomic_write_text
+from runyard.system.http_thread import AppThread
 
 log = logging.getLogger("runyard.market.server")
 

@@ -1,5 +1,5 @@
 """Which registered family suits a task and its data: the one rule behind a run's choice (a spec that
-leaves `model.family` out, runyard.tasks) and `runyard plan`'s recommendation (runyard.plan.recommend).
+leaves `model.family` out, runyard.plan.families) and `runyard plan`'s recommendation (runyard.plan.recommend).
 
 The rule follows the usual advice: simple, low-dimensional data rarely needs a deep network, while
 images and text do. So a tabular task gets a family the torch loop does not train (trees, a linear
@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runyard.model.registry import FamilyUnavailable, ModelFamily, family_names, get_family
-from runyard.spec_checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
+from runyard.spec.checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
 
 # High-dimensional data: a deep network trained by the loop.
 DEEP_TASKS = (LANGUAGE_MODEL, IMAGE_TASK)

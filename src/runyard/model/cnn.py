@@ -21,7 +21,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from runyard.model.registry import ExportError, ModelFamily, Sizing, register
-from runyard.spec_tasks import CnnSpec
+from runyard.spec.predictive import CnnSpec
 
 WEIGHTS_FILE = "model.safetensors"
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from runyard.spec import ModelSpec
+    from runyard.spec.job import ModelSpec
 
 FFN_MULTIPLE = 32  # SwiGLU width is rounded up to this (Llama rounds to a hardware-friendly multiple)
 

@@ -22,23 +22,41 @@ import torch
 import torch.nn.functional as F
 
 
-class KVCache:
-    """Preallocated keys and values, [n_layers, batch, n_kv_heads, max_len, head_dim] each."""
+class KVStore:
+    """Preallocated keys and values, [n_layers, rows, n_kv_heads, max_len, head_dim] each: the memory both
+    kinds of cache hold (a row is a batch row of `KVCache`, a slot of `KVPool`)."""
 
     def __init__(
         self,
         n_layers: int,
-        batch_size: int,
+        rows: int,
         n_kv_heads: int,
         max_len: int,
         head_dim: int,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        shape = (n_layers, batch_size, n_kv_heads, max_len, head_dim)
+        shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+
+    @staticmethod
+    def bytes_per_slot(n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Memory one row takes (keys and values of every layer), for sizing a pool to a budget."""
+        return 2 * n_layers * n_kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+class KVCache(KVStore):
+    """One contiguous cache for a batch whose rows all sit at the same position."""
+
+    def __init__(self, n_layers: int, batch_size: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(n_layers, batch_size, n_kv_heads, max_len, head_dim, dtype, device)
 
     def update(
         self, layer: int, start_pos: int, k: torch.Tensor, v: torch.Tensor
@@ -66,36 +84,17 @@ class KVCache:
         return None, True
 
 
-class KVPool:
+class KVPool(KVStore):
     """The serving engine's KV memory: `n_slots` sequences of up to `max_len` positions each, allocated
     once, [n_layers, n_slots, n_kv_heads, max_len, head_dim] for keys and the same for values.
 
     Decoding sequences occupy slots 0..n-1 in order (the engine moves the last one into a slot that
     frees up), so a decode step reads one contiguous view of the pool and copies nothing."""
 
-    def __init__(
-        self,
-        n_layers: int,
-        n_slots: int,
-        n_kv_heads: int,
-        max_len: int,
-        head_dim: int,
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ):
-        shape = (n_layers, n_slots, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.n_slots, self.max_len = n_slots, max_len
-
-    @staticmethod
-    def bytes_per_slot(n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
-        """Memory one slot takes (keys and values of every layer), for sizing a pool to a budget."""
-        return 2 * n_layers * n_kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
-
-    @property
-    def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+    def __init__(self, n_layers: int, n_slots: int, n_kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+        super().__init__(n_layers, n_slots, n_kv_heads, max_len, head_dim, dtype, device)
+        self.n_slots = n_slots
 
     def step(self, decode_positions: list[int], chunks: list[PrefillChunk] = ()) -> PoolStep:
         """The view for one engine step: a token for each of slots 0..len(decode_positions)-1, slot i

@@ -28,7 +28,7 @@ from sklearn.preprocessing import OneHotEncoder, StandardScaler
 
 from runyard.model.registry import ExportError, Sizing, register
 from runyard.model.tabular import FitResult, TableFacts, TabularFamily, table_loss
-from runyard.spec_tasks import LinearSpec
+from runyard.spec.predictive import LinearSpec
 
 MODEL_FILE = "linear.json"
 

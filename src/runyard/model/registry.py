@@ -8,7 +8,7 @@ own library) implements the same config, sizing, export and load, and leaves the
 `NotTrainedByLoop`; the run dispatches on `trains_with_loop`.
 
 Adding a family: subclass `ModelFamily`, `register()` it where runyard.model imports families
-(model/__init__.py), and add its name to the spec's `model.family` choices (spec_sections.py). A family
+(model/__init__.py), and add its name to the spec's `model.family` choices (spec/sections.py). A family
 whose module needs an optional extra (LightGBM, scikit-learn: `runyard[predict]`) is named with
 `register_lazy(name, module)` instead: its module is imported the first time `get_family` asks for it, so
 a language-model run never pays for (or needs) those libraries, and a missing extra is an error that says
@@ -151,7 +151,7 @@ class ModelFamily(ABC):
                      ) -> list[str]:
         """Write the model's own files (config and weights, in the ecosystem's format where there is one)
         into `directory`; return their names. `metadata`: facts the caller knows that those files carry
-        (a language model's special token ids). The caller (serve/export.py) adds the tokenizer files
+        (a language model's special token ids). The caller (model/hf/export.py) adds the tokenizer files
         and runyard.json with checksums, and commits the directory."""
 
     @abstractmethod

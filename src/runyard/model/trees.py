@@ -26,7 +26,7 @@ import numpy as np
 
 from runyard.model.registry import ExportError, Sizing, register
 from runyard.model.tabular import FitResult, TableFacts, TabularFamily
-from runyard.spec_tasks import TreesSpec
+from runyard.spec.predictive import TreesSpec
 
 MODEL_FILE = "model.txt"
 

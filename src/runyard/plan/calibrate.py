@@ -28,10 +28,9 @@ from typing import Any
 
 import torch
 
+from runyard.model.compute import autocast_for, forward_backward, resolve_device
 from runyard.model.registry import ModelFamily
 from runyard.plan.devices import device, kind_of_cuda_name
-from runyard.train.loop import autocast_for, forward_backward
-from runyard.train.parallel import resolve_device
 
 CALIBRATION_SEED = 20240601  # model weights and batches of every calibration: fixed, so reports repeat
 BYTES_PER_PARAM_STATE = 16  # fp32 weights, gradients and AdamW's two moments
@@ -196,7 +195,7 @@ def table_machine(kind: str, devices: int = 1) -> Machine:
 
 @contextlib.contextmanager
 def _threads(n: int | None) -> Iterator[None]:
-    """Run with `n` torch CPU threads (as the run's thread choice, runyard/cpus.py, makes it do), then restore."""
+    """Run with `n` torch CPU threads (as the run's thread choice, runyard/system/cpus.py, makes it do), then restore."""
     saved = torch.get_num_threads()
     if n:
         torch.set_num_threads(n)

@@ -17,7 +17,7 @@ from fractions import Fraction
 
 from runyard.errors import SpecError
 from runyard.plan.devices import device
-from runyard.spec import CostsSpec, reference_hint
+from runyard.spec.job import CostsSpec, reference_hint
 
 TABLE_CURRENCY = "USD"  # the device table's prices
 

@@ -14,7 +14,7 @@ from runyard.data.loader import TokenStream
 from runyard.data.pipeline import PreparedData
 from runyard.data.tokenizer import vocab_shortfall
 from runyard.errors import SpecError
-from runyard.spec import JobSpec, reference_hint, resolved_stage
+from runyard.spec.job import JobSpec, reference_hint, resolved_stage
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,6 @@ import pyarrow.parquet as pq
 
 from runyard.data.budget import MemoryBudget
 from runyard.data.clean import clean_part
-from runyard.data.config import DataSpec
 from runyard.data.footprint import COMPRESSION_RATIO
 from runyard.data.partstore import PartReader
 from runyard.data.pipeline import dataset_fingerprint, fingerprint_inputs, load_prepared, resolve_cache_dir
@@ -41,6 +40,7 @@ from runyard.data.sources import InputFile, read_bytes
 from runyard.data.tokenize import cpu_count
 from runyard.data.tokenizer import train_bpe
 from runyard.plan.recommend import DATA_KINDS, DataFacts
+from runyard.spec.data import DataSpec
 
 SAMPLE_BYTES = 512 << 10  # text run through the data stage's steps to time them
 FINGERPRINT_LIMIT = 256 << 20  # a corpus up to this size is fingerprinted for real to find a cached copy

@@ -9,9 +9,9 @@ from collections.abc import Collection
 from pathlib import Path
 
 from runyard.data.footprint import TOKENIZER_BYTES_PER_TOKEN
-from runyard.diskspace import DiskNeed, human_bytes
 from runyard.plan.sizing import stage_config
-from runyard.spec import JobSpec, resolved_stage
+from runyard.spec.job import JobSpec, resolved_stage
+from runyard.system.diskspace import DiskNeed, human_bytes
 
 CHECKPOINT_BYTES_PER_PARAM = 12  # fp32 weights + AdamW's two fp32 moments
 EXPORT_BYTES_PER_PARAM = 4  # fp32 safetensors

@@ -25,12 +25,12 @@ from pathlib import Path
 
 from matplotlib.figure import Figure
 
-from runyard.fsutil import atomic_write_bytes
 from runyard.model.registry import Sizing
 from runyard.plan.cost import Cost, cost_of, format_money
 from runyard.plan.devices import UTILISATION, Device, device, usable_memory
 from runyard.plan.recommend import CPU_SERVING_MAX_CORES, DATA_KINDS, SERVE_KINDS
-from runyard.spec import CostsSpec
+from runyard.spec.job import CostsSpec
+from runyard.system.files import atomic_write_bytes
 
 SECONDS_PER_DAY = 86400
 MAX_DECODE_BATCH = 256

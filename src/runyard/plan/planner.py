@@ -11,7 +11,7 @@
 5. the same training on the recommended hardware by the device table, its energy and its cost, and the
    requirement (that hardware and a duration covering the estimate);
 6. with traffic, the serving hardware, the inference cost per day and the day it overtakes training
-   (lifetime.py).
+   (system/processes.py).
 
 On a CPU the process's peak memory is the framework plus the data stage's peak plus each stage's step peak
 in turn: glibc keeps the heap pages an earlier phase freed, so they stay resident (measured on the stdlib
@@ -29,7 +29,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from runyard.cpus import choose_threads
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
@@ -50,7 +49,8 @@ from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, FamilyChoice, Hardware, recommend_family
-from runyard.spec import JobSpec, resolved_stage, with_family
+from runyard.spec.job import JobSpec, resolved_stage, with_family
+from runyard.system.cpus import choose_threads
 
 # Stated costs of steps not worth timing (seconds), and rates of ones too cheap to calibrate.
 STAGE_SETUP_S = 0.5  # building the model and optimizer, the gates record
@@ -132,7 +132,7 @@ class Plan:
 
 
 def run_threads(spec: JobSpec) -> int:
-    """The CPU threads each of the run's processes will use (runyard/cpus.py), so calibration measures
+    """The CPU threads each of the run's processes will use (runyard/system/cpus.py), so calibration measures
     the machine as the run will use it."""
     return choose_threads(spec.resources.threads, spec.resources.nproc).threads
 

@@ -5,7 +5,7 @@ Training is measured: the data stage's timings and each stage's span in its metr
 step, plus one step for the first), on the devices this run used (the CPU threads, or one GPU), priced at
 `costs`. Serving per request is measured on the exported model here where the recommended serving hardware
 is this machine's kind (a CPU: single-sequence decoding for a language model, a forward pass of a batch
-otherwise) and estimated from the device table for the other kinds; the cheapest day wins (lifetime.py).
+otherwise) and estimated from the device table for the other kinds; the cheapest day wins (system/processes.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from runyard.plan.cost import cost_of
 from runyard.plan.devices import kind_of_cuda_name
 from runyard.plan.lifetime import Capacity, Lifetime, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.planner import traffic_from
-from runyard.spec import JobSpec, resolved_stage
+from runyard.spec.job import JobSpec, resolved_stage
 
 
 def training_seconds(data_stats: dict, stage_metrics: dict[str, list[dict]]) -> float:

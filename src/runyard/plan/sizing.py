@@ -26,7 +26,7 @@ from runyard.model.registry import DEFAULT_FAMILY, ModelFamily, Sizing, get_fami
 from runyard.plan import weights_in
 from runyard.plan.devices import GPU_RESERVED_BYTES, UTILISATION, device
 from runyard.plan.recommend import DATA_KINDS, Hardware, training_hardware
-from runyard.spec import JobSpec, ResolvedStage, resolved_stage
+from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
 BYTES_PER_PARAM_STATE_NO_GRAD = 12  # weights and moments: what stays while evaluating (grads set to None)

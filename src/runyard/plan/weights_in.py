@@ -23,9 +23,9 @@ from runyard.data.tokenizer import TOKENIZER_FILE, eos_token_beside, load_model_
 from runyard.errors import DataError, RunyardError, SpecError
 from runyard.model.config import ConfigContradiction
 from runyard.model.hf.config import HF_FIELDS
+from runyard.model.hf.export import read_export_config
 from runyard.model.registry import get_family
-from runyard.serve.export import read_export_config
-from runyard.spec import JobSpec, reference_hint, resolved_stage
+from runyard.spec.job import JobSpec, reference_hint, resolved_stage
 
 SPEC_SOURCE = "(spec checked against its initial weights)"
 

@@ -29,8 +29,8 @@ from urllib.parse import unquote, urljoin, urlparse
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
-from runyard.fsutil import atomic_write_text, sha256_file
 from runyard.reproduce.installed import InstalledDist, WheelFacts, read_wheel
+from runyard.system.files import atomic_write_text, sha256_file
 
 _HREF = re.compile(r'href="([^"]+)"', re.IGNORECASE)
 

@@ -39,7 +39,6 @@ from packaging import tags as packaging_tags
 from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import Version
 
-from runyard.fsutil import atomic_write_text, sha256_file
 from runyard.reproduce import source as runyard_source
 from runyard.reproduce.archives import env_cache_root
 from runyard.reproduce.env_cache import READY_FILE, exclusive_build, mark_used
@@ -52,6 +51,7 @@ from runyard.reproduce.lock import (
     KIND_WHEEL,
     EnvironmentLock,
 )
+from runyard.system.files import atomic_write_text, sha256_file
 
 _PIP_TIMEOUT_S = 1800
 _NO_MATCH = re.compile(r"(?:No matching distribution found for|satisfies the requirement) ([A-Za-z0-9._-]+)")

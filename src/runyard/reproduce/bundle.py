@@ -20,10 +20,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runyard.fsutil import atomic_write_text, fsync_dir, sha256_file
 from runyard.reproduce.build import completed_requirements, fetch_archives, ready_environment, runyard_wheel
 from runyard.reproduce.errors import LockUnsatisfiable
 from runyard.reproduce.lock import KIND_LOCAL, KIND_UNRECORDED, LOCK_DIR, read_lock
+from runyard.system.files import atomic_write_text, fsync_dir, sha256_file
 
 WHEELHOUSE = "wheelhouse"
 BUNDLE_FILE = "bundle.json"

@@ -17,12 +17,12 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from runyard.fsutil import sha256_file
-from runyard.manifest import read_manifest
 from runyard.reproduce.lock import FACTS_FILE, LOCK_DIR
+from runyard.reproduce.manifest import read_manifest
 from runyard.reproduce.source import changed_files
+from runyard.system.files import sha256_file
 
-# serve/export.py's PROVENANCE_FILE, named here so that comparing runs does not load torch.
+# model/hf/export.py's PROVENANCE_FILE, named here so that comparing runs does not load torch.
 EXPORT_RECORD = "runyard.json"
 
 CURVE_FIELDS = ("loss", "heldout_loss", "grad_norm")

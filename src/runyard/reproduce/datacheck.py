@@ -11,11 +11,11 @@ import os
 from contextlib import chdir
 from pathlib import Path
 
-from runyard.data.config import DataSpec
 from runyard.data.pipeline import fingerprint_inputs
 from runyard.data.sources import list_input_files
 from runyard.errors import DataError
-from runyard.spec import JobSpec
+from runyard.spec.data import DataSpec
+from runyard.spec.job import JobSpec
 
 
 def _source_key(spec: DataSpec, index: int) -> str:

@@ -32,11 +32,11 @@ from pathlib import Path
 
 from packaging import tags as packaging_tags
 
-from runyard.fsutil import atomic_write_text
 from runyard.reproduce import source as runyard_source
 from runyard.reproduce.archives import ArchiveFinder
 from runyard.reproduce.errors import NotReproducible
 from runyard.reproduce.installed import InstalledDist, installed_distributions
+from runyard.system.files import atomic_write_text
 
 LOCK_DIR = "env"
 REQUIREMENTS_FILE = "requirements.txt"

@@ -13,8 +13,8 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from runyard.fsutil import atomic_write_bytes, atomic_write_text
 from runyard.reproduce.compare import BITWISE, WITHIN_TOLERANCE, Comparison, read_metrics
+from runyard.system.files import atomic_write_bytes, atomic_write_text
 
 PLOT_FILE = "curves.png"
 VERDICT_TEXT = {

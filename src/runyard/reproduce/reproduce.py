@@ -15,16 +15,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from runyard.manifest import MANIFEST_FILE, read_manifest
 from runyard.reproduce.build import BuiltEnvironment, build_environment
 from runyard.reproduce.bundle import wheelhouse_of
 from runyard.reproduce.compare import DEFAULT_TOLERANCE, DIFFERENT, Comparison, compare_runs
 from runyard.reproduce.datacheck import check_inputs
 from runyard.reproduce.errors import InputsChanged, NotReproducible
 from runyard.reproduce.lock import LOCK_DIR, read_lock
+from runyard.reproduce.manifest import MANIFEST_FILE, read_manifest
 from runyard.reproduce.report import write_report
 from runyard.reproduce.rerun import rerun_command, rerun_environment, run_local, run_slurm
-from runyard.spec import load_spec
+from runyard.spec.job import load_spec
 
 SPEC_FILE = "spec.yaml"  # run.py's name for it; not imported so that this module needs no torch
 REPORT_DIR = "reproduction"

@@ -19,8 +19,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from runyard.control.backends.slurm import parse_scontrol
 from runyard.reproduce.errors import RerunFailed
+from runyard.system.slurm import parse_scontrol
 
 BACKENDS = ("local", "slurm")
 _SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",

@@ -32,7 +32,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from runyard.data.loader import SplitDocuments
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 REFERENCE_FILE = "drift_reference.json"
 SAMPLE_FILE = "drift_sample.safetensors"

@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from runyard.fsutil import atomic_write_text
 from runyard.serve.drift import js_divergence, psi
+from runyard.system.files import atomic_write_text
 
 REFERENCE_FILE = "feature_drift.json"
 PSI_FLOOR, JS_FLOOR = 0.1, 0.05

@@ -37,7 +37,7 @@ from runyard.serve.responses import (
     error_response,
     sse,
 )
-from runyard.serve.sampling import SamplingParams, derive_seed
+from runyard.serve.sampling import SamplingParams, choice_seed
 from runyard.serve.sequence import SeqEvent
 
 log = logging.getLogger("runyard.serve")
@@ -162,7 +162,7 @@ def create_app(
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=req.top_k_or_none(),
-                    seed=None if req.seed is None else derive_seed(req.seed % (1 << 63), j),
+                    seed=None if req.seed is None else choice_seed(req.seed % (1 << 63), j),
                     stop=req.stop_list(),
                     logprobs=logprobs,
                     stop_token_ids=stop_ids,

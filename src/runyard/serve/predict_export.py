@@ -26,9 +26,7 @@ import numpy as np
 import torch
 
 from runyard.data.table_schema import TableSchema, encode_records
-from runyard.fsutil import make_temp_dir, match_umask, sha256_file
-from runyard.model.registry import ExportError, UnknownFamily, get_family
-from runyard.serve.export import (
+from runyard.model.hf.export import (
     EXPORT_FORMAT,
     EXPORT_VERSION,
     PROVENANCE_FILE,
@@ -36,8 +34,10 @@ from runyard.serve.export import (
     read_export_config,
     verify_files,
 )
+from runyard.model.registry import ExportError, UnknownFamily, get_family
 from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.onnx_export import write_onnx
+from runyard.system.files import make_temp_dir, match_umask, sha256_file
 
 SCHEMA_FILE = "feature_schema.json"
 KIND_TABLE, KIND_IMAGE = "table", "image"

@@ -20,9 +20,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from runyard.data.config import PiiSpec
 from runyard.data.pii import scrub_pii
-from runyard.fsutil import fsync_dir, fsync_file
+from runyard.spec.data import PiiSpec
+from runyard.system.files import fsync_dir, fsync_file
 
 SEGMENT_GLOB = "*.jsonl"
 PART_SUFFIX = ".part"

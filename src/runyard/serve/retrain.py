@@ -27,10 +27,10 @@ from runyard.control.auth import TokenError
 from runyard.control.client import ControlClient
 from runyard.control.info import ControlError
 from runyard.errors import SpecError
-from runyard.fsutil import atomic_write_text
 from runyard.serve.errors import RetrainError
 from runyard.serve.request_log import RequestLog
-from runyard.spec import ModelSpec, load_spec
+from runyard.spec.job import ModelSpec, load_spec
+from runyard.system.files import atomic_write_text
 
 log = logging.getLogger("runyard.serve")
 

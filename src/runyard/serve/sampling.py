@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from runyard.spec.seeds import derive_seed
+
 MAX_LOGPROBS = 20  # top alternatives a client may ask for per token (OpenAI's chat limit)
 
 
@@ -55,12 +57,10 @@ def new_generator(seed: int | None) -> torch.Generator:
     return torch.Generator(device="cpu").manual_seed(seed if seed is not None else secrets.randbits(63))
 
 
-def derive_seed(seed: int, index: int) -> int:
+def choice_seed(seed: int, index: int) -> int:
     """The seed of choice `index` of a request with `seed` (choice 0 keeps the request's own seed, so a
     request with n=1 and one with n=3 share their first completion)."""
-    if index == 0:
-        return seed
-    return (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) % (1 << 63)
+    return seed if index == 0 else derive_seed(seed, "choice", index)
 
 
 @dataclass(frozen=True)

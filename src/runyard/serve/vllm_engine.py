@@ -22,9 +22,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from runyard.model.hf.export import export_eos_ids
 from runyard.serve.engine import find_eos_id
 from runyard.serve.errors import InvalidRequest, QueueFull, ServeConfigError
-from runyard.serve.export import export_eos_ids
 from runyard.serve.sampling import SamplingParams, TokenLogprobs
 from runyard.serve.sequence import SeqEvent, Sink
 

@@ -1,4 +1,4 @@
-"""The before/after record of a fine-tuning stage (`stages/<stage>/finetune.json`, evaluate/finetune.py):
+"""The before/after record of a fine-tuning stage (`stages/<stage>/finetune.json`, train/finetune_metrics.py):
 held-out metrics, the task metric, answers to a few held-out prompts, and what LoRA saves. `before` is
 taken from the stage's initial weights before its first step (kept across resumes), `after` from its
 final weights."""
@@ -14,8 +14,8 @@ import torch
 from runyard.data.instruct import PreparedInstruct
 from runyard.data.samples import eval_batches
 from runyard.data.tokenizer import eos_token_beside, load_tokenizer
-from runyard.evaluate import finetune
-from runyard.spec import ResolvedStage
+from runyard.spec.job import ResolvedStage
+from runyard.train import finetune_metrics as finetune
 
 BYTES_PER_TRAINED_VALUE = 4 * 3  # fp32 gradient and AdamW's two moments per trained parameter
 

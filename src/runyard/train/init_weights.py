@@ -16,13 +16,13 @@ from pathlib import Path
 import torch
 
 from runyard.errors import RunyardError
+from runyard.model.hf.export import verify_export
 from runyard.model.registry import get_family
 from runyard.plan.weights_in import stage_config, stage_start
-from runyard.serve.export import verify_export
-from runyard.spec import JobSpec, resolved_stage
+from runyard.spec.job import JobSpec, resolved_stage
+from runyard.spec.seeds import derive_seed
 from runyard.train import checkpoint
 from runyard.train.lora import attach_trained_adapters, merged_state_dict
-from runyard.train.rng import derive_seed
 from runyard.train.stage_result import final_checkpoint, stage_dir
 
 log = logging.getLogger(__name__)

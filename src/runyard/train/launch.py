@@ -18,7 +18,7 @@ to stop at the next step boundary, checkpoint, and the launcher exits 4. torchru
 that have not exited 30 s later, so the stop is bounded.
 
 No orphans, one writer (issue 10):
-- the launcher holds the run directory's lock (runyard.rundir) for all its ranks; the workers check
+- the launcher holds the run directory's lock (runyard.system.rundir) for all its ranks; the workers check
   that it still does;
 - torchrun dies with the launcher, and the workers with torchrun (parent-death signal, SIGKILL): a
   killed launcher or torchrun never leaves workers that train on beside a retry. SIGKILL rather than
@@ -43,11 +43,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from runyard import rundir
-from runyard.cpus import choose_threads
 from runyard.errors import EXIT_FAILURE, RunyardError
-from runyard.fsutil import atomic_write_text
-from runyard.lifetime import die_with_parent, parent_of
+from runyard.system import rundir
+from runyard.system.cpus import choose_threads
+from runyard.system.files import atomic_write_text
+from runyard.system.processes import die_with_parent, parent_of
 from runyard.train.recovery import read_recovery
 
 UNDER_LAUNCHER = "RUNYARD_UNDER_TORCHRUN"
@@ -193,7 +193,7 @@ def launch(worker_argv: list[str], nproc: int, run_dir: Path | None = None, **kw
 
 
 def worker_threads(nproc: int) -> int:
-    """Each of `nproc` local workers' share of this launcher's threads (runyard/cpus.py: OMP_NUM_THREADS when
+    """Each of `nproc` local workers' share of this launcher's threads (runyard/system/cpus.py: OMP_NUM_THREADS when
     a scheduler set it for the whole job, else the cores this process may use), at least one."""
     return max(1, choose_threads(None, 1).threads // max(1, nproc))
 

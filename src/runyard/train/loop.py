@@ -18,7 +18,6 @@ one that never stopped.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import time
@@ -33,18 +32,18 @@ from runyard.data.image_prep import PreparedImages
 from runyard.data.instruct import PreparedInstruct
 from runyard.data.pipeline import PreparedData
 from runyard.errors import Preempted, RunyardError
-from runyard.evaluate.heldout import evaluation_seeds
+from runyard.model.compute import autocast_for
 from runyard.model.registry import get_family
 from runyard.plan.weights_in import stage_config
-from runyard.spec import JobSpec, ResolvedStage
+from runyard.spec.job import JobSpec, ResolvedStage
+from runyard.spec.seeds import derive_seed, evaluation_seeds
 from runyard.train import batches, checkpoint, finetune_eval, parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
-from runyard.train.objectives import token_loss_sum
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
-from runyard.train.rng import derive_seed, seed_everything
+from runyard.train.rng import seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
 from runyard.train.stage_kinds import PretrainObjective, dpo_reference, instruct_objective
@@ -92,13 +91,6 @@ class TrainSetup:
     def state(self) -> checkpoint.TrainingState:
         """What a checkpoint saves and restores: model (or adapters), optimizer, loader position and RNG."""
         return checkpoint.TrainingState(self.trained, self.optimizer, self.loader)
-
-
-def autocast_for(device: torch.device, precision: str):
-    """bf16 autocast on CUDA when asked (or 'auto'); fp32 everywhere else."""
-    if device.type == "cuda" and precision in ("bf16", "auto"):
-        return torch.autocast("cuda", dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 def build_model(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | PreparedImages,
@@ -160,19 +152,6 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
             derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
             stage.dpo.beta, reference)
     return TrainSetup(model, module, config, optimizer, objective.loader, objective, adapters)
-
-
-def forward_backward(
-    module: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, loss_scale: float, device: torch.device, precision: str
-) -> torch.Tensor:
-    """One micro-batch: the loss summed over its targets (tokens, or one label per image) times
-    `loss_scale` (1 / targets in the whole accumulated batch), so gradients accumulated over micro-batches
-    equal one large batch's."""
-    with autocast_for(device, precision):
-        logits = module(x)
-    loss = token_loss_sum(logits, y) * loss_scale
-    loss.backward()
-    return loss.detach()
 
 
 @torch.no_grad()

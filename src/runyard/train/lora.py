@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from runyard.errors import RunyardError
-from runyard.spec_finetune import LoRASpec
+from runyard.spec.finetune import LoRASpec
 
 
 class LoRAError(RunyardError):

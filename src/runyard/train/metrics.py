@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from the vendors' data sheets. A device not in
 # this table gets no MFU figure rather than a guessed one.

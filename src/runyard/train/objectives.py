@@ -1,7 +1,8 @@
 """The training objectives as small functions of logits and labels (trl / torchtune style), each
 checked against a hand computation in tests/train/test_objectives.py.
 
-- next token (pretrain) and supervised fine-tuning share one loss: the cross-entropy summed over the
+- next token (pretrain) and supervised fine-tuning share one loss (runyard.model.compute.token_loss_sum, which
+  the planner's calibration runs too): the cross-entropy summed over the
   positions whose label is not `IGNORE_INDEX`. SFT data marks the prompt's positions (and padding) with
   the ignore index in its labels, so the loss sees only the assistant's tokens; the masking lives in the
   labels, never in the loop. The loop divides the sum by the supervised tokens of the whole global batch.
@@ -20,14 +21,7 @@ import torch.nn.functional as F
 
 from runyard.data.samples import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "DPOTerms", "dpo_loss", "sequence_logprobs", "supervised_tokens", "token_loss_sum"]
-
-
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy summed over every position whose label is not IGNORE_INDEX (fp32).
-    logits [B, T, V] with labels [B, T] (tokens), or [B, C] with [B] (one label per image)."""
-    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                           ignore_index=IGNORE_INDEX, reduction="sum")
+__all__ = ["IGNORE_INDEX", "DPOTerms", "dpo_loss", "sequence_logprobs", "supervised_tokens"]
 
 
 def supervised_tokens(labels: torch.Tensor) -> int:

@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from runyard.errors import RunyardError
-from runyard.train.rng import derive_seed
+from runyard.model.compute import resolve_device
+from runyard.spec.seeds import derive_seed
 
 log = logging.getLogger(__name__)
 
@@ -52,14 +52,6 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
-
-
-def resolve_device(requested: str) -> torch.device:
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RunyardError("resources.device is 'cuda' but torch sees no CUDA device on this machine")
-    if requested == "auto":
-        requested = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(requested)
 
 
 def _attempt_store(rank: int, world_size: int) -> dict:

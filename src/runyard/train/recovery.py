@@ -20,7 +20,7 @@ import os
 import time
 from pathlib import Path
 
-from runyard.fsutil import atomic_write_text
+from runyard.system.files import atomic_write_text
 
 RECOVERY_FILE = "recovery.json"
 _PROCESS_START = time.time()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import random
 from typing import Any
 
@@ -16,12 +15,6 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(seed)
-
-
-def derive_seed(base: int, *parts: object) -> int:
-    """A stable 63-bit seed for a sub-task (a stage, a rank), independent of Python's hash salt."""
-    digest = hashlib.sha256(repr((base, *parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
 def capture_rng() -> tuple[dict[str, torch.Tensor], dict]:

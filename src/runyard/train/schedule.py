@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from runyard.spec import ScheduleSpec
+from runyard.spec.job import ScheduleSpec
 
 
 def lr_at(step: int, base_lr: float, schedule: ScheduleSpec, total_steps: int) -> float:

@@ -22,10 +22,11 @@ from runyard.data.image_loader import ImageLoader
 from runyard.data.instruct import PreparedInstruct
 from runyard.data.loader import EvalSample, TokenLoader
 from runyard.data.samples import Batch, SampleLoader, eval_batches
-from runyard.evaluate.finetune import dpo_metrics, pair_logprobs, response_loss
+from runyard.model.compute import token_loss_sum
 from runyard.train import parallel
+from runyard.train.finetune_metrics import dpo_metrics, pair_logprobs, response_loss
 from runyard.train.lora import adapters_disabled
-from runyard.train.objectives import dpo_loss, sequence_logprobs, token_loss_sum
+from runyard.train.objectives import dpo_loss, sequence_logprobs
 
 Autocast = Callable[[], AbstractContextManager]
 

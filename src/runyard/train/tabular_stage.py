@@ -28,11 +28,11 @@ import numpy as np
 
 from runyard.data.tabular import PreparedTable
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text, fsync_dir, fsync_file, make_temp_dir, sha256_file
 from runyard.model.registry import get_family
 from runyard.model.tabular import TableFacts
-from runyard.plan.stages import GateResult, evaluate_gates
-from runyard.spec import ResolvedStage
+from runyard.spec.job import ResolvedStage
+from runyard.system.files import atomic_write_text, fsync_dir, fsync_file, make_temp_dir, sha256_file
+from runyard.train.gates import GateResult, evaluate_gates
 
 MODEL_DIR = "model"
 METRICS_FILE = "metrics.jsonl"

@@ -26,7 +26,7 @@ from runyard.control.backends.base import Ended, Launched, Requeued, attempt_sta
 from runyard.control.states import JobState
 from runyard.control.store import Job
 from runyard.errors import EXIT_OUT_OF_MEMORY, RunyardError
-from runyard.slurm_states import QUEUED_STATES, RUNNING_STATES
+from runyard.system.slurm import QUEUED_STATES, RUNNING_STATES, parse_sacct, parse_scontrol
 
 LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "DEADLINE", "TIMEOUT"}
 # Slurm's cgroup killed the job for going past --mem: the job's fault, not the node's (the shim's file only
@@ -43,25 +43,6 @@ def _run(argv: list[str], env: dict[str, str] | None = None, check: bool = True)
     if check and proc.returncode != 0:
         raise SlurmError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
     return proc
-
-
-def parse_scontrol(text: str) -> dict[str, str]:
-    """`scontrol show job -o ID` output (one line of KEY=VALUE) as a dict."""
-    fields = {}
-    for token in text.split():
-        key, sep, value = token.partition("=")
-        if sep:
-            fields[key] = value
-    return fields
-
-
-def parse_sacct(text: str) -> dict[str, str] | None:
-    """`sacct -X -n -P -o JobID,State,ExitCode` output -> {'State', 'ExitCode'} of the allocation."""
-    for line in text.splitlines():
-        parts = line.strip().split("|")
-        if len(parts) >= 3 and parts[0] and "." not in parts[0]:
-            return {"State": parts[1].split()[0], "ExitCode": parts[2]}
-    return None
 
 
 def _exit_code(value: str) -> tuple[int | None, int | None]:

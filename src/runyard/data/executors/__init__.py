@@ -16,7 +16,7 @@ from typing import Protocol
 from runyard.data.executors.local import LocalExecutor
 from runyard.data.executors.ray import RayExecutor
 from runyard.data.executors.slurm import SlurmExecutor
-from runyard.data.tasks import Task
+from runyard.data.work_units import Task
 from runyard.errors import DataError
 
 EXECUTORS = ("local", "slurm", "ray")

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ProcessPoolExecutor, wait
 from multiprocessing import get_context
 
-from runyard.data.tasks import Task, run_task
-from runyard.lifetime import die_with_parent
+from runyard.data.work_units import Task, run_task
+from runyard.system.processes import die_with_parent
 
 
 def _worker_context():

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from runyard.data.errors import TaskFailed
-from runyard.data.tasks import Task, run_task
+from runyard.data.work_units import Task, run_task
 from runyard.errors import DataError
 
 # Tasks run side by side, one per CPU: each encodes on one thread (as the local executor's workers do).

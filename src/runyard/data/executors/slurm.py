@@ -1,6 +1,6 @@
 """The Slurm executor: each step's tasks run as a Slurm job array, submitted with sbatch.
 
-Why sbatch and not submitit: a task is already plain JSON run by `python -m runyard.data.tasks` (no
+Why sbatch and not submitit: a task is already plain JSON run by `python -m runyard.data.work_units` (no
 pickled closures to ship), sbatch is what every Slurm site has, and runyard's other Slurm code (the
 control plane's backend, `reproduce`) speaks it too; submitit would add a dependency and pickle the
 task functions onto shared storage for nothing.
@@ -39,9 +39,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from runyard.data.errors import TaskFailed
-from runyard.data.tasks import Task, write_task_list
+from runyard.data.work_units import Task, write_task_list
 from runyard.errors import DataError
-from runyard.slurm_states import LIVE_STATES
+from runyard.system.slurm import LIVE_STATES
 
 POLL_MIN_S = 0.1
 POLL_MAX_S = 2.0
@@ -97,7 +97,7 @@ class SlurmExecutor:
         ]
         if self.partition:
             lines.append(f"#SBATCH --partition={self.partition}")
-        command = [sys.executable, "-m", "runyard.data.tasks", str(tasks_file)]
+        command = [sys.executable, "-m", "runyard.data.work_units", str(tasks_file)]
         if elements < count:
             command += ["--drain", str(self.claims_dir(tasks_file))]
         else:

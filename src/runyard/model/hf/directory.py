@@ -4,7 +4,7 @@
 loop's `model.init`); `load_model(directory)` builds the model too (an export); `write_model` writes a
 model as transformers' `save_pretrained` would (config.json, model.safetensors or shards with their
 index). Tokenizer files are the data side's (runyard.data.tokenizer); an export's provenance is
-serve/export.py's.
+model/hf/export.py's.
 """
 
 from __future__ import annotations

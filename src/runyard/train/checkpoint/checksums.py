@@ -14,7 +14,7 @@ from typing import Any
 
 import xxhash
 
-from runyard.fsutil import fsync_file
+from runyard.system.files import fsync_file
 
 CHECKSUM = "xxh3_128"
 HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}

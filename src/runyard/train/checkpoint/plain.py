@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from runyard.diskspace import nbytes_of, writing
 from runyard.errors import CheckpointCorrupt
+from runyard.system.diskspace import nbytes_of, writing
 from runyard.train.checkpoint import store, tensorfile
 from runyard.train.checkpoint.checksums import FileEntry
 

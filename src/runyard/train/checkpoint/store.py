@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runyard.errors import CheckpointCorrupt
-from runyard.fsutil import fsync_dir, fsync_file
+from runyard.system.files import fsync_dir, fsync_file
 from runyard.train.checkpoint.checksums import HASHERS, FileEntry, durable_entry, file_checksum
 
 log = logging.getLogger(__name__)

@@ -27,11 +27,12 @@ from typing import Any, Protocol
 import torch
 
 from runyard.errors import RunyardError
+from runyard.spec.seeds import derive_seed
 from runyard.train import parallel
 from runyard.train.checkpoint import plain, sharded, store, tensorfile
 from runyard.train.checkpoint.store import CheckpointRef
 from runyard.train.parallel import DistContext
-from runyard.train.rng import ProcessRNG, derive_seed, seed_everything
+from runyard.train.rng import ProcessRNG, seed_everything
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ its result, gates.json) and is skipped once passed, the evaluation writes `eval/
 What differs is the data (a table, images), the family (trees or a linear model fit by their library;
 a CNN trained by runyard's loop, with its checkpoints and exact resume) and the metrics.
 
-A spec that leaves `model.family` out gets the family `runyard.tasks.recommend_family` picks from the
+A spec that leaves `model.family` out gets the family `runyard.plan.families.recommend_family` picks from the
 prepared data (runyard.model.choice's rule, the one `runyard plan` recommends by); the choice and its
 reason are recorded in the manifest and the report.
 """
@@ -22,7 +22,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from runyard import manifest as mf
 from runyard.data.image_prep import PreparedImages, prepare_images
 from runyard.data.pipeline import resolve_cache_dir
 from runyard.data.tabular import PreparedTable, prepare_table
@@ -37,23 +36,24 @@ from runyard.evaluate.prediction import (
 from runyard.evaluate.prediction_report import write_prediction_report
 from runyard.model.registry import get_family
 from runyard.model.tabular import loss_name
-from runyard.plan.stages import (
+from runyard.plan.families import DataSummary, Recommendation, recommend_family, table_summary
+from runyard.reproduce import manifest as mf
+from runyard.serve.feature_drift import FeatureReference
+from runyard.serve.predict_export import KIND_IMAGE, KIND_TABLE, export_predictor, image_drift_features
+from runyard.spec.checks import IMAGE_TASK
+from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage, with_family
+from runyard.spec.predictive import PredictionEvalSpec
+from runyard.spec.seeds import derive_seed
+from runyard.train import batches, checkpoint, parallel
+from runyard.train.gates import (
     evaluate_recorded_gates,
     format_failures,
     read_gates,
     steady_tokens_per_s,
     write_gates,
 )
-from runyard.serve.feature_drift import FeatureReference
-from runyard.serve.predict_export import KIND_IMAGE, KIND_TABLE, export_predictor, image_drift_features
-from runyard.spec import JobSpec, ResolvedStage, resolved_stage, with_family
-from runyard.spec_checks import IMAGE_TASK
-from runyard.spec_tasks import PredictionEvalSpec
-from runyard.tasks import DataSummary, Recommendation, recommend_family, table_summary
-from runyard.train import batches, checkpoint, parallel
 from runyard.train.loop import train_stage
 from runyard.train.metrics import MetricsLog
-from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest
 from runyard.train.tabular_stage import (
     StageModelMissing,
@@ -102,7 +102,7 @@ def _evaluate(task_is_classification: bool, y: np.ndarray, output: np.ndarray, t
 def execute_task_run(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, stop: StopRequest, threads: int,
                      only_stage: str | None = None, show_progress: bool = True, evaluate: bool = True) -> TaskRunResult:
     """Run (or continue) a tabular or image spec in the locked `run_dir` (see the module's docstring);
-    `threads`: each process's CPU threads (runyard/cpus.py), torch's already, given to LightGBM here."""
+    `threads`: each process's CPU threads (runyard/system/cpus.py), torch's already, given to LightGBM here."""
     if spec.task == IMAGE_TASK:
         return _image_run(spec, run_dir, ctx, stop, only_stage, show_progress, evaluate)
     return _table_run(spec, run_dir, threads, only_stage, evaluate)

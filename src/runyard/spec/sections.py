@@ -1,7 +1,7 @@
-"""The sections of a job spec other than `data` (runyard.data.config): model, optimizer, schedule,
+"""The sections of a job spec other than `data` (runyard.spec.data): model, optimizer, schedule,
 training length, stages and their gates, evaluation, checkpoints, resources, costs and traffic.
 
-`runyard.spec` assembles them into `JobSpec` and re-exports them. Every field carries a description (what
+`runyard.spec.job` assembles them into `JobSpec` and re-exports them. Every field carries a description (what
 it means, its unit); the spec reference and the JSON Schema are generated from them.
 """
 
@@ -12,10 +12,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from runyard.data.instruct_config import InstructDataSpec
 from runyard.market.requirement import ACCELERATOR_KINDS, Requirement
-from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
-from runyard.spec_tasks import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
+from runyard.spec.data_instruct import InstructDataSpec
+from runyard.spec.finetune import DPOSpec, LoRASpec, SFTSpec
+from runyard.spec.predictive import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
 
 # The model families a spec may name (runyard.model.registry registers each under the same name).
 Family = Literal["cnn", "decoder", "lightgbm", "linear"]

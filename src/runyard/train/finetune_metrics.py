@@ -18,9 +18,10 @@ import torch
 from tokenizers import Tokenizer
 
 from runyard.data.samples import Batch, SampleStore
-from runyard.fsutil import atomic_write_json
+from runyard.model.compute import token_loss_sum
 from runyard.serve.engine import Generator
-from runyard.train.objectives import dpo_loss, sequence_logprobs, token_loss_sum
+from runyard.system.files import atomic_write_json
+from runyard.train.objectives import dpo_loss, sequence_logprobs
 
 FINETUNE_FILE = "finetune.json"
 

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_json
-from runyard.spec import GateSpec
+from runyard.spec.job import GateSpec
+from runyard.system.files import atomic_write_json
 from runyard.train import checkpoint as ckpt
 
 GATES_FILE = "gates.json"

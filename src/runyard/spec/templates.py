@@ -2,7 +2,7 @@
 own field descriptions so the comments say what the reference says.
 
 A template is a function of the run's name returning the values to write (a nested mapping in the
-spec's shape); `TEMPLATES` maps each task of `runyard.spec.TASKS` to one. The tabular and image templates
+spec's shape); `TEMPLATES` maps each task of `runyard.spec.job.TASKS` to one. The tabular and image templates
 read data sets scikit-learn ships (runyard[predict]), so they too run as written. Every template loads as
 it is written (a test checks each one).
 """
@@ -17,9 +17,9 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from runyard.spec import JobSpec
-from runyard.spec_paths import field_model
-from runyard.spec_sections import StageSpec
+from runyard.spec.job import JobSpec
+from runyard.spec.paths import field_model
+from runyard.spec.sections import StageSpec
 
 _STAGE_OVERRIDES = ("model", "optim", "schedule", "train")
 _WIDTH = 100

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ByteSize, ConfigDict, Field, model_validator
 
-from runyard.data.task_config import ImagesSpec, TableSpec
+from runyard.spec.data_predictive import ImagesSpec, TableSpec
 
 DEFAULT_MEMORY_LIMIT = 4 << 30
 MIN_MEMORY_LIMIT = 512 << 20  # an interpreter with numpy, tokenizers and pyarrow, twice, and room to work

@@ -1,7 +1,7 @@
 """One writer per run directory.
 
 `runyard run`, `train` and `resume` hold an exclusive lock on `RUN_DIR/.runyard.lock` while they
-write (runyard.locking: a POSIX lock the kernel drops when the holder dies, never held by a child).
+write (runyard.system.locking: a POSIX lock the kernel drops when the holder dies, never held by a child).
 A second writer is refused with the holder's pid, host, start time and command line.
 
 Under the launcher (`--nproc N`), the launcher holds the lock for all its ranks and tells them so
@@ -28,8 +28,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from runyard.errors import RunyardError
-from runyard.lifetime import processes_with_env
-from runyard.locking import LockBusy, LockHolder, ProcessLock, lock_holder
+from runyard.system.locking import LockBusy, LockHolder, ProcessLock, lock_holder
+from runyard.system.processes import processes_with_env
 
 log = logging.getLogger(__name__)
 

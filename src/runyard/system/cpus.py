@@ -22,7 +22,7 @@ import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from runyard.cgroup import CGROUP_ROOT, PROC_CGROUP, own_cgroup, read_setting
+from runyard.system.cgroup import CGROUP_ROOT, PROC_CGROUP, own_cgroup, read_setting
 
 
 @dataclass(frozen=True)

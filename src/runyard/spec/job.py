@@ -22,13 +22,13 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, Field, ValidationError, field_validator, model_validator
 
-from runyard import spec_paths
-from runyard.data.config import DataSpec
-from runyard.data.instruct_config import InstructDataSpec
 from runyard.errors import SpecError
-from runyard.spec_checks import task_problems
-from runyard.spec_finetune import DPOSpec, LoRASpec, SFTSpec
-from runyard.spec_sections import (
+from runyard.spec import paths as spec_paths
+from runyard.spec.checks import task_problems
+from runyard.spec.data import DataSpec
+from runyard.spec.data_instruct import InstructDataSpec
+from runyard.spec.finetune import DPOSpec, LoRASpec, SFTSpec
+from runyard.spec.sections import (
     CheckpointSpec,
     CostsSpec,
     EvalSpec,
@@ -72,7 +72,7 @@ log = logging.getLogger(__name__)
 # Where spec errors send the reader: docs/spec.md, whose anchors are field paths (reference_anchor).
 REFERENCE_DOC = "docs/spec.md"
 
-# The tasks a spec may name; runyard.spec_template has a starting spec for each, runyard.tasks what each
+# The tasks a spec may name; runyard.spec.templates has a starting spec for each, runyard.plan.families what each
 # reads, trains and serves.
 Task = Literal["language_model", "tabular_classification", "tabular_regression", "image_classification"]
 TASKS: tuple[str, ...] = get_args(Task)

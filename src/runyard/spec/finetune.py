@@ -1,7 +1,7 @@
 """The fine-tuning parts of a stage's spec: its objective's settings (sft, dpo) and LoRA adapters.
 
-`runyard.spec_sections.StageSpec` embeds them; the instruction data section is the data stage's
-(runyard.data.instruct_config).
+`runyard.spec.sections.StageSpec` embeds them; the instruction data section is the data stage's
+(runyard.spec.data_instruct).
 """
 
 from __future__ import annotations

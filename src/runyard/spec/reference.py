@@ -20,8 +20,8 @@ from pydantic_core import PydanticUndefined, to_jsonable_python
 
 from runyard.errors import EXIT_BAD_SPEC, RunyardError
 from runyard.market.requirement import ACCELERATOR_KINDS
-from runyard.spec import TASKS, JobSpec
-from runyard.spec_paths import field_model, path_to_loc
+from runyard.spec.job import TASKS, JobSpec
+from runyard.spec.paths import field_model, path_to_loc
 
 SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 MARKDOWN_FILE = "spec.md"

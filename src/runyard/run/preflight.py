@@ -13,16 +13,16 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from runyard.data.config import DataSpec
 from runyard.data.footprint import data_need
 from runyard.data.pipeline import resolve_cache_dir
 from runyard.data.sklearn_sets import LOADERS as BUNDLED_SETS
 from runyard.data.sources import InputFile, expand_path_template, list_source_files
-from runyard.diskspace import DiskNeed, FilesystemCheck, check_disk, group_by_filesystem, human_bytes
 from runyard.errors import DataError, SpecError
 from runyard.plan.disk import run_dir_needs
-from runyard.plan.stages import read_gates
-from runyard.spec import JobSpec, reference_hint, spec_warnings
+from runyard.spec.data import DataSpec
+from runyard.spec.job import JobSpec, reference_hint, spec_warnings
+from runyard.system.diskspace import DiskNeed, FilesystemCheck, check_disk, group_by_filesystem, human_bytes
+from runyard.train.gates import read_gates
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
 """Where this process's cgroups are: the one directory of cgroup v2, or a v1 controller's. Read by the
-thread choice (runyard/cpus.py: a CPU quota) and by a job's limits (control/limits.py: its own cgroups)."""
+thread choice (runyard/system/cpus.py: a CPU quota) and by a job's limits (control/limits.py: its own cgroups)."""
 
 from __future__ import annotations
 

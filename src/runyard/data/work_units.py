@@ -7,8 +7,8 @@ node lost) without touching the others.
 
 Run tasks of a list from the command line, as a Slurm array task does:
 
-    python -m runyard.data.tasks TASKS.json INDEX             one task
-    python -m runyard.data.tasks TASKS.json --drain CLAIMS    every task no one has claimed yet
+    python -m runyard.data.work_units TASKS.json INDEX             one task
+    python -m runyard.data.work_units TASKS.json --drain CLAIMS    every task no one has claimed yet
 
 `--drain` lets a few array tasks share a long list (one interpreter start per array task instead of per
 task, and the load balanced as tasks finish): a task is claimed by creating `CLAIMS/<i>` exclusively
@@ -31,11 +31,11 @@ from typing import Any
 
 from runyard.data.budget import MemoryBudget, release_freed_memory
 from runyard.data.clean import clean_part
-from runyard.data.config import DataSpec
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import tokenize_part
 from runyard.data.tokenizer import EOS_TOKEN
 from runyard.errors import RunyardError
+from runyard.spec.data import DataSpec
 
 
 @dataclass(frozen=True)
@@ -160,8 +160,8 @@ def drain(tasks: list[Task], claims: Path, first: int = 0) -> int:
     return failed
 
 
-_USAGE = ("usage: python -m runyard.data.tasks TASKS.json INDEX        (runs one task of the list)\n"
-          "       python -m runyard.data.tasks TASKS.json --drain DIR  (runs every task not yet claimed in DIR)")
+_USAGE = ("usage: python -m runyard.data.work_units TASKS.json INDEX        (runs one task of the list)\n"
+          "       python -m runyard.data.work_units TASKS.json --drain DIR  (runs every task not yet claimed in DIR)")
 
 
 def main(argv: list[str] | None = None) -> int:

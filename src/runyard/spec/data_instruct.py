@@ -1,5 +1,5 @@
 """The `data:` section of an instruction (sft) or preference (dpo) stage. Owned by the data stage;
-spec_sections.py embeds it in a stage.
+spec/sections.py embeds it in a stage.
 
 Records come from JSONL or Parquet (fields named below) or are built from Python sources
 (`python_functions`: one record per documented function, made with `ast` at data-prep time). The
@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runyard.data.config import DedupSpec, NormalizeSpec
+from runyard.spec.data import DedupSpec, NormalizeSpec
 
 
 class _Strict(BaseModel):

@@ -18,7 +18,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from runyard.diskspace import writing
+from runyard.system.diskspace import writing
 
 
 def fsync_file(path: Path) -> None:

@@ -28,11 +28,11 @@ import torch
 from tokenizers import Tokenizer
 
 from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, special_token, token_ids, tokenizer_config_for
-from runyard.diskspace import nbytes_of, writing
-from runyard.fsutil import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
 from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.errors import ModelDirectoryError
 from runyard.model.registry import DEFAULT_FAMILY, ExportError, UnknownFamily, get_family
+from runyard.system.diskspace import nbytes_of, writing
+from runyard.system.files import fsync_dir, fsync_file, make_temp_dir, match_umask, sha256_file
 
 EXPORT_FORMAT = "runyard-export"
 EXPORT_VERSION = 2  # 1 was runyard's own layout (config.json holding runyard's config); 2 is a HF directory

@@ -1,7 +1,7 @@
 """Field paths of a spec: how a validation error's location is written (`stages[0].train.steps`), the
 user's own value at it, and the anchor of the field's entry in the spec reference (docs/spec.md).
 
-Pure functions of a root pydantic model class; `runyard.spec` binds them to `JobSpec`.
+Pure functions of a root pydantic model class; `runyard.spec.job` binds them to `JobSpec`.
 """
 
 from __future__ import annotations

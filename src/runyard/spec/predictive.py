@@ -2,8 +2,8 @@
 `model.trees` (LightGBM), `model.linear` (scikit-learn's logistic or ridge regression), `model.cnn` (a
 small convolutional network trained by runyard's loop) and `eval.prediction`.
 
-spec_sections.py embeds them in `model` and `eval`; the data side (`data.table`, `data.images`) lives in
-runyard.data.task_config. Every field carries a description (the spec reference is built from them).
+spec/sections.py embeds them in `model` and `eval`; the data side (`data.table`, `data.images`) lives in
+runyard.spec.data_predictive. Every field carries a description (the spec reference is built from them).
 """
 
 from __future__ import annotations

@@ -23,11 +23,11 @@ from typing import Any
 
 import runyard
 from runyard.errors import RunyardError
-from runyard.fsutil import atomic_write_text
 from runyard.reproduce import lock as env_lock
 from runyard.reproduce import source as runyard_source
 from runyard.reproduce.datacheck import record_data_files
-from runyard.spec import JobSpec
+from runyard.spec.job import JobSpec
+from runyard.system.files import atomic_write_text
 
 log = logging.getLogger(__name__)
 

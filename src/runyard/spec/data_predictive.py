@@ -1,5 +1,5 @@
 """The `data.table` and `data.images` sections of a job spec: how the tabular and image tasks read, clean
-and split their data. data/config.py embeds them in `DataSpec`; spec.py checks that a spec's task and its
+and split their data. spec/data.py embeds them in `DataSpec`; spec.py checks that a spec's task and its
 sections agree.
 """
 

@@ -17,7 +17,7 @@ from runyard.data.sources import list_source_files
 from runyard.data.tabular import PreparedTable, prepare_table
 from runyard.model.choice import choose_family, no_family_message
 from runyard.model.registry import FamilyUnavailable
-from runyard.spec_checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
+from runyard.spec.checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ whose gates passed is not trained again, a stage with checkpoints continues from
 one, and the data stage reuses its cache. So `runyard resume RUN_DIR` is `execute_run` on the spec
 stored in the run directory.
 
-One writer at a time: `execute_run` holds the run directory's lock (runyard.rundir) throughout, or,
+One writer at a time: `execute_run` holds the run directory's lock (runyard.system.rundir) throughout, or,
 in a worker under the launcher, checks that the launcher holds it. A stage's result is the verified
 checkpoint at its final step: a passed stage whose final checkpoint is damaged or missing is trained
 again from its last good checkpoint to the final step before anything uses it, so an export never
@@ -21,46 +21,46 @@ from pathlib import Path
 
 import torch
 
-from runyard import manifest as mf
-from runyard import run_predictive, rundir
-from runyard.cpus import ThreadChoice, choose_threads, local_processes
-from runyard.data.config import DataSpec
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
 from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
 from runyard.errors import GateFailed, SpecError
-from runyard.evaluate.finetune import read_record as read_finetune_record
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
-    evaluation_seeds,
     summarise,
     unigram_loss,
 )
 from runyard.evaluate.report import verdict, write_report
-from runyard.fsutil import atomic_write_text, sha256_file
 from runyard.model.hf.config import read_json
+from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
+from runyard.model.hf.export import export_model as write_export
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
-from runyard.plan.preflight import check_run_disk
 from runyard.plan.runlife import run_lifetime
-from runyard.plan.stages import (
+from runyard.plan.weights_in import check_weights_in, stage_start, weights_tokenizer_dir
+from runyard.reproduce import manifest as mf
+from runyard.run import predictive as run_predictive
+from runyard.run.preflight import check_run_disk
+from runyard.serve.drift import build_reference
+from runyard.serve.engine import Generator
+from runyard.spec.data import DataSpec
+from runyard.spec.job import JobSpec, dump_spec, load_spec, resolved_stage
+from runyard.spec.seeds import derive_seed, evaluation_seeds
+from runyard.system import rundir
+from runyard.system.cpus import ThreadChoice, choose_threads, local_processes
+from runyard.system.files import atomic_write_text, sha256_file
+from runyard.train import parallel
+from runyard.train.finetune_metrics import read_record as read_finetune_record
+from runyard.train.gates import (
     evaluate_recorded_gates,
     format_failures,
     read_gates,
     steady_tokens_per_s,
     write_gates,
 )
-from runyard.plan.weights_in import check_weights_in, stage_start, weights_tokenizer_dir
-from runyard.serve.drift import build_reference
-from runyard.serve.engine import Generator
-from runyard.serve.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
-from runyard.serve.export import export_model as write_export
-from runyard.spec import JobSpec, dump_spec, load_spec, resolved_stage
-from runyard.train import parallel
 from runyard.train.loop import StageResult, evaluate_loss, final_stage_model, train_stage
 from runyard.train.metrics import MetricsLog
-from runyard.train.rng import derive_seed
 from runyard.train.signals import StopRequest, stop_on_signals
 from runyard.train.stage_result import StageResultMissing, final_checkpoint, stage_dir
 
@@ -385,7 +385,7 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
 
 
 def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate) -> RunSummary:
-    """A tabular or image run (runyard.run_predictive; its libraries, the extra runyard[predict], load there)."""
+    """A tabular or image run (runyard.run.predictive; its libraries, the extra runyard[predict], load there)."""
     stop = StopRequest()
     with stop_on_signals(stop):
         result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)
@@ -394,7 +394,7 @@ def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evalua
 
 
 def _configure_threads(spec: JobSpec) -> ThreadChoice:
-    """torch's threads per the one rule (runyard/cpus.py); LightGBM is given the same number."""
+    """torch's threads per the one rule (runyard/system/cpus.py); LightGBM is given the same number."""
     threads = choose_threads(spec.resources.threads, local_processes())
     torch.set_num_threads(threads.threads)
     if spec.resources.deterministic:
