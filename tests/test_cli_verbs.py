@@ -82,3 +82,23 @@ def test_a_missing_extra_names_the_extra(monkeypatch):
     monkeypatch.setattr(importlib, "import_module", without_fastapi)
     with pytest.raises(MissingExtra, match=r"`runyard serve` needs the 'serve' extra, and fastapi is not installed"):
         import_verb_module("serve")
+
+
+def _every_subparser(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()):
+    yield path, parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _every_subparser(sub, (*path, name))
+
+
+@pytest.mark.parametrize("verb", sorted(VERBS))
+def test_every_verb_and_sub_verb_has_a_help_that_renders(verb):
+    """argparse formats help with %: a description with its own % (a fee's "100 = 1%") once crashed
+    `runyard market admin fee --help`."""
+    for library in ("fastapi", "sqlalchemy", "httpx"):
+        pytest.importorskip(library)
+    for path, parser in _every_subparser(build_parser([verb, "--help"])):
+        if path and path[0] != verb:
+            continue
+        assert parser.format_help().strip(), f"runyard {' '.join(path)} --help is empty"

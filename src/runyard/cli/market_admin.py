@@ -151,7 +151,8 @@ def _admin_op(parser: argparse.ArgumentParser, op: Operation) -> Callable[[argpa
     fields = dict(op.body.model_fields) if op.body is not None else {}
     for name, info in fields.items():
         default = inspect.Parameter.empty if info.is_required() else info.default
-        _option(parser, name, info.annotation, default, info.description or name.replace("_", " "))
+        # argparse formats help with %: a description's own % (a fee's "100 = 1%") is escaped
+        _option(parser, name, info.annotation, default, (info.description or name.replace("_", " ")).replace("%", "%%"))
     if op.key is not None:
         parser.add_argument(
             "--idempotency-key", help="reuse a key to retry a request safely (default: a fresh key)"

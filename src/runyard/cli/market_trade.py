@@ -103,12 +103,15 @@ def structured_value(text: str) -> Any:
 
 
 def _describe(op: Operation, name: str) -> str:
+    """The option's help, escaped for argparse (which formats it with %)."""
     field = op.body.model_fields.get(name) if op.body is not None else None
     if field is not None and field.description:
-        return field.description
-    if name in op.query:
-        return op.query[name].description
-    return name.replace("_", " ")
+        text = field.description
+    elif name in op.query:
+        text = op.query[name].description
+    else:
+        text = name.replace("_", " ")
+    return text.replace("%", "%%")
 
 
 def _generic(parser: argparse.ArgumentParser, op: Operation) -> Callable[[argparse.Namespace], int]:
