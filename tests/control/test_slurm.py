@@ -9,13 +9,14 @@ import sys
 
 import pytest
 
-from runyard.control.backends.slurm import SlurmBackend, parse_sacct
+from runyard.control.backends.slurm import SlurmBackend
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.states import FailureReason, JobState, classify_exit
 from runyard.control.store import Job
 from runyard.errors import EXIT_OUT_OF_MEMORY
-from runyard.system.slurm import parse_scontrol
+from runyard.system.slurm import parse_sacct, parse_scontrol
+from tests.test_slurm_commands import FakeSlurm
 
 from .helpers import job
 
@@ -109,19 +110,41 @@ class _SlurmSays(SlurmBackend):
         return self.answer
 
 
-def test_slurm_out_of_memory_is_the_jobs_fault_even_when_its_shim_saw_only_a_sigkill(tmp_path):
-    log = tmp_path / "job.log"
-    ended_job = Job(id=1, name="j", tenant="t", priority=0, devices=1, argv=["x"], env={}, run_dir=str(tmp_path),
-                    log_path=str(log), depends_on=None, time_limit_s=None, retry_policy={}, lease_id=None,
-                    state=JobState.RUNNING, failure=None, detail=None, restart_count=0, attempt=1, allocation=[],
+def _ended_job(tmp_path, state: JobState = JobState.RUNNING) -> Job:
+    return Job(id=1, name="j", tenant="t", priority=0, devices=1, argv=["x"], env={}, run_dir=str(tmp_path),
+                    log_path=str(tmp_path / "job.log"), depends_on=None, time_limit_s=None, retry_policy={}, lease_id=None,
+                    state=state, failure=None, detail=None, restart_count=0, attempt=1, allocation=[],
                     pid=None, pid_start_time=None, backend_id="77", exit_code=None, failures=[], next_start_at=None,
                     signalled_at=None, attempt_started_at=0.0, submitted_at=0.0, started_at=0.0, ended_at=None)
+
+
+def test_slurm_out_of_memory_is_the_jobs_fault_even_when_its_shim_saw_only_a_sigkill(tmp_path):
+    ended_job = _ended_job(tmp_path)
     (tmp_path / "attempt-1.exit.json").write_text(json.dumps({"returncode": None, "signal": 9}))
     out = _SlurmSays({"JobState": "OUT_OF_MEMORY", "ExitCode": "0:125"}).poll(ended_job)
     assert out.returncode == EXIT_OUT_OF_MEMORY and "OUT_OF_MEMORY" in out.detail
     assert classify_exit(out.returncode, out.signal) == (None, FailureReason.OUT_OF_MEMORY)
     lost = _SlurmSays({"JobState": "NODE_FAIL", "ExitCode": "0:0"}).poll(ended_job)  # the shim's file wins there
     assert classify_exit(lost.returncode, lost.signal) == (None, FailureReason.INFRA)
+
+
+def test_the_backend_reads_slurms_commands_through_their_fallbacks(tmp_path, monkeypatch):
+    """Against stand-ins for Slurm's binaries: a live job from squeue, a requeue noticed (PENDING after
+    RUNNING), and a job only accounting remembers, cancelled."""
+    fake = FakeSlurm(tmp_path / "fake-slurm", monkeypatch)
+    running = _ended_job(tmp_path, JobState.STARTING)
+    backend = SlurmBackend()
+    fake.add("squeue", "echo 'RUNNING|None'")
+    assert backend.poll(running) is None and backend.is_running(running)
+    fake.add("squeue", "echo 'PENDING|JobHeldAdmin'")
+    requeued = backend.poll(running)
+    assert "Slurm requeued job 77 (JobHeldAdmin)" in requeued.detail
+    fake.add("squeue", "exit 1")
+    fake.add("scontrol", "exit 1")
+    fake.add("sacct", "case \"$*\" in *JobID,State,ExitCode*) echo '77|CANCELLED by 0|0:15';; esac")
+    cancelled = backend.poll(running)
+    assert cancelled.returncode is None and cancelled.signal == 15 and "cancelled" in cancelled.detail
+    assert len(fake.calls("sacct")) == 2  # the accounting probe (once), then the job
 
 
 @pytest.mark.slow

@@ -20,7 +20,8 @@ import time
 from pathlib import Path
 
 from runyard.reproduce.errors import RerunFailed
-from runyard.system.slurm import parse_scontrol
+from runyard.system import slurm
+from runyard.system.slurm import SlurmError, state_name
 
 BACKENDS = ("local", "slurm")
 _SLURM_ENDED = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL",
@@ -89,13 +90,6 @@ def slurm_script(argv: list[str], cwd: Path, log_path: Path, status_file: Path, 
     ])
 
 
-def _slurm_state(job_id: str) -> str | None:
-    proc = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, timeout=60)
-    if proc.returncode != 0 or "JobState=" not in proc.stdout:
-        return None  # Slurm has forgotten it
-    return parse_scontrol(proc.stdout)["JobState"].split()[0].rstrip("+")
-
-
 def run_slurm(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, work_dir: Path, cpus: int,
               name: str, sbatch_args: list[str] | None = None) -> tuple[int, str]:
     """Submit `argv` as a Slurm job and wait for it. Returns (exit code, Slurm job id)."""
@@ -106,13 +100,9 @@ def run_slurm(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, w
     script.write_text(slurm_script(argv, cwd, log_path, status_file, cpus, name))
     env = {k: v for k, v in env.items() if not k.startswith("SLURM_")}
     try:
-        proc = subprocess.run(["sbatch", "--parsable", *(sbatch_args or []), str(script)], capture_output=True,
-                              text=True, env=env, timeout=60)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise RerunFailed(f"sbatch could not be run: {exc}") from None
-    job_id = proc.stdout.strip().split(";")[0]
-    if proc.returncode != 0 or not job_id.isdigit():
-        raise RerunFailed(f"sbatch failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
+        job_id = slurm.submit(script, sbatch_args or [], env=env)
+    except SlurmError as exc:
+        raise RerunFailed(str(exc)) from None
     try:
         gone_since = None
         while True:
@@ -121,7 +111,8 @@ def run_slurm(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, w
                 if status.get("signal"):
                     return 128 + int(status["signal"]), job_id
                 return int(status.get("returncode") or 0), job_id
-            state = _slurm_state(job_id)
+            info = slurm.job_state(job_id, accounting=False)  # None: Slurm has forgotten it
+            state = None if info is None else state_name(info)
             if state is None or state in _SLURM_ENDED:
                 # The shim writes its file before the job ends; give the file system a moment.
                 gone_since = gone_since or time.monotonic()
@@ -131,5 +122,5 @@ def run_slurm(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path, w
             time.sleep(_POLL_S)
     except BaseException:
         if not status_file.is_file():
-            subprocess.run(["scancel", job_id], capture_output=True, timeout=60)
+            slurm.cancel(job_id)
         raise

@@ -4,8 +4,9 @@
   (Slurm may requeue it after a node failure or `scontrol requeue`), and `--signal=B:TERM@60` so the
   job checkpoints before its time limit. The batch script `exec`s the shim, which passes the
   signal on to the training process and records its exit status.
-- State comes from `scontrol show job` (squeue's source, no accounting needed) and, once Slurm has
-  forgotten the job, from `sacct` where accounting exists, else from the shim's status file.
+- State comes from squeue while the job is live, then `scontrol show job` (no accounting needed) and,
+  once Slurm has forgotten the job, from `sacct` where accounting exists, else from the shim's status
+  file (runyard.system.slurm runs every Slurm command).
 - A job Slurm put back in its own queue (PENDING after RUNNING) is reported as Requeued: it runs
   again under the same Slurm id, and its restart count is RUNYARD_RESTART_COUNT + SLURM_RESTART_COUNT.
 - Cancel is `scancel`; preemption is `scancel --signal=TERM --full` (checkpoint, exit 4, queue again).
@@ -17,7 +18,6 @@ from __future__ import annotations
 import json
 import math
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,8 +25,9 @@ from pathlib import Path
 from runyard.control.backends.base import Ended, Launched, Requeued, attempt_status_file
 from runyard.control.states import JobState
 from runyard.control.store import Job
-from runyard.errors import EXIT_OUT_OF_MEMORY, RunyardError
-from runyard.system.slurm import QUEUED_STATES, RUNNING_STATES, parse_sacct, parse_scontrol
+from runyard.errors import EXIT_OUT_OF_MEMORY
+from runyard.system import slurm
+from runyard.system.slurm import QUEUED_STATES, RUNNING_STATES, SlurmError, parse_exit_code, state_name
 
 LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "DEADLINE", "TIMEOUT"}
 # Slurm's cgroup killed the job for going past --mem: the job's fault, not the node's (the shim's file only
@@ -34,22 +35,9 @@ LOST_STATES = {"NODE_FAIL", "BOOT_FAIL", "DEADLINE", "TIMEOUT"}
 OUT_OF_MEMORY_STATE = "OUT_OF_MEMORY"
 
 
-class SlurmError(RunyardError):
-    """A Slurm command failed; the message has its output."""
-
-
-def _run(argv: list[str], env: dict[str, str] | None = None, check: bool = True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
-    if check and proc.returncode != 0:
-        raise SlurmError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
-    return proc
-
-
-def _exit_code(value: str) -> tuple[int | None, int | None]:
-    """Slurm's 'rc:signal' -> (returncode, signal)."""
-    rc, _, sig = value.partition(":")
-    rc_i, sig_i = int(rc or 0), int(sig or 0)
-    return (None, sig_i) if sig_i else (rc_i, None)
+def _job_name(job: Job) -> str:
+    """The Slurm job name of every attempt of `job` (how a launch whose id was lost is found again)."""
+    return f"runyard-{job.id}-{job.name[:40]}"
 
 
 class SlurmBackend:
@@ -72,7 +60,7 @@ class SlurmBackend:
         shim = [sys.executable, "-m", "runyard.control.shim", str(status), "--forward-signals", "--", *job.argv]
         lines = [
             "#!/bin/bash",
-            f"#SBATCH --job-name=runyard-{job.id}-{job.name[:40]}",
+            f"#SBATCH --job-name={_job_name(job)}",
             f"#SBATCH --output={job.log_path}",
             "#SBATCH --open-mode=append",
             "#SBATCH --requeue",
@@ -104,32 +92,19 @@ class SlurmBackend:
         script = job_dir / f"attempt-{job.attempt}.sbatch"
         script.write_text(self.batch_script(job))
         env = {k: v for k, v in env.items() if k not in ("CUDA_VISIBLE_DEVICES", "RUNYARD_DEVICES", "OMP_NUM_THREADS")}
-        out = _run(["sbatch", "--parsable", *self.sbatch_args, str(script)], env=env).stdout.strip()
-        slurm_id = out.split(";")[0]
-        if not slurm_id.isdigit():
-            raise SlurmError(f"sbatch printed {out!r}, not a job id")
+        slurm_id = slurm.submit(script, self.sbatch_args, env=env)
         self._state[job.id] = "PENDING"
         return Launched(backend_id=slurm_id)
 
     # -- watch ------------------------------------------------------------------------------------
 
     def _query(self, slurm_id: str) -> dict[str, str] | None:
-        proc = _run(["scontrol", "show", "job", "-o", slurm_id], check=False)
-        if proc.returncode == 0 and "JobState=" in proc.stdout:
-            return parse_scontrol(proc.stdout)
-        if self.has_sacct():
-            acct = _run(["sacct", "-j", slurm_id, "-X", "-n", "-P", "-o", "JobID,State,ExitCode"], check=False)
-            return parse_sacct(acct.stdout)
-        return None
+        return slurm.job_state(slurm_id, accounting=self.has_sacct)
 
     def has_sacct(self) -> bool:
-        """Whether Slurm accounting answers (it does not without slurmdbd)."""
+        """Whether Slurm accounting answers (asked once)."""
         if self._has_sacct is None:
-            try:
-                probe = _run(["sacct", "-n", "-X", "-j", "1", "-o", "JobID"], check=False)
-                self._has_sacct = probe.returncode == 0 and "disabled" not in (probe.stdout + probe.stderr)
-            except (OSError, subprocess.SubprocessError):
-                self._has_sacct = False
+            self._has_sacct = slurm.has_accounting()
         return self._has_sacct
 
     def poll(self, job: Job) -> Ended | Requeued | None:
@@ -138,7 +113,7 @@ class SlurmBackend:
         info = self._query(job.backend_id)
         if info is None:  # Slurm forgot it and there is no accounting: the shim's file says how it ended
             return self._from_status_file(job)
-        state = info["JobState"].split()[0].rstrip("+")
+        state = state_name(info)
         previous = self._state.get(job.id)
         self._state[job.id] = state
         if state in RUNNING_STATES:
@@ -147,7 +122,7 @@ class SlurmBackend:
             if job.state == JobState.RUNNING or previous in RUNNING_STATES:
                 return Requeued(detail=f"Slurm requeued job {job.backend_id} ({info.get('Reason', '')})")
             return None
-        rc, sig = _exit_code(info.get("ExitCode", "0:0"))
+        rc, sig = parse_exit_code(info.get("ExitCode", "0:0"))
         from_file = self._from_status_file(job, lost_if_missing=False)
         if state == OUT_OF_MEMORY_STATE:
             return Ended(EXIT_OUT_OF_MEMORY, detail=f"Slurm job {job.backend_id} went past its memory limit (OUT_OF_MEMORY)")
@@ -175,18 +150,17 @@ class SlurmBackend:
         if job.backend_id is None:
             return
         if job.state == JobState.CANCELLING:
-            _run(["scancel", job.backend_id], check=False)
+            slurm.cancel(job.backend_id)
         else:  # preemption: the job checkpoints on SIGTERM and exits 4; we queue it again ourselves
-            _run(["scancel", "--signal=TERM", "--full", job.backend_id], check=False)
+            slurm.cancel(job.backend_id, signal="TERM", full=True)
 
     def kill(self, job: Job) -> None:
         if job.backend_id is not None:
-            _run(["scancel", "--signal=KILL", "--full", job.backend_id], check=False)
-            _run(["scancel", job.backend_id], check=False)
+            slurm.cancel(job.backend_id, signal="KILL", full=True)
+            slurm.cancel(job.backend_id)
 
     def _slurm_ids(self, job: Job) -> list[str]:
-        proc = _run(["squeue", "-h", "-o", "%i %j", "--name", f"runyard-{job.id}-{job.name[:40]}"], check=False)
-        return [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+        return slurm.jobs_named(_job_name(job))
 
     def adopt(self, job: Job) -> Launched | None:
         """A launch whose sbatch id was never recorded: find it by its job name."""
@@ -198,8 +172,8 @@ class SlurmBackend:
         has let them go; Slurm ends every process of a job it cancels, on every node."""
         ids = self._slurm_ids(job)
         for slurm_id in ids:
-            _run(["scancel", "--signal=KILL", "--full", slurm_id], check=False)
-            _run(["scancel", slurm_id], check=False)
+            slurm.cancel(slurm_id, signal="KILL", full=True)
+            slurm.cancel(slurm_id)
         deadline = time.monotonic() + timeout_s
         while ids and (left := [i for i in self._slurm_ids(job) if i in ids]):
             if time.monotonic() > deadline:

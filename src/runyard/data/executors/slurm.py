@@ -23,15 +23,14 @@ task functions onto shared storage for nothing.
   If it is SIGKILLed the array runs on; its outputs are the same ones a rerun would write (atomic
   renames of identical content), so they are used, never mixed.
 
-State comes from `squeue` (no accounting needed: the CI cluster has none).
+State comes from `squeue` (no accounting needed: the CI cluster has none); runyard.system.slurm runs
+every Slurm command, and a failed one raises its SlurmError.
 """
 
 from __future__ import annotations
 
-import re
 import shlex
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -40,29 +39,11 @@ from pathlib import Path
 
 from runyard.data.errors import TaskFailed
 from runyard.data.work_units import Task, write_task_list
-from runyard.errors import DataError
-from runyard.system.slurm import LIVE_STATES
+from runyard.system import slurm
 
 POLL_MIN_S = 0.1
 POLL_MAX_S = 2.0
 LOG_TAIL = 1500
-
-
-def _run(argv: list[str], check: bool = True) -> subprocess.CompletedProcess:
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120)
-    except (OSError, subprocess.SubprocessError) as exc:
-        raise DataError(f"{argv[0]} could not be run ({exc}); is this a Slurm submit host?") from None
-    if check and proc.returncode != 0:
-        raise DataError(f"{' '.join(argv[:2])} failed ({proc.returncode}): {(proc.stderr or proc.stdout).strip()}")
-    return proc
-
-
-def max_array_size() -> int:
-    """Slurm's MaxArraySize (array indices must be below it); 1001 when the config does not say."""
-    out = _run(["scontrol", "show", "config"], check=False).stdout
-    m = re.search(r"MaxArraySize\s*=\s*(\d+)", out)
-    return int(m.group(1)) if m else 1001
 
 
 class SlurmExecutor:
@@ -118,7 +99,7 @@ class SlurmExecutor:
 
     def max_array_size(self) -> int:
         if self._max_array is None:
-            self._max_array = max_array_size()
+            self._max_array = slurm.max_array_size()
         return self._max_array
 
     def _submit(self, label: str, tasks: list[Task], attempt: int, piece: int) -> tuple[str, Path]:
@@ -130,22 +111,10 @@ class SlurmExecutor:
         write_task_list(tasks_file, tasks)
         script = self.log_dir / f"{stem}.sbatch"
         script.write_text(self.script(label, tasks_file, len(tasks)))
-        out = _run(["sbatch", "--parsable", *self.sbatch_args, str(script)]).stdout.strip()
-        job_id = out.split(";")[0]
-        if not job_id.isdigit():
-            raise DataError(f"sbatch printed {out!r}, not a job id")
+        job_id = slurm.submit(script, self.sbatch_args)
         self.submissions.append({"job": job_id, "label": label, "attempt": attempt,
                                  "tasks": [t.index for t in tasks]})
         return job_id, tasks_file
-
-    def _active(self, job_ids: list[str]) -> list[str]:
-        """The jobs among `job_ids` that have not ended (one squeue call)."""
-        proc = _run(["squeue", "-h", "-r", "-j", ",".join(job_ids), "-o", "%F %T"], check=False)
-        if proc.returncode != 0:  # squeue refuses the list when a job in it is long gone: ask one by one
-            return [j for j in job_ids if len(job_ids) > 1 and self._active([j])]
-        live = {f for f, state in (line.split()[:2] for line in proc.stdout.splitlines() if line.strip())
-                if state in LIVE_STATES}
-        return [j for j in job_ids if j in live]
 
     def __enter__(self):
         return self
@@ -178,7 +147,7 @@ class SlurmExecutor:
                         raise TaskFailed(self._failure(label, todo, logs, attempt))
         finally:
             for job_id in jobs:
-                _run(["scancel", job_id], check=False)
+                slurm.cancel(job_id)
 
     def _wait(self, jobs: list[str], waiting: list[Task], on_done: Callable[[Task], None]) -> list[Task]:
         """Poll until every task has its output or every job has ended; returns the tasks without output."""
@@ -189,7 +158,7 @@ class SlurmExecutor:
             waiting = self._report(waiting, on_done)
             if not waiting:
                 return waiting
-            jobs = self._active(jobs)
+            jobs = slurm.live_jobs(jobs)
             if not jobs:
                 return self._report(waiting, on_done)
             delay = POLL_MIN_S if len(waiting) < before else min(POLL_MAX_S, delay * 1.5)
