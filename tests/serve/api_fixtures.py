@@ -9,8 +9,8 @@ from pathlib import Path
 import httpx
 import openai
 
+from runyard.data.chat import load_chat_template
 from runyard.serve.batch_engine import BatchEngine
-from runyard.serve.chat import load_chat_template
 from runyard.serve.openai_api import create_app
 from runyard.system.http_thread import AppThread
 

@@ -24,7 +24,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from runyard.serve.chat import ChatTemplate
+from runyard.data.chat import ChatTemplate
+from runyard.serve.chat import chat_prompt, request_messages
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, ModelNotFound, QueueFull
 from runyard.serve.inflight import Choice, Engine, InFlight, by_choice
 from runyard.serve.metrics import ServerMetrics
@@ -194,8 +195,7 @@ def create_app(
                     "messages",
                     "no_chat_template",
                 )
-            messages = [{"role": m.role, "content": m.text(), **({"name": m.name} if m.name else {})} for m in req.messages]
-            text = chat_template.render(messages)
+            text = chat_prompt(chat_template, request_messages(req.messages))
             texts, prompts = [text], [engine.encode(text)]
             max_new = req.max_new_tokens()
             choices = make_choices(prompts, req, max_new, max_new is not None, "messages", req.logprobs_k(), chat_stop_ids)

@@ -16,9 +16,9 @@ import torch
 import uvicorn
 from fastapi import FastAPI
 
+from runyard.data.chat import load_chat_template
 from runyard.model.hf.export import ExportError, export_eos_ids, load_export, read_export_config
 from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
-from runyard.serve.chat import load_chat_template
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
