@@ -232,3 +232,14 @@ def test_damaged_weights_are_named_from_their_headers_alone(llama_dir, monkeypat
     with pytest.raises(hf.ModelDirectoryError, match=message):
         hf.check_weights(llama_dir, cfg)
     assert SHAPE["num_hidden_layers"] == 2  # the missing tensor above is the last layer's
+
+
+def test_prepared_records_are_keyed_by_the_template_files_too(tmp_path):
+    from runyard.data.instruct import instruct_fingerprint
+    from runyard.spec.data_instruct import InstructDataSpec
+
+    directory = saved_by_transformers(tmp_path / "tok")
+    spec = InstructDataSpec(sources=[{"path": "chats.jsonl"}])
+    before = instruct_fingerprint(spec, "sft", 0, 32, directory / "tokenizer.json", [])
+    (directory / "chat_template.jinja").write_text(OTHER)
+    assert instruct_fingerprint(spec, "sft", 0, 32, directory / "tokenizer.json", []) != before

@@ -39,7 +39,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, read_tokenizer_config
+from runyard.data.tokenizer import SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE, read_tokenizer_config
 from runyard.errors import DataError
 
 # The stated default: a plain instruction format whose end of turn is the end-of-text token, which every
@@ -60,6 +60,8 @@ ROLES = ("system", "user", "assistant")
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
 CHAT_TEMPLATE_DIR = "additional_chat_templates"
 LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
+# The files of a tokenizer's directory that decide its template and special tokens (for fingerprints).
+TEMPLATE_INPUTS = (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE)
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every tokenizer may have.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
