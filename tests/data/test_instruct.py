@@ -57,7 +57,7 @@ def test_a_template_whose_prefixes_disagree_is_refused():
 
 
 def test_messages_without_any_template_name_the_tokenizer_config(tok):
-    with pytest.raises(ChatTemplateError, match="tokenizer_config.json has no `chat_template`"):
+    with pytest.raises(ChatTemplateError, match="no `chat_template` in tokenizer_config.json"):
         choose_template(None, tok, "<|endoftext|>", True, "stages[1].data (chats.jsonl)")
     assert choose_template(None, tok, "<|endoftext|>", False, "x").origin == "default"
     (tok.parent / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHATML, "eos_token": "<|endoftext|>"}))

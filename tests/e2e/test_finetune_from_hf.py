@@ -83,7 +83,8 @@ def test_the_export_loads_in_transformers_with_its_chat_template_and_runyards_lo
     hf_dir, run_dir = tuned
     export = run_dir / "export"
     tok_config = json.loads((export / "tokenizer_config.json").read_text())
-    assert tok_config["chat_template"] == TEMPLATE and tok_config["eos_token"] == "</s>"
+    assert (export / "chat_template.jinja").read_text() == TEMPLATE and tok_config["eos_token"] == "</s>"
+    assert "chat_template" not in tok_config  # where transformers 5 reads it, as its save_pretrained writes it
     tokenizer = transformers.AutoTokenizer.from_pretrained(export)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "add 2 and 3"}], tokenize=False,
                                            add_generation_prompt=True)

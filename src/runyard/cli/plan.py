@@ -14,6 +14,7 @@ from runyard.plan.lifetime import plot_lifetime
 from runyard.plan.planner import Plan, make_plan, traffic_from
 from runyard.plan.recommend import describe_devices
 from runyard.plan.sizing import human_bytes
+from runyard.plan.weights_in import check_weights_in
 from runyard.run.execute import default_run_dir
 from runyard.run.preflight import preflight
 from runyard.spec.job import load_spec
@@ -88,6 +89,7 @@ def cmd_plan(args) -> int:
     _check_units(spec.task, args)
     run_dir = default_run_dir(spec)
     pre = preflight(spec, run_dir)  # sources resolve (or exit 2), and the disk estimates
+    check_weights_in(spec)  # the initial weights' directories, tokenizers and chat templates (or exit 2)
     traffic = traffic_from(spec, args.traffic, args.tokens_per_request, args.rows_per_request)
     plan = make_plan(spec, pre.files, run_dir, calibrate=not args.no_calibrate, traffic=traffic,
                      budget_s=args.budget_s)

@@ -16,9 +16,11 @@ end-of-turn text, which the model must learn to produce so that it stops). This 
 inference engine sees (the prompt rendered with a generation prompt, then generated tokens). A template
 that renders prefixes differently is refused, naming the turn.
 
-Which template: the spec's (`stages[i].data.chat_template`: Jinja text, or `default`), else the one in the
-tokenizer's `tokenizer_config.json`, else, for prompt/response data only, DEFAULT_TEMPLATE. Serving takes
-the export's tokenizer_config.json (`load_chat_template`), where the export wrote the trained template.
+Which template: the spec's (`stages[i].data.chat_template`: Jinja text, or `default`), else the one of the
+tokenizer's model directory, found where transformers finds it (`directory_template`: chat_template.jinja,
+tokenizer_config.json's `chat_template`, chat_template.json), else, for prompt/response data only,
+DEFAULT_TEMPLATE. Serving takes the export's (`load_chat_template`), where the export wrote the trained
+template.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import jinja2
 from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, read_tokenizer_config
+from runyard.data.tokenizer import SPECIAL_TOKENS_MAP_FILE, TOKENIZER_CONFIG_FILE, read_tokenizer_config
 from runyard.errors import DataError
 
 # The stated default: a plain instruction format whose end of turn is the end-of-text token, which every
@@ -52,6 +54,14 @@ DEFAULT_TEMPLATE = (
 )
 
 ROLES = ("system", "user", "assistant")
+
+# Where transformers keeps a model directory's chat templates (utils/hub.py): the file its
+# `save_pretrained` writes today, the folder of further named ones, and its processors' legacy file.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+CHAT_TEMPLATE_DIR = "additional_chat_templates"
+LEGACY_CHAT_TEMPLATE_FILE = "chat_template.json"
+# The files of a tokenizer's directory that decide its template and special tokens (for fingerprints).
+TEMPLATE_INPUTS = (TOKENIZER_CONFIG_FILE, SPECIAL_TOKENS_MAP_FILE, CHAT_TEMPLATE_FILE, LEGACY_CHAT_TEMPLATE_FILE)
 
 # transformers' SPECIAL_TOKENS_ATTRIBUTES: the named special tokens every tokenizer may have.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -195,7 +205,7 @@ class ChatTemplate:
     """A compiled template with the special tokens it may name, and where it came from."""
 
     source: str
-    origin: str  # "spec", "default" or the tokenizer_config.json path
+    origin: str  # "spec", "default" or the file it was read from
     special_tokens: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -303,31 +313,99 @@ def tokenizer_special_tokens(config: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def read_template_config(config_path: Path) -> tuple[str | None, dict[str, str]]:
-    """(chat template or None, special tokens) of the tokenizer_config.json at `config_path` (a file of
-    that name); (None, {}) when there is no such file."""
-    config_path = Path(config_path)
-    if not config_path.is_file():
-        return None, {}
-    config = read_tokenizer_config(config_path.parent)
-    template = config.get("chat_template")
-    if isinstance(template, list):  # named templates: transformers uses "default"
+def directory_template(directory: Path) -> tuple[str | None, str]:
+    """(the chat template of a model directory or None, the file it came from), with transformers'
+    precedence (its tokenizer's `_from_pretrained` and its processor's `from_pretrained`):
+
+    1. `chat_template.jinja`, with `additional_chat_templates/*.jinja` beside it (what transformers 5's
+       `save_pretrained` writes): when any of these files exists it replaces tokenizer_config.json's
+       template, as transformers' tokenizer does;
+    2. otherwise tokenizer_config.json's `chat_template` (what older transformers wrote: a string, or a
+       list of named templates);
+    3. `chat_template.json` (the legacy file of transformers' processors, which AutoTokenizer does not
+       read): taken when neither of the above gives a template, refused when it holds another template
+       than they do (transformers' tokenizer and processor would then render differently).
+
+    Of several named templates, the one named `default` is the template (transformers' `get_chat_template`);
+    ChatTemplateError naming the file when there is none, or a file is unreadable."""
+    directory = Path(directory)
+    jinja, extra_dir = directory / CHAT_TEMPLATE_FILE, directory / CHAT_TEMPLATE_DIR
+    extras = sorted(extra_dir.glob("*.jinja")) if extra_dir.is_dir() else []
+    source, origin = None, ""
+    if jinja.is_file() or extras:
+        named = {path.name.removesuffix(".jinja"): path for path in extras}
+        if jinja.is_file():
+            named["default"] = jinja
+        if "default" not in named:
+            raise ChatTemplateError(f"{extra_dir} holds named templates {sorted(named)} and {directory} no "
+                                    f"{CHAT_TEMPLATE_FILE}: transformers has no default template to render with")
+        source, origin = _read_text(named["default"]), str(named["default"])
+    elif (directory / TOKENIZER_CONFIG_FILE).is_file():
+        config_path = directory / TOKENIZER_CONFIG_FILE
+        source = default_template(read_tokenizer_config(directory).get("chat_template"), config_path, "chat_template")
+        origin = str(config_path) if source is not None else ""
+    legacy = directory / LEGACY_CHAT_TEMPLATE_FILE
+    if legacy.is_file():
+        try:
+            data = json.loads(_read_text(legacy))
+        except json.JSONDecodeError as exc:
+            raise ChatTemplateError(f"{legacy} is not readable JSON: {exc}") from None
+        theirs = default_template(data.get("chat_template") if isinstance(data, dict) else None, legacy, "chat_template")
+        if theirs is None:
+            raise ChatTemplateError(f"{legacy}: field 'chat_template' is missing; it must hold the template")
+        if source is None:
+            return theirs, str(legacy)
+        if theirs != source:
+            raise ChatTemplateError(f"{legacy} holds another chat template than {origin}: transformers' "
+                                    "processor would render with the first, its tokenizer with the second; "
+                                    "keep one of the two")
+    return source, origin
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ChatTemplateError(f"{path} is not readable UTF-8 text: {exc}") from None
+
+
+def default_template(template: Any, path: Path | str, field: str) -> str | None:
+    """The template a `chat_template` field holds (of the file `path`, named in errors): a string, or of a
+    list of {name, template} the one named `default`; None when the field is unset."""
+    if isinstance(template, list):
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        if "default" not in named:
+            raise ChatTemplateError(f"{path}: field {field!r} names templates {sorted(map(str, named))} but none "
+                                    "'default', which transformers renders with")
+        template = named["default"]
     if template is not None and not isinstance(template, str):
-        raise ChatTemplateError(f"{config_path}: chat_template must be a string or a list of named templates")
-    return template, tokenizer_special_tokens(config)
+        raise ChatTemplateError(f"{path}: field {field!r} must be a string or a list of named templates")
+    return template
+
+
+def directory_special_tokens(directory: Path) -> dict[str, str]:
+    """The special tokens a model directory's tokenizer gives its chat template (tokenizer_config.json as
+    transformers reads it, special_tokens_map.json included); {} without a tokenizer_config.json."""
+    if not (Path(directory) / TOKENIZER_CONFIG_FILE).is_file():
+        return {}
+    return tokenizer_special_tokens(read_tokenizer_config(directory))
 
 
 def load_chat_template(directory: Path) -> ChatTemplate | None:
-    """The chat template of a model directory (an export): its tokenizer_config.json's, with that
-    config's special tokens; None when it has none (no tokenizer_config.json, or no `chat_template`)."""
-    config_path = Path(directory) / TOKENIZER_CONFIG_FILE
-    source, specials = read_template_config(config_path)
+    """The chat template of a model directory (an export, a Hugging Face model), found as
+    `directory_template` says, with its tokenizer's special tokens; None when it has none."""
+    source, origin = directory_template(directory)
     if source is None:
         return None
     compile_template(source)
-    return ChatTemplate(source, str(config_path), tuple(sorted(specials.items())))
+    return ChatTemplate(source, origin, tuple(sorted(directory_special_tokens(directory).items())))
+
+
+def missing_template(directory: Path) -> str:
+    """Why a stage on `messages` has no template, and what to do, for the tokenizer in `directory`."""
+    return (f"{directory} has no {CHAT_TEMPLATE_FILE}, no `chat_template` in {TOKENIZER_CONFIG_FILE} and no "
+            f"{LEGACY_CHAT_TEMPLATE_FILE}, and the spec sets none. Set the stage's data.chat_template to a Jinja "
+            "template, or to `default` for runyard's instruction format")
 
 
 def choose_template(spec_template: str | None, tokenizer_path: Path, eos_token: str, has_messages: bool,
@@ -336,8 +414,9 @@ def choose_template(spec_template: str | None, tokenizer_path: Path, eos_token: 
     text, for a tokenizer without a config (runyard's own BPE, whose export writes that same token).
     `where` names the spec field and data file for the error raised when messages are given and no
     template is found."""
-    config_path = Path(tokenizer_path).with_name(TOKENIZER_CONFIG_FILE)
-    config_template, specials = read_template_config(config_path)
+    directory = Path(tokenizer_path).parent
+    config_template, origin = directory_template(directory)
+    specials = directory_special_tokens(directory)
     specials.setdefault("eos_token", eos_token)
     tokens = tuple(sorted(specials.items()))
     if spec_template == "default":
@@ -347,11 +426,8 @@ def choose_template(spec_template: str | None, tokenizer_path: Path, eos_token: 
         return ChatTemplate(spec_template, "spec", tokens)
     if config_template is not None:
         compile_template(config_template)
-        return ChatTemplate(config_template, str(config_path), tokens)
+        return ChatTemplate(config_template, origin, tokens)
     if has_messages:
-        raise ChatTemplateError(
-            f"{where}: the data gives `messages` but no chat template was found: {config_path} has no "
-            "`chat_template` and the spec sets none. Set the stage's data.chat_template to a Jinja template, "
-            "or to `default` for runyard's instruction format"
-        )
+        raise ChatTemplateError(f"{where}: the data gives `messages` but no chat template was found: "
+                                f"{missing_template(directory)}")
     return ChatTemplate(DEFAULT_TEMPLATE, "default", tokens)

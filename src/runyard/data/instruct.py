@@ -30,7 +30,7 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from runyard.data import minhash
-from runyard.data.chat import ChatTemplate, choose_template
+from runyard.data.chat import CHAT_TEMPLATE_DIR, TEMPLATE_INPUTS, ChatTemplate, choose_template
 from runyard.data.clean import text_hash
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.instruct_report import write_instruct_report
@@ -91,7 +91,10 @@ def trained_chat_template(report_dirs: list[Path]) -> str | None:
 
 def instruct_fingerprint(spec: InstructDataSpec, kind: str, seed: int, context_length: int,
                          tokenizer_path: Path, file_hashes: list[tuple[int, str, str]]) -> str:
-    tok_files = [Path(tokenizer_path), Path(tokenizer_path).with_name("tokenizer_config.json")]
+    # Every file the rendering reads beside the tokenizer: its config and the chat template's files.
+    tok_files = [Path(tokenizer_path)] + [Path(tokenizer_path).with_name(name) for name in TEMPLATE_INPUTS]
+    extra_templates = Path(tokenizer_path).with_name(CHAT_TEMPLATE_DIR)
+    tok_files += sorted(extra_templates.glob("*.jinja")) if extra_templates.is_dir() else []
     blob = json.dumps({
         "v": INSTRUCT_VERSION, "kind": kind, "seed": seed, "context_length": context_length,
         "settings": spec.model_dump(mode="json", exclude={"cache_dir", "length_grouping"}),

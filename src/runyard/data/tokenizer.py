@@ -3,8 +3,9 @@
 Byte-level means every input is representable (no unknown token); the end-of-document token
 `<|endoftext|>` is special id 0 in a trained tokenizer, and for a loaded one it must exist in its vocab.
 A tokenizer that comes from a model directory (a Hugging Face model or a runyard export) is its
-`tokenizer.json` with the `tokenizer_config.json` beside it, whose `eos_token` is the end-of-document
-token; an export writes the same pair (`tokenizer_config_for`).
+`tokenizer.json` with the `tokenizer_config.json` beside it, read as transformers reads it (an older
+layout's special_tokens_map.json and added_tokens.json included), whose `eos_token` is the
+end-of-document token; an export writes the same pair (`tokenizer_config_for`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from runyard.errors import DataError
 EOS_TOKEN = "<|endoftext|>"
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
+# Files older transformers wrote beside tokenizer_config.json; it still reads them when the config has no
+# `added_tokens_decoder` (tokenization_utils_base's `_from_pretrained`).
+SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
+ADDED_TOKENS_FILE = "added_tokens.json"
 
 
 def vocab_shortfall(asked: int, got: int) -> str:
@@ -81,18 +86,55 @@ def eos_id(tok: Tokenizer, eos_token: str = EOS_TOKEN) -> int:
 
 
 def read_tokenizer_config(directory: str | Path) -> dict[str, Any]:
-    """The `tokenizer_config.json` of a model directory; DataError naming the file when it is missing
-    or not a JSON object."""
+    """The `tokenizer_config.json` of a model directory as transformers reads it: when it has no
+    `added_tokens_decoder` (the layout of older transformers), the special tokens of a
+    special_tokens_map.json beside it override its own. DataError naming the file when it is missing or
+    not a JSON object."""
     path = Path(directory) / TOKENIZER_CONFIG_FILE
+    if not path.is_file():
+        raise DataError(f"{path} is missing; a model directory's tokenizer needs it (its eos_token)")
+    data = _json_object(path)
+    special_map = Path(directory) / SPECIAL_TOKENS_MAP_FILE
+    if "added_tokens_decoder" not in data and special_map.is_file():
+        data = {**data, **_json_object(special_map)}
+    return data
+
+
+def _json_object(path: Path) -> dict[str, Any]:
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise DataError(f"{path} is missing; a model directory's tokenizer needs it (its eos_token)") from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise DataError(f"{path} is not readable JSON: {exc}") from None
     if not isinstance(data, dict):
         raise DataError(f"{path} must hold a JSON object, not {type(data).__name__}")
     return data
+
+
+def check_added_tokens(tok: Tokenizer, directory: str | Path) -> None:
+    """The added tokens a model directory lists beside tokenizer.json (tokenizer_config.json's
+    `added_tokens_decoder`, else a legacy added_tokens.json) must be in tokenizer.json at the same ids,
+    since runyard tokenizes with tokenizer.json alone. DataError naming the file and the token."""
+    directory = Path(directory)
+    config_path = directory / TOKENIZER_CONFIG_FILE
+    config = _json_object(config_path) if config_path.is_file() else {}
+    listed: dict[str, int] = {}
+    source = config_path
+    decoder = config.get("added_tokens_decoder")
+    if isinstance(decoder, dict):
+        for index, token in decoder.items():
+            content = token.get("content") if isinstance(token, dict) else token
+            if isinstance(content, str) and str(index).isdigit():
+                listed[content] = int(index)
+    elif (directory / ADDED_TOKENS_FILE).is_file():
+        source = directory / ADDED_TOKENS_FILE
+        listed = {k: v for k, v in _json_object(source).items() if isinstance(v, int)}
+    for content, index in sorted(listed.items(), key=lambda kv: kv[1]):
+        found = tok.token_to_id(content)
+        if found != index:
+            where = "is not in it" if found is None else f"has id {found} there"
+            raise DataError(f"{source} lists added token {content!r} at id {index}, but {directory / TOKENIZER_FILE} "
+                            f"{where}: transformers and runyard would tokenize differently; save the tokenizer "
+                            "again with transformers' save_pretrained")
 
 
 def special_token(config: dict[str, Any], field: str) -> str | None:
@@ -124,7 +166,9 @@ def load_model_tokenizer(directory: str | Path) -> tuple[Tokenizer, dict[str, An
     if not path.is_file():
         raise DataError(f"{path} is missing; a model directory must hold its tokenizer")
     config = read_tokenizer_config(directory)
-    return load_tokenizer(path, eos_token_beside(path)), config
+    tok = load_tokenizer(path, eos_token_beside(path))
+    check_added_tokens(tok, directory)
+    return tok, config
 
 
 def token_ids(tok: Tokenizer, config: dict[str, Any]) -> dict[str, int | None]:

@@ -79,6 +79,9 @@ class DecoderFamily(ModelFamily):
     def config_from_directory(self, directory: Path) -> ModelConfig:
         return hf.read_config(directory)
 
+    def check_directory(self, directory: Path, config: ModelConfig) -> None:
+        hf.check_weights(directory, config)
+
     def load_directory_into(self, model: torch.nn.Module, directory: Path) -> None:
         hf.load_weights_into(model, directory)
 
@@ -86,7 +89,9 @@ class DecoderFamily(ModelFamily):
                      metadata: dict[str, Any] | None = None) -> list[str]:
         if model.cfg != config:
             raise ExportError(f"the model was built with {model.cfg}, not the config given to export: {config}")
-        return hf.write_model(model, config, directory, token_ids=metadata)
+        metadata = dict(metadata or {})
+        source = metadata.pop("source_config", None)  # the config.json the weights came in with
+        return hf.write_model(model, config, directory, token_ids=metadata, source_config=source)
 
     def load_files(self, directory: Path, config: ModelConfig, device: str | torch.device = "cpu") -> Transformer:
         return hf.load_model(directory, config, device)

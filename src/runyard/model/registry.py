@@ -133,6 +133,12 @@ class ModelFamily(ABC):
         """The config of the model held by a model directory (an export, or the ecosystem's format)."""
         raise NoInitFromWeights(f"model family {self.name!r} cannot start from a model directory")
 
+    def check_directory(self, directory: Path, config: Any) -> None:
+        """Check, without loading it, that a model directory holds whole weights for `config` (from
+        `config_from_directory`): the family's error naming the file otherwise. By default nothing more
+        is checked than `config_from_directory` did."""
+        return None
+
     def load_directory_into(self, model: torch.nn.Module, directory: Path) -> None:
         """Copy a model directory's weights into `model` (built from `config_from_directory`), in place."""
         raise NoInitFromWeights(f"model family {self.name!r} cannot start from a model directory")
@@ -151,7 +157,7 @@ class ModelFamily(ABC):
                      ) -> list[str]:
         """Write the model's own files (config and weights, in the ecosystem's format where there is one)
         into `directory`; return their names. `metadata`: facts the caller knows that those files carry
-        (a language model's special token ids). The caller (model/hf/export.py) adds the tokenizer files
+        (a language model's special token ids; `source_config`, the config.json its weights came in with). The caller (model/hf/export.py) adds the tokenizer files
         and runyard.json with checksums, and commits the directory."""
 
     @abstractmethod

@@ -7,18 +7,26 @@ reports every field the spec contradicts. A run has one tokenizer (its data is t
 stages that start from a model directory must agree on it, and it replaces the trained BPE:
 `weights_tokenizer_dir`.
 
-`check_weights_in(spec)` runs all of this before any work, so a spec that cannot run on its weights is
-a spec error (exit 2) naming the field, the file and the value.
+`check_weights_in(spec)` runs all of this before any work (`runyard plan`, and `runyard run` before the
+run directory holds anything), so a spec that cannot run on its weights is a spec error (exit 2) naming
+the field, the file and the value: the weights' files as their safetensors headers describe them
+(format, whole files, every tensor config.json implies), the tokenizer, and the chat template an sft or
+dpo stage on `messages` renders with.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 from tokenizers import Tokenizer
 
+from runyard.data.chat import compile_template, directory_template, missing_template
+from runyard.data.sources import is_url, list_source_files, read_bytes
 from runyard.data.tokenizer import TOKENIZER_FILE, eos_token_beside, load_model_tokenizer
 from runyard.errors import DataError, RunyardError, SpecError
 from runyard.model.config import ConfigContradiction
@@ -116,6 +124,92 @@ def directory_starts(spec: JobSpec) -> list[StageStart]:
     return [s for s in (stage_start(spec, st.name) for st in spec.stages) if s.directory is not None]
 
 
+def check_directory_weights(spec: JobSpec, start: StageStart, weights: Any) -> None:
+    """The stage's init directory holds whole weights for `weights` (its config), from the files'
+    headers alone; SpecError naming the file otherwise."""
+    family = get_family(resolved_stage(spec, start.stage).model.family)
+    try:
+        family.check_directory(start.directory, weights)
+    except RunyardError as exc:
+        raise _directory_problem(start, f"a model directory runyard can start from: {exc}") from None
+
+
+def chat_template_problems(spec: JobSpec) -> list[tuple[str, object, str]]:
+    """For each sft or dpo stage that renders with the tokenizer's chat template (its data sets no
+    `chat_template`): the template must be readable and compile, and where the records give `messages`
+    there must be one. The template is looked up where the stage's data preparation looks
+    (data/chat.py's `directory_template`, beside the run's tokenizer)."""
+    problems: list[tuple[str, object, str]] = []
+    directory = weights_tokenizer_dir(spec)
+    if directory is None and spec.data.tokenizer.path:
+        directory = Path(spec.data.tokenizer.path).parent
+    for index, stage in enumerate(spec.stages):
+        if stage.kind == "pretrain" or stage.data is None or stage.data.chat_template is not None:
+            continue
+        field = f"stages[{index}].data.chat_template"
+        try:
+            source, _origin = directory_template(directory) if directory is not None else (None, "")
+            if source is not None:
+                compile_template(source)
+                continue
+        except DataError as exc:
+            problems.append((field, None, f"a chat template runyard can render: {exc}"))
+            continue
+        uses = _first_messages_record(stage.data)
+        if uses is not None:
+            why = (missing_template(directory) if directory is not None else
+                   "the run trains its own tokenizer, which has no chat template, and the spec sets none. Set "
+                   "the stage's data.chat_template to a Jinja template, or to `default` for runyard's "
+                   "instruction format")
+            problems.append((field, None, f"a chat template, as the stage's records give `messages` ({uses}): {why}"))
+    return problems
+
+
+def _first_messages_record(data: Any) -> str | None:
+    """Where the first record of an sft/dpo stage's JSONL or Parquet sources that gives `messages` is
+    (file:line, or file for Parquet's column), or None. A line is parsed only when it names the key."""
+    for i, source in enumerate(data.sources):
+        if source.format == "python_functions":
+            continue
+        try:
+            files = list_source_files(source, i)
+        except (DataError, OSError):
+            continue  # a source that lists no files is reported by the data stage's own checks
+        for file in files:
+            if is_url(file.path):
+                continue  # remote records are read by the data stage alone
+            try:
+                raw = read_bytes(file.path)
+            except (DataError, OSError):
+                continue
+            if source.format == "parquet":
+                try:
+                    if "messages" in pq.read_schema(pa.BufferReader(raw)).names:
+                        return f"{file.path}, column messages"
+                except pa.ArrowException:
+                    pass
+                continue
+            for lineno, line in enumerate(raw.split(b"\n"), start=1):
+                if b'"messages"' not in line:
+                    continue
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict) and "messages" in record:
+                    return f"{file.path}:{lineno}"
+    return None
+
+
+def weights_origin(spec: JobSpec, stage_name: str) -> Path | None:
+    """The model directory stage `stage_name`'s weights come from, through the stages it continues; None
+    when they begin as random weights."""
+    start = stage_start(spec, stage_name)
+    while start.source == "stage":
+        start = stage_start(spec, start.from_stage)
+    return start.directory
+
+
 def weights_tokenizer_dir(spec: JobSpec) -> Path | None:
     """The model directory whose tokenizer the run uses (the first stage that starts from one), or None
     when every stage starts from random weights or another stage (the data stage then trains a BPE)."""
@@ -136,6 +230,7 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
     for start in starts:
         try:
             weights = directory_config(spec, start)
+            check_directory_weights(spec, start, weights)
             tok, _config = load_model_tokenizer(start.directory)
         except SpecError as exc:
             problems += exc.problems
@@ -162,6 +257,8 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
             problems.append(("data.tokenizer.path", spec.data.tokenizer.path,
                              f"null, or the tokenizer of {starts[0].directory} ({starts[0].field}): a stage that "
                              "starts from a model directory brings its tokenizer"))
+    if not problems:
+        problems += chat_template_problems(spec)
     if not problems:
         for stage in spec.stages:
             if stage_start(spec, stage.name).source == "random":  # nothing to check against (nor, for a

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from runyard.data.chat import directory_template
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
@@ -32,13 +33,13 @@ from runyard.evaluate.heldout import (
     unigram_loss,
 )
 from runyard.evaluate.report import verdict, write_report
-from runyard.model.hf.config import read_json
+from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
 from runyard.model.hf.export import export_model as write_export
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.runlife import run_lifetime
-from runyard.plan.weights_in import check_weights_in, stage_start, weights_tokenizer_dir
+from runyard.plan.weights_in import check_weights_in, stage_start, weights_origin, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
 from runyard.run.preflight import check_run_disk
@@ -271,22 +272,30 @@ def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: 
 def export_run_model(model, config, export_dir: Path, prepared: PreparedData, spec: JobSpec, run_dir: Path) -> Path:
     """The export: a Hugging Face model directory with runyard.json. The tokenizer files are those of
     the weights the run started from (tokenizer.json, tokenizer_config.json, generation_config.json as
-    they came), or the BPE the data stage trained. The chat template the last sft/dpo stage trained with
-    goes into tokenizer_config.json, where transformers' apply_chat_template and runyard's chat endpoint
-    read it."""
+    they came), or the BPE the data stage trained. The chat template is the one the last sft/dpo stage
+    trained with, else the one the weights came with; it goes into chat_template.jinja, where
+    transformers' apply_chat_template and runyard's chat endpoint read it. config.json keeps the
+    architecture (and its fields) of the directory the last stage's weights came from."""
     tokenizer_path, tokenizer_config, generation_config = prepared.tokenizer_path, None, None
+    template = trained_chat_template([run_dir / "data" / s.name for s in spec.stages if s.kind != "pretrain"])
     directory = weights_tokenizer_dir(spec)
     if directory is not None:
         tokenizer_path, tokenizer_config = directory / TOKENIZER_FILE, read_tokenizer_config(directory)
+        tokenizer_config.pop("chat_template", None)
+        if template is None:
+            template = directory_template(directory)[0]
         if (directory / GENERATION_CONFIG_FILE).is_file():
             generation_config = read_json(directory / GENERATION_CONFIG_FILE)
+    origin = weights_origin(spec, spec.stages[-1].name)
+    source_config = read_json(origin / CONFIG_FILE) if origin is not None and (origin / CONFIG_FILE).is_file() else None
     return write_export(
         model, config, tokenizer_path, export_dir,
         extra_config={"run_name": spec.name, "spec_sha256": spec.fingerprint()},
         family=resolved_stage(spec, spec.stages[-1].name).model.family,
         tokenizer_config=tokenizer_config,
         generation_config=generation_config,
-        chat_template=trained_chat_template([run_dir / "data" / s.name for s in spec.stages if s.kind != "pretrain"]),
+        chat_template=template,
+        source_config=source_config,
     )
 
 

@@ -24,6 +24,7 @@ CONFIG_FILE = "config.json"
 # The architectures runyard loads, with their `model_type`.
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral", "Qwen2ForCausalLM": "qwen2"}
 MODEL_TYPES = {model_type: arch for arch, model_type in ARCHITECTURES.items()}
+MISTRAL_DEFAULT_WINDOW = 4096  # MistralConfig's sliding_window when config.json does not set it
 
 # runyard's config field -> the Hugging Face field that holds it (for messages that name both).
 HF_FIELDS = {
@@ -229,6 +230,8 @@ def _sliding_window(r: _Reader, arch: str, context: int) -> int | None:
     ModelDirectoryError when it is in force and shorter."""
     if arch == "LlamaForCausalLM":
         return None
+    if arch == "MistralForCausalLM" and "sliding_window" not in r.data:
+        r.data = {**r.data, "sliding_window": MISTRAL_DEFAULT_WINDOW}  # what transformers' MistralConfig uses
     window = r.take("sliding_window")
     in_force = window is not None
     if arch == "Qwen2ForCausalLM":
@@ -247,11 +250,43 @@ def _sliding_window(r: _Reader, arch: str, context: int) -> int | None:
     return window
 
 
-def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None] | None = None) -> dict[str, Any]:
-    """The config.json of `cfg` as transformers writes it. The architecture is the plainest that holds
-    the model: Qwen2ForCausalLM with q/k/v biases, MistralForCausalLM with a sliding window,
-    LlamaForCausalLM otherwise. `token_ids`: bos_token_id, eos_token_id, pad_token_id."""
-    if cfg.qkv_bias:
+# Fields of the config.json a model came in with that its export keeps as they were: each is read and
+# checked on the way in (it changes nothing runyard computes, or what it says runyard computes exactly),
+# and rewriting it would hand back another file than the one that came in.
+KEPT_FIELDS = {
+    "LlamaForCausalLM": (),
+    "MistralForCausalLM": ("sliding_window",),
+    "Qwen2ForCausalLM": ("use_sliding_window", "sliding_window", "max_window_layers", "layer_types"),
+}
+
+
+def source_architecture(data: dict[str, Any]) -> str | None:
+    """The architecture a parsed config.json names (its `architectures`, else its `model_type`), when it
+    is one runyard loads."""
+    archs = data.get("architectures")
+    if isinstance(archs, list) and len(archs) == 1 and archs[0] in ARCHITECTURES:
+        return archs[0]
+    return MODEL_TYPES.get(data.get("model_type")) if archs is None else None
+
+
+def _holds(arch: str, cfg: ModelConfig) -> bool:
+    """Whether architecture `arch` computes what `cfg` describes."""
+    if arch == "Qwen2ForCausalLM":
+        return cfg.qkv_bias
+    return not cfg.qkv_bias and (arch == "MistralForCausalLM" or cfg.sliding_window is None)
+
+
+def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None] | None = None,
+              source: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The config.json of `cfg` as transformers writes it. `source`: the config.json the weights came in
+    with; its architecture goes out again (a Mistral stays MistralForCausalLM) with its KEPT_FIELDS as
+    they were. Without one, the architecture is the plainest that holds the model: Qwen2ForCausalLM with
+    q/k/v biases, MistralForCausalLM with a sliding window, LlamaForCausalLM otherwise. `token_ids`:
+    bos_token_id, eos_token_id, pad_token_id."""
+    theirs = source_architecture(source) if source is not None else None
+    if theirs is not None and _holds(theirs, cfg):
+        arch = theirs
+    elif cfg.qkv_bias:
         arch = "Qwen2ForCausalLM"
     elif cfg.sliding_window is not None:
         arch = "MistralForCausalLM"
@@ -287,5 +322,7 @@ def hf_config(cfg: ModelConfig, token_ids: dict[str, int | None] | None = None) 
         # max_window_layers 0: every layer would use the window, which covers the whole context anyway.
         out.update(use_sliding_window=cfg.sliding_window is not None, sliding_window=cfg.sliding_window,
                    max_window_layers=0 if cfg.sliding_window is not None else cfg.n_layers)
+    if arch == theirs:
+        out.update({key: source[key] for key in KEPT_FIELDS[arch] if key in source})
     out.update({k: v for k, v in (token_ids or {}).items() if v is not None})
     return out

@@ -19,39 +19,63 @@ from runyard.model.config import ModelConfig
 from runyard.model.hf.config import CONFIG_FILE, hf_config, read_config
 from runyard.model.hf.errors import ModelDirectoryError
 from runyard.model.hf.names import TIED_HEAD, layout, runyard_to_hf
-from runyard.model.hf.weights import DEFAULT_SHARD_BYTES, check_tensor, read_headers, read_tensor, save_shards
+from runyard.model.hf.weights import (
+    DEFAULT_SHARD_BYTES,
+    TensorInfo,
+    check_tensor,
+    read_headers,
+    read_tensor,
+    save_shards,
+)
 from runyard.model.transformer import Transformer
+
+
+def check_weights(directory: Path, cfg: ModelConfig) -> dict[str, TensorInfo]:
+    """Check, from the safetensors headers alone (no tensor is read), that the weights of `directory` are
+    what a model of `cfg` needs: every file readable and whole, every tensor config.json implies there
+    with its shape and a dtype runyard loads, none it does not imply (a tied head may be stored).
+    ModelDirectoryError names the file and the tensor. Returns the headers."""
+    directory = Path(directory)
+    headers = read_headers(directory)
+    needed = {name: rows for parts in layout(cfg).values() for name, rows in parts}
+    missing = sorted(set(needed) - set(headers))
+    if missing:
+        raise ModelDirectoryError(directory, f"the weights lack {len(missing)} tensor(s) config.json implies: "
+                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    extra = sorted(set(headers) - set(needed) - ({TIED_HEAD} if cfg.tie_embeddings else set()))
+    if extra:
+        raise ModelDirectoryError(headers[extra[0]].file, f"holds {len(extra)} tensor(s) a model of this "
+                                  f"config.json does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
+    shapes = {name: tuple(tensor.shape) for name, tensor in runyard_to_hf(_meta_state(cfg), cfg).items()}
+    if cfg.tie_embeddings:
+        shapes[TIED_HEAD] = (cfg.vocab_size, cfg.d_model)
+    for name, info in headers.items():
+        check_tensor(info, name, shapes[name])
+    return headers
+
+
+def _meta_state(cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The model's state dict with no storage (shapes only)."""
+    with torch.device("meta"):
+        return Transformer(cfg).state_dict()
 
 
 @torch.no_grad()
 def load_weights_into(model: Transformer, directory: Path) -> None:
-    """Copy the weights of the Hugging Face model directory `directory` into `model`, tensor by tensor.
-    Every tensor the model needs must be there with its shape, and nothing else may be (a tied head may
-    be stored if it equals the embedding). ModelDirectoryError names the file and the tensor."""
+    """Copy the weights of the Hugging Face model directory `directory` into `model`, tensor by tensor,
+    once `check_weights` has passed. ModelDirectoryError names the file and the tensor."""
     directory = Path(directory)
     cfg = model.cfg
-    headers = read_headers(directory)
+    headers = check_weights(directory, cfg)
     plan = layout(cfg)
-    needed = {name for parts in plan.values() for name, _ in parts}
-    missing = sorted(needed - set(headers))
-    if missing:
-        raise ModelDirectoryError(directory, f"the weights lack {len(missing)} tensor(s) config.json implies: "
-                                  f"{missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    extra = sorted(set(headers) - needed - ({TIED_HEAD} if cfg.tie_embeddings else set()))
-    if extra:
-        raise ModelDirectoryError(headers[extra[0]].file, f"holds {len(extra)} tensor(s) a model of this "
-                                  f"config.json does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
     state = model.state_dict()
     for ours, parts in plan.items():
         target, row = state[ours], 0
         for name, rows in parts:
-            info = headers[name]
-            check_tensor(info, name, (rows, *target.shape[1:]))
-            target[row : row + rows].copy_(read_tensor(info, name))
+            target[row : row + rows].copy_(read_tensor(headers[name], name))
             row += rows
     if cfg.tie_embeddings and TIED_HEAD in headers:
         info = headers[TIED_HEAD]
-        check_tensor(info, TIED_HEAD, tuple(model.tok_emb.weight.shape))
         if not torch.equal(read_tensor(info, TIED_HEAD).to(model.tok_emb.weight.dtype), model.tok_emb.weight):
             raise ModelDirectoryError(info.file, "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight', "
                                       "but config.json says tie_word_embeddings: true")
@@ -83,15 +107,17 @@ def write_model(
     directory: Path,
     token_ids: dict[str, int | None] | None = None,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    source_config: dict[str, Any] | None = None,
 ) -> list[str]:
     """Write config.json and the weights under Hugging Face names into `directory`; return the file
-    names. `token_ids` (bos/eos/pad) go into config.json."""
+    names. `token_ids` (bos/eos/pad) go into config.json; `source_config`, the config.json the weights
+    came in with, gives its architecture and fields (see `hf_config`)."""
     if model.cfg != cfg:
         raise ModelDirectoryError(directory, f"the model was built with {model.cfg}, not the config given to "
                                   f"export: {cfg}")
     hf_state = runyard_to_hf(model.state_dict(), cfg)
     names = save_shards(hf_state.items(), directory, max_shard_bytes)
-    (Path(directory) / CONFIG_FILE).write_text(_json(hf_config(cfg, token_ids)), encoding="utf-8")
+    (Path(directory) / CONFIG_FILE).write_text(_json(hf_config(cfg, token_ids, source_config)), encoding="utf-8")
     return [CONFIG_FILE, *names]
 
 

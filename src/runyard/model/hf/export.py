@@ -4,7 +4,9 @@ An export is what the ecosystem loads (`transformers.AutoModelForCausalLM.from_p
 - the model family's own files (model/registry.py; for the decoder, model/hf/: `config.json` naming
   the architecture, and `model.safetensors` under the ecosystem's tensor names, or shards of it with
   `model.safetensors.index.json`);
-- `tokenizer.json` and `tokenizer_config.json` (with the chat template when the model has one);
+- `tokenizer.json` and `tokenizer_config.json`, and the chat template when the model has one in
+  `chat_template.jinja`, where the installed transformers' `save_pretrained` writes it and its
+  `AutoTokenizer` reads it (so tokenizer_config.json holds none);
 - `generation_config.json` (the end-of-sequence id generation stops at);
 - `runyard.json`: runyard's provenance beside them: format version, the model family and its config,
   the sha256 of every other file, and the caller's `extra` (run name, spec hash...).
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer
 
+from runyard.data.chat import CHAT_TEMPLATE_FILE, default_template
 from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE, special_token, token_ids, tokenizer_config_for
 from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.errors import ModelDirectoryError
@@ -55,14 +58,18 @@ def export_model(
     tokenizer_config: dict[str, Any] | None = None,
     chat_template: str | None = None,
     generation_config: dict[str, Any] | None = None,
+    source_config: dict[str, Any] | None = None,
 ) -> Path:
     """Write `out_dir` as a Hugging Face model directory with runyard.json beside it, atomically.
     An existing `out_dir` is replaced only once the new export is complete. Returns `out_dir`.
 
     `tokenizer_config`: the tokenizer_config.json of the tokenizer (a model directory's, when the model
     started from one); None writes the one of a tokenizer runyard trained. `chat_template` (Jinja, as
-    transformers renders it) is stored in it when given. `generation_config`: a model directory's
-    generation_config.json to carry over; None writes one from the tokenizer's special tokens."""
+    transformers renders it; default: the one `tokenizer_config` holds, if any) is written to
+    chat_template.jinja, as transformers 5 writes it. `generation_config`: a model directory's
+    generation_config.json to carry over; None writes one from the tokenizer's special tokens.
+    `source_config`: the config.json the weights came in with, whose architecture and fields the
+    export keeps (model/hf/config.py's `hf_config`)."""
     out_dir, tokenizer_path = Path(out_dir), Path(tokenizer_path)
     kind = get_family(family)
     if not tokenizer_path.is_file():
@@ -76,8 +83,8 @@ def export_model(
             f"tokenizer has {tokenizer.get_vocab_size()} tokens but the model's vocab_size is {cfg.vocab_size}"
         )
     tok_config = dict(tokenizer_config) if tokenizer_config is not None else tokenizer_config_for(cfg.context_length)
-    if chat_template is not None:
-        tok_config["chat_template"] = chat_template
+    in_config = default_template(tok_config.pop("chat_template", None), TOKENIZER_CONFIG_FILE, "chat_template")
+    chat_template = chat_template if chat_template is not None else in_config
     ids = token_ids(tokenizer, tok_config)
     eos = special_token(tok_config, "eos_token")
     if eos is not None and ids["eos_token_id"] is None:
@@ -88,13 +95,17 @@ def export_model(
     tmp = make_temp_dir(out_dir.parent, f".{out_dir.name}.tmp-")  # not mkdtemp: its 0700 would stick
     try:
         with writing(f"the export {out_dir}", out_dir.parent, needed=nbytes_of(model.state_dict())):
-            names = kind.export_files(model, cfg, tmp, metadata=ids)
+            metadata = {**ids, "source_config": source_config} if source_config is not None else ids
+            names = kind.export_files(model, cfg, tmp, metadata=metadata)
         for name in names:
             match_umask(tmp / name)  # safetensors creates its files 0600
         shutil.copyfile(tokenizer_path, tmp / TOKENIZER_FILE)
         _write_json(tmp / TOKENIZER_CONFIG_FILE, tok_config)
         _write_json(tmp / GENERATION_CONFIG_FILE, generation)
         names += [TOKENIZER_FILE, TOKENIZER_CONFIG_FILE, GENERATION_CONFIG_FILE]
+        if chat_template is not None:
+            (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
+            names.append(CHAT_TEMPLATE_FILE)
         provenance = {
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_VERSION,
