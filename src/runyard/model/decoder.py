@@ -21,13 +21,18 @@ from runyard.model.registry import ExportError, ModelFamily, Sizing, register
 from runyard.model.transformer import Transformer
 
 
+def block_activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
+    """What one block keeps for backward: ~34*d per token (Korthikanti et al. 2022, counted there in
+    2-byte values; SDPA's memory-efficient attention keeps no score matrix)."""
+    return 34 * cfg.d_model * micro_batch * cfg.context_length * bytes_per_value // 2
+
+
 def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
-    """A coarse estimate of saved activations for one micro-batch: ~34*d per token per layer plus the
-    logits (Korthikanti et al. 2022, without recomputation, SDPA's memory-efficient attention)."""
+    """A coarse estimate of saved activations for one micro-batch without recomputation: every block's
+    (block_activation_bytes) plus the logits and their softmax."""
     tokens = micro_batch * cfg.context_length
-    per_layer = 34 * cfg.d_model * tokens * bytes_per_value // 2
     logits = tokens * cfg.vocab_size * bytes_per_value * 2
-    return cfg.n_layers * per_layer + logits
+    return cfg.n_layers * block_activation_bytes(cfg, micro_batch, bytes_per_value) + logits
 
 
 class DecoderFamily(ModelFamily):
@@ -53,6 +58,9 @@ class DecoderFamily(ModelFamily):
             unit="token",
             activation_bytes=activation_bytes(config, micro_batch),
             cache_bytes_per_unit=2 * config.n_layers * config.n_kv_heads * config.head_dim * 2,  # K and V, bf16
+            recomputable_units=config.n_layers,
+            unit_activation_bytes=block_activation_bytes(config, micro_batch),
+            unit_input_bytes=micro_batch * config.context_length * config.d_model * 4,  # the residual stream, fp32
         )
 
     def units_per_example(self, config: ModelConfig) -> int:

@@ -57,7 +57,9 @@ class Sizing:
     fit's FLOPs per training row. `activation_bytes` estimates the activations one micro-batch keeps for
     backward. `inference_flops_per_unit` is one prediction's FLOPs per unit; None means a forward pass,
     a third of training's (forward 2, backward 4 FLOPs per weight). `cache_bytes_per_unit` is what serving
-    keeps per unit in flight (a decoder's KV cache per token, in bf16); 0 for a model without one."""
+    keeps per unit in flight (a decoder's KV cache per token, in bf16); 0 for a model without one.
+    `recomputable_units` blocks (the family's `checkpoint_units`) each keep `unit_activation_bytes` of those
+    activations, or only `unit_input_bytes` (their input) when they are recomputed in backward."""
 
     parameters: int
     non_embedding_parameters: int
@@ -66,6 +68,17 @@ class Sizing:
     activation_bytes: int
     inference_flops_per_unit: float | None = None
     cache_bytes_per_unit: int = 0
+    recomputable_units: int = 0
+    unit_activation_bytes: int = 0
+    unit_input_bytes: int = 0
+
+    def activation_bytes_with(self, recomputed_units: int) -> int:
+        """The activations one micro-batch keeps when `recomputed_units` blocks are recomputed in backward:
+        each keeps only its input, and one block's activations are live again while it is recomputed."""
+        n = max(0, min(recomputed_units, self.recomputable_units))
+        if n == 0:
+            return self.activation_bytes
+        return self.activation_bytes - n * (self.unit_activation_bytes - self.unit_input_bytes) + self.unit_activation_bytes
 
     @property
     def forward_flops_per_unit(self) -> float:
@@ -122,6 +135,12 @@ class ModelFamily(ABC):
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules FSDP shards one by one (the root is sharded after them)."""
         return []
+
+    def checkpoint_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The submodules whose activations `train.activation_checkpointing` recomputes in backward, in
+        order (a decoder's blocks), and which `resources.compile` compiles one by one; by default the
+        FSDP units. Each must be called with its inputs only (no state carried between calls)."""
+        return self.shard_units(model)
 
     # -- starting from existing weights (`model.init`) ------------------------------------------------
     def config_from_weights(self, spec: Any, weights_config: Any) -> Any:

@@ -210,6 +210,15 @@ class TrainSpec(_Strict):
     steps: int = Field(default=200, ge=1, description="optimizer steps in the stage")
     batch_size: int = Field(default=16, ge=1, description="sequences per micro-batch per process")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches accumulated into one optimizer step")
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        default="none",
+        description="recompute blocks' activations in backward instead of keeping them: `none`, `full` (every "
+        "block keeps only its input; about a third more compute) or `selective` (every "
+        "`activation_checkpointing_every`-th block); losses are unchanged and the plan counts the memory saved",
+    )
+    activation_checkpointing_every: int = Field(
+        default=2, ge=1, description="with `activation_checkpointing: selective`: recompute blocks k, 2k, 3k, ... (k this)"
+    )
 
 
 class GateSpec(_Strict):

@@ -37,7 +37,7 @@ from runyard.model.registry import get_family
 from runyard.plan.weights_in import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
-from runyard.train import batches, checkpoint, finetune_eval, parallel
+from runyard.train import batches, checkpoint, finetune_eval, layout, parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
@@ -125,7 +125,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         if ctx.distributed and spec.resources.parallel == "fsdp":
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
-    module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
+    module = layout.lay_out(model, family, ctx, spec.resources, stage.train)
     if spec.resources.compile and ctx.device.type == "cuda":
         module = torch.compile(module)
     o = stage.optim

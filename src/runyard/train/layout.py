@@ -1,0 +1,30 @@
+"""How a stage's model is laid out for training, applied from outside it in torchtitan's order
+(`parallelize.py`): activation checkpointing of the family's blocks, then data parallelism (DDP, or
+FSDP2 over the family's shard units; train/parallel.py). The model never knows; the loop receives a
+model already laid out and only calls it."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from runyard.model.compute import apply_activation_checkpointing
+from runyard.model.registry import ModelFamily
+from runyard.train import parallel
+
+log = logging.getLogger(__name__)
+
+
+def lay_out(model: torch.nn.Module, family: ModelFamily, ctx: parallel.DistContext, resources,
+            train_cfg) -> torch.nn.Module:
+    """The module the loop's forward runs on: `model` with its recomputed blocks
+    (`train.activation_checkpointing`), wrapped for data parallelism. `model` itself keeps its names and
+    is what checkpoints and the optimizer see."""
+    mode = getattr(train_cfg, "activation_checkpointing", "none")
+    if mode != "none":
+        chosen = apply_activation_checkpointing(family.checkpoint_units(model), mode,
+                                                train_cfg.activation_checkpointing_every)
+        log.info("activation checkpointing (%s): %d of %d blocks recomputed in backward", mode, len(chosen),
+                 len(family.checkpoint_units(model)))
+    return parallel.wrap_model(model, ctx, resources, shard_units=family.shard_units(model))
