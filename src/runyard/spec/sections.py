@@ -219,6 +219,15 @@ class TrainSpec(_Strict):
     activation_checkpointing_every: int = Field(
         default=2, ge=1, description="with `activation_checkpointing: selective`: recompute blocks k, 2k, 3k, ... (k this)"
     )
+    nonfinite: Literal["stop", "skip_step"] = Field(
+        default="stop",
+        description="a non-finite loss or gradient norm: `stop` the stage before that step's optimizer step (exit "
+        "6; the checkpoints before it stay the latest) or `skip_step` (its gradients dropped, no optimizer step, "
+        "counted in metrics as `nonfinite_skipped`; costs one readback of a flag per step)",
+    )
+    nonfinite_budget: int = Field(
+        default=5, ge=0, description="with `nonfinite: skip_step`: steps the stage may skip; one more stops it (exit 6)"
+    )
 
 
 class GateSpec(_Strict):

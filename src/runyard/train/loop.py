@@ -3,7 +3,8 @@
 Each optimizer step: set the learning rate, take `grad_accum` micro-batches from the stage's objective
 (train/stage_kinds.py: pretrain, sft or dpo), sum each one's loss and divide by the step's global count
 (tokens, supervised tokens or pairs over every micro-batch and process, so accumulation and several
-processes equal one large batch), clip, AdamW step, log. Held-out evaluation (on a sample fixed for the
+processes equal one large batch), clip, check the loss and gradient norm are finite (train/nonfinite.py:
+stop before the optimizer step, or skip it), AdamW step, log. Held-out evaluation (on a sample fixed for the
 run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a checkpoint at the
 next step boundary and raises `Preempted`. A LoRA stage (train/lora.py) trains and checkpoints its
 adapters alone; its result is the merged model.
@@ -41,6 +42,7 @@ from runyard.train import batches, checkpoint, finetune_eval, layout, parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
+from runyard.train.nonfinite import NonFiniteGuard
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
 from runyard.train.rng import seed_everything
@@ -245,6 +247,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     throughput: list[float] = []
     last_path = restored.ref.path if restored else None
     retention_keep_best = spec.checkpoint.keep_best
+    guard = NonFiniteGuard(stage.name, train_cfg.nonfinite, train_cfg.nonfinite_budget,
+                           int(restored.values.get("nonfinite_skipped") or 0) if restored else 0)
 
     def checkpoint_now(at_step: int) -> Path:
         nonlocal last_path
@@ -257,6 +261,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "grad_accum": grad_accum,
             "kind": stage.kind,
             "lora_base_sha256": base_hash,
+            "nonfinite_skipped": guard.skipped,
         }
         retention = checkpoint.Retention(spec.checkpoint.keep_last, best_step if retention_keep_best else None)
         last_path = checkpoint.save(setup.state, ckpt_dir, at_step, values, ctx, retention=retention,
@@ -283,7 +288,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                     loss.backward()
                 step_loss += loss.detach()
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
-            setup.optimizer.step()
+            stepped = guard.should_step(step + 1, step_loss, grad_norm, ctx)  # before the optimizer step
+            if stepped:
+                setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)
             step += 1
 
@@ -304,6 +311,10 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                 "time": time.time(),
                 **objective.step_metrics(ctx),
             }
+            if train_cfg.nonfinite == "skip_step":
+                row["nonfinite_skipped"] = guard.skipped
+                if not stepped:  # not a loss the model trained on: kept out of the curve and the gates
+                    row["skipped_loss"] = repr(row.pop("loss"))
             step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
             if step_mfu is not None:
                 row["mfu"] = step_mfu
@@ -313,7 +324,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                 row.update(evaluation, heldout_loss=last_heldout)
                 if last_heldout < best_loss:
                     best_loss, best_step = last_heldout, step
-            losses.append(loss_value)
+            if stepped:
+                losses.append(loss_value)
             if ctx.is_main:
                 metrics.write(row)
                 recovery.after_step(step)
