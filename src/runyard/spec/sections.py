@@ -210,6 +210,13 @@ class TrainSpec(_Strict):
     steps: int = Field(default=200, ge=1, description="optimizer steps in the stage")
     batch_size: int = Field(default=16, ge=1, description="sequences per micro-batch per process")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches accumulated into one optimizer step")
+    log_interval: int | None = Field(
+        default=None,
+        ge=1,
+        description="steps between the loop's readbacks of the device (losses, gradient norms, token counts and "
+        "metrics stay on the device until then; metrics.jsonl still has a row per step, written then) and between "
+        "its checks for a stop request; evaluations and checkpoints also log. null: 1 on a CPU, 10 on a GPU",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = Field(
         default="none",
         description="recompute blocks' activations in backward instead of keeping them: `none`, `full` (every "

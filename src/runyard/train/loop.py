@@ -52,6 +52,8 @@ from runyard.train.stage_kinds import PretrainObjective, dpo_reference, instruct
 
 log = logging.getLogger(__name__)
 
+DEVICE_LOG_INTERVAL = 10  # steps between readbacks on a GPU when train.log_interval is null
+
 
 @dataclass
 class StageResult:
@@ -268,77 +270,116 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                                     wait=at_step >= total_steps or stop.requested)
         return last_path
 
+    # Nothing in a step reads a tensor back to the host: each step's loss, gradient norm, token count and
+    # objective statistics stay on the device in `pending` until the log interval (or an evaluation, a
+    # checkpoint, the last step), when one all-reduce (which also carries the stop flag) and one readback
+    # turn them into metrics rows.
+    log_every = train_cfg.log_interval or (DEVICE_LOG_INTERVAL if device.type == "cuda" else 1)
+    pending: list[dict] = []
+
+    def log_pending() -> bool:
+        """Write the pending steps' rows (and the held-out evaluation at an evaluation step); whether any
+        rank has been asked to stop."""
+        nonlocal tokens_seen, last_heldout, best_loss, best_step
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the interval's time includes its queued work
+        dt = time.perf_counter() - interval_start
+        n = len(pending)
+        local = torch.cat([torch.stack([p["loss"].double() for p in pending]),
+                           torch.stack([p["stats"] for p in pending]).reshape(-1),
+                           torch.ones(1, dtype=torch.float64, device=device) * float(stop.requested)])
+        stats_width = pending[0]["stats"].numel()
+        own = torch.stack([torch.stack([p["grad_norm"].double().reshape(()),
+                                        torch.as_tensor(p["tokens"], dtype=torch.float64, device=device)])
+                           for p in pending])
+        values = torch.cat([parallel.all_reduce_sum_tensor(local, ctx), own.reshape(-1)]).tolist()
+        step_losses = [v / ctx.world_size for v in values[:n]]
+        stats = values[n: n + n * stats_width]
+        stop_votes = values[n + n * stats_width]
+        norms_tokens = values[n + n * stats_width + 1:]
+        interval_tokens = sum(norms_tokens[2 * i + 1] for i in range(n))
+        tok_s = interval_tokens / dt if dt > 0 else math.inf
+        rows = []
+        for i, p in enumerate(pending):
+            tokens_seen += int(norms_tokens[2 * i + 1])
+            row = {"step": p["step"], "loss": step_losses[i], "lr": p["lr"], "grad_norm": norms_tokens[2 * i],
+                   f"{unit}s_per_s": tok_s, f"{unit}s": tokens_seen, "time": p["time"],
+                   **objective.step_metrics(stats[i * stats_width: (i + 1) * stats_width])}
+            if train_cfg.nonfinite == "skip_step":
+                row["nonfinite_skipped"] = p["skipped"]
+                if not p["stepped"]:  # not a loss the model trained on: kept out of the curve and the gates
+                    row["skipped_loss"] = repr(row.pop("loss"))
+            step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
+            if step_mfu is not None:
+                row["mfu"] = step_mfu
+            throughput.append(tok_s)
+            if p["stepped"]:
+                losses.append(step_losses[i])
+            rows.append(row)
+        last = rows[-1]
+        if last["step"] % spec.eval.interval == 0 or last["step"] == total_steps:
+            evaluation = objective.evaluate(setup.module, device, autocast, heldout_loss_of)
+            last_heldout = parallel.all_reduce_mean(evaluation["heldout_loss"], ctx)
+            last.update(evaluation, heldout_loss=last_heldout)
+            if last_heldout < best_loss:
+                best_loss, best_step = last_heldout, last["step"]
+        if ctx.is_main:
+            for row in rows:
+                metrics.write(row)
+            recovery.after_step(rows[0]["step"])
+        bar.update(last["step"], loss=step_losses[-1], tok_s=tok_s, heldout=last_heldout)
+        pending.clear()
+        if not ctx.distributed:
+            return stop.requested
+        if stop_votes > 0 and not stop.requested:
+            stop.request("a signal on another rank")
+        return stop_votes > 0
+
     setup.module.train()
     with StepProgress(f"stage {stage.name}", total_steps, start=step, enabled=show_progress and ctx.is_main) as bar:
+        interval_start = time.perf_counter()
         while step < total_steps:
-            t0 = time.perf_counter()
             lr = lr_at(step, stage.optim.lr, stage.schedule, total_steps)
             for group in setup.optimizer.param_groups:
                 group["lr"] = lr
             step_loss = torch.zeros((), device=device)
             micro_batches = [objective.next_batch() for _ in range(grad_accum)]
             # The step's loss is normalised by its global count (tokens, supervised tokens or pairs over
-            # every micro-batch and process). Each rank scales its sum by world_size / count; DDP's mean
-            # over ranks then gives the gradient of the whole global batch.
+            # every micro-batch and process; a host number, or a tensor summed on the device). Each rank
+            # scales its sum by world_size / count; DDP's mean over ranks then gives the gradient of the
+            # whole global batch.
             count, tokens_per_step = objective.global_counts(micro_batches, ctx)
             loss_scale = ctx.world_size / count
+            if isinstance(loss_scale, torch.Tensor):  # computed in float64, applied as a Python scale would be
+                loss_scale = loss_scale.float()
             for micro, batch in enumerate(micro_batches):
                 with parallel.grad_sync(setup.module, ctx, micro == grad_accum - 1):
                     loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
                     loss.backward()
                 step_loss += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
+            grad_norm = parallel.plain_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf))
             stepped = guard.should_step(step + 1, step_loss, grad_norm, ctx)  # before the optimizer step
             if stepped:
                 setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)
             step += 1
+            pending.append({"step": step, "lr": lr, "loss": step_loss, "grad_norm": grad_norm,
+                            "tokens": tokens_per_step, "stats": objective.step_stats(device), "time": time.time(),
+                            "stepped": stepped, "skipped": guard.skipped})
 
-            loss_value = parallel.all_reduce_mean(step_loss.item(), ctx)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            tok_s = tokens_per_step / dt
-            throughput.append(tok_s)
-            tokens_seen += int(tokens_per_step)
-            row = {
-                "step": step,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                f"{unit}s_per_s": tok_s,
-                f"{unit}s": tokens_seen,
-                "time": time.time(),
-                **objective.step_metrics(ctx),
-            }
-            if train_cfg.nonfinite == "skip_step":
-                row["nonfinite_skipped"] = guard.skipped
-                if not stepped:  # not a loss the model trained on: kept out of the curve and the gates
-                    row["skipped_loss"] = repr(row.pop("loss"))
-            step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
-            if step_mfu is not None:
-                row["mfu"] = step_mfu
-            if step % spec.eval.interval == 0 or step == total_steps:
-                evaluation = objective.evaluate(setup.module, device, autocast, heldout_loss_of)
-                last_heldout = parallel.all_reduce_mean(evaluation["heldout_loss"], ctx)
-                row.update(evaluation, heldout_loss=last_heldout)
-                if last_heldout < best_loss:
-                    best_loss, best_step = last_heldout, step
-            if stepped:
-                losses.append(loss_value)
-            if ctx.is_main:
-                metrics.write(row)
-                recovery.after_step(step)
-            bar.update(step, loss=loss_value, tok_s=tok_s, heldout=last_heldout)
-
-            if parallel.agree_stop(stop, ctx):
+            evaluates = step % spec.eval.interval == 0 or step == total_steps
+            checkpoints = step % spec.checkpoint.interval == 0 or step == total_steps
+            if not (step % log_every == 0 or evaluates or checkpoints):
+                continue
+            if log_pending():  # a stop request on any rank, agreed in the log's reduction
                 path = checkpoint_now(step)
                 raise Preempted(
                     f"stage {stage.name} stopped by {stop.signal_name} at step {step}; checkpoint {path}. "
                     f"Continue with `runyard resume {stage_dir.parent.parent}`."
                 )
-            if step % spec.checkpoint.interval == 0 or step == total_steps:
+            if checkpoints:
                 checkpoint_now(step)
+            interval_start = time.perf_counter()  # evaluation and checkpoint time are not the steps'
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from runyard.model.compute import resolve_device
@@ -116,6 +117,25 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     t = torch.tensor(values, dtype=torch.float64, device=ctx.device if ctx.device.type == "cuda" else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.SUM)
     return [float(v) for v in t.tolist()]
+
+
+def device_values(values: Sequence[float], ctx: DistContext) -> torch.Tensor:
+    """`values` as a float64 vector where this rank's collectives run (the GPU, or the CPU under gloo)."""
+    dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
+    return torch.tensor(list(values), dtype=torch.float64).to(dev, non_blocking=True)
+
+
+def all_reduce_sum_tensor(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """`t` summed over all ranks, in place, without reading it back: under nccl the host queues the
+    reduction and goes on."""
+    if ctx.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's gradient norm, replicated on every rank) as the plain tensor it holds."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def all_reduce_max(value: float, ctx: DistContext) -> float:
