@@ -1,7 +1,10 @@
 """How a stage's model is laid out for training, applied from outside it in torchtitan's order
-(`parallelize.py`): activation checkpointing of the family's blocks, then data parallelism (DDP, or
-FSDP2 over the family's shard units; train/parallel.py). The model never knows; the loop receives a
-model already laid out and only calls it."""
+(`parallelize.py`): activation checkpointing of the family's blocks, then `torch.compile` of each block
+(`resources.compile`, on CUDA), then data parallelism (DDP, or FSDP2 over the family's shard units;
+train/parallel.py). Compiling before wrapping keeps FSDP2's hooks and DDP's buckets outside the compiled
+graphs, so FSDP2 reduce-scatters once per step rather than inside a compiled whole; blocks are compiled in
+place (`nn.Module.compile`), so no parameter name moves. The model never knows; the loop receives a model
+already laid out and only calls it."""
 
 from __future__ import annotations
 
@@ -27,4 +30,13 @@ def lay_out(model: torch.nn.Module, family: ModelFamily, ctx: parallel.DistConte
                                                 train_cfg.activation_checkpointing_every)
         log.info("activation checkpointing (%s): %d of %d blocks recomputed in backward", mode, len(chosen),
                  len(family.checkpoint_units(model)))
+    if getattr(resources, "compile", False) and ctx.device.type == "cuda":
+        compile_blocks(model, family)
     return parallel.wrap_model(model, ctx, resources, shard_units=family.shard_units(model))
+
+
+def compile_blocks(model: torch.nn.Module, family: ModelFamily) -> None:
+    """`torch.compile` each of the family's blocks in place (the whole model when it names none)."""
+    units = family.checkpoint_units(model)
+    for unit in units or [model]:
+        unit.compile()

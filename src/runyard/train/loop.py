@@ -129,9 +129,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         if ctx.distributed and spec.resources.parallel == "fsdp":
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
-    module = layout.lay_out(model, family, ctx, spec.resources, stage.train)
-    if spec.resources.compile and ctx.device.type == "cuda":
-        module = torch.compile(module)
+    module = layout.lay_out(model, family, ctx, spec.resources, stage.train)  # recompute, compile, wrap
     o = stage.optim
     if adapters is not None:
         groups = [{"name": "lora", "params": list(adapters.parameters()), "weight_decay": o.weight_decay}]
