@@ -13,6 +13,7 @@ from runyard.model.transformer import ModelConfig
 from runyard.plan.sizing import plan_stage
 from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import layout, parallel
+from tests.train.test_loop_resume import prepared  # noqa: F401  (the fixture)
 
 CTX = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_hidden=64,
@@ -120,3 +121,23 @@ def test_it_keeps_fewer_bytes_for_backward_and_the_plan_counts_it():
     assert recomputed.memory["activations"] < plain.memory["activations"]
     assert recomputed.memory_per_device_bytes < plain.memory_per_device_bytes
     assert "8 of 8 blocks recomputed" in recomputed.memory["how"]
+
+
+@pytest.mark.slow
+def test_a_stage_with_it_logs_bitwise_the_same_rows(prepared, tmp_path):  # noqa: F811
+    """Through the real loop (train_stage; dropout on): every metrics row and the final weights match."""
+    from runyard.train.loop import train_stage
+    from tests.train.test_loop_resume import CTX as LOOP_CTX
+    from tests.train.test_loop_resume import SPEC, metric_rows
+
+    torch.set_num_threads(1)
+    results = {}
+    for mode in ("none", "full"):
+        spec = SPEC.model_copy(update={"train": SPEC.train.model_copy(update={"activation_checkpointing": mode})})
+        stage_dir = tmp_path / mode / "stages" / "main"
+        result = train_stage(spec, resolved_stage(spec, "main"), prepared, stage_dir, LOOP_CTX, show_progress=False)
+        assert all(is_recomputed(b) for b in result.model.blocks) == (mode == "full")
+        results[mode] = (metric_rows(stage_dir), result.model.state_dict())
+    assert results["full"][0] == results["none"][0]
+    for k, v in results["none"][1].items():
+        assert torch.equal(v, results["full"][1][k]), k
