@@ -49,6 +49,7 @@ from runyard.train.rng import seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
 from runyard.train.stage_kinds import PretrainObjective, dpo_reference, instruct_objective
+from runyard.train.step_log import PendingSteps
 
 log = logging.getLogger(__name__)
 
@@ -268,12 +269,11 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                                     wait=at_step >= total_steps or stop.requested)
         return last_path
 
-    # Nothing in a step reads a tensor back to the host: each step's loss, gradient norm, token count and
-    # objective statistics stay on the device in `pending` until the log interval (or an evaluation, a
-    # checkpoint, the last step), when one all-reduce (which also carries the stop flag) and one readback
-    # turn them into metrics rows.
+    # Nothing in a step reads a tensor back to the host: its figures wait on the device (train/step_log.py)
+    # until the log interval, an evaluation, a checkpoint or the last step; then one all-reduce (which also
+    # carries the stop agreement) and one readback turn them into a metrics row per step.
     log_every = train_cfg.log_interval or (DEVICE_LOG_INTERVAL if device.type == "cuda" else 1)
-    pending: list[dict] = []
+    pending = PendingSteps(device)
 
     def log_pending() -> bool:
         """Write the pending steps' rows (and the held-out evaluation at an evaluation step); whether any
@@ -282,37 +282,23 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the interval's time includes its queued work
         dt = time.perf_counter() - interval_start
-        n = len(pending)
-        local = torch.cat([torch.stack([p["loss"].double() for p in pending]),
-                           torch.stack([p["stats"] for p in pending]).reshape(-1),
-                           torch.ones(1, dtype=torch.float64, device=device) * float(stop.requested)])
-        stats_width = pending[0]["stats"].numel()
-        own = torch.stack([torch.stack([p["grad_norm"].double().reshape(()),
-                                        torch.as_tensor(p["tokens"], dtype=torch.float64, device=device)])
-                           for p in pending])
-        values = torch.cat([parallel.all_reduce_sum_tensor(local, ctx), own.reshape(-1)]).tolist()
-        step_losses = [v / ctx.world_size for v in values[:n]]
-        stats = values[n: n + n * stats_width]
-        stop_votes = values[n + n * stats_width]
-        norms_tokens = values[n + n * stats_width + 1:]
-        interval_tokens = sum(norms_tokens[2 * i + 1] for i in range(n))
-        tok_s = interval_tokens / dt if dt > 0 else math.inf
+        logged, any_stop = pending.read_back(ctx, stop.requested)
+        tok_s = sum(s.tokens for s in logged) / dt if dt > 0 else math.inf
         rows = []
-        for i, p in enumerate(pending):
-            tokens_seen += int(norms_tokens[2 * i + 1])
-            row = {"step": p["step"], "loss": step_losses[i], "lr": p["lr"], "grad_norm": norms_tokens[2 * i],
-                   f"{unit}s_per_s": tok_s, f"{unit}s": tokens_seen, "time": p["time"],
-                   **objective.step_metrics(stats[i * stats_width: (i + 1) * stats_width])}
+        for s in logged:
+            tokens_seen += int(s.tokens)
+            row = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, f"{unit}s_per_s": tok_s,
+                   f"{unit}s": tokens_seen, "time": s.time, **objective.step_metrics(s.stats)}
             if train_cfg.nonfinite == "skip_step":
-                row["nonfinite_skipped"] = p["skipped"]
-                if not p["stepped"]:  # not a loss the model trained on: kept out of the curve and the gates
+                row["nonfinite_skipped"] = s.skipped
+                if not s.stepped:  # not a loss the model trained on: kept out of the curve and the gates
                     row["skipped_loss"] = repr(row.pop("loss"))
             step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
             if step_mfu is not None:
                 row["mfu"] = step_mfu
             throughput.append(tok_s)
-            if p["stepped"]:
-                losses.append(step_losses[i])
+            if s.stepped:
+                losses.append(s.loss)
             rows.append(row)
         last = rows[-1]
         if last["step"] % spec.eval.interval == 0 or last["step"] == total_steps:
@@ -325,13 +311,12 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             for row in rows:
                 metrics.write(row)
             recovery.after_step(rows[0]["step"])
-        bar.update(last["step"], loss=step_losses[-1], tok_s=tok_s, heldout=last_heldout)
-        pending.clear()
+        bar.update(last["step"], loss=logged[-1].loss, tok_s=tok_s, heldout=last_heldout)
         if not ctx.distributed:
             return stop.requested
-        if stop_votes > 0 and not stop.requested:
+        if any_stop and not stop.requested:
             stop.request("a signal on another rank")
-        return stop_votes > 0
+        return any_stop
 
     setup.module.train()
     with StepProgress(f"stage {stage.name}", total_steps, start=step, enabled=show_progress and ctx.is_main) as bar:
@@ -361,9 +346,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                 setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)
             step += 1
-            pending.append({"step": step, "lr": lr, "loss": step_loss, "grad_norm": grad_norm,
-                            "tokens": tokens_per_step, "stats": objective.step_stats(device), "time": time.time(),
-                            "stepped": stepped, "skipped": guard.skipped})
+            pending.add(step, lr, step_loss, grad_norm, tokens_per_step, objective.step_stats(device), stepped,
+                        guard.skipped, time.time())
 
             evaluates = step % spec.eval.interval == 0 or step == total_steps
             checkpoints = step % spec.checkpoint.interval == 0 or step == total_steps
