@@ -90,3 +90,13 @@ def test_skip_step_past_its_budget_stops(prepared, tmp_path, nan_at_step):  # no
     s = spec(nonfinite="skip_step", nonfinite_budget=0)
     with pytest.raises(NonFiniteLoss, match=f"step {NAN_AT}.*exceed train.nonfinite_budget 0"):
         train_stage(s, resolved_stage(s, "main"), prepared, tmp_path / "stages" / "main", CTX, show_progress=False)
+
+
+def test_a_device_side_assert_at_the_log_is_reported_as_non_finite():
+    """On a GPU the failed guard is a device-side assert that surfaces at the log's readback."""
+    from runyard.train.nonfinite import device_assert_as_nonfinite
+
+    with pytest.raises(NonFiniteLoss, match="at a step in 11..20"), device_assert_as_nonfinite("main", 11, 20):
+        raise RuntimeError("CUDA error: device-side assert triggered")
+    with pytest.raises(RuntimeError, match="something else"), device_assert_as_nonfinite("main", 11, 20):
+        raise RuntimeError("something else")

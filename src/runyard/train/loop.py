@@ -42,7 +42,7 @@ from runyard.train import batches, checkpoint, finetune_eval, layout, parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
-from runyard.train.nonfinite import NonFiniteGuard
+from runyard.train.nonfinite import NonFiniteGuard, device_assert_as_nonfinite
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
 from runyard.train.rng import seed_everything
@@ -279,10 +279,12 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
         """Write the pending steps' rows (and the held-out evaluation at an evaluation step); whether any
         rank has been asked to stop."""
         nonlocal tokens_seen, last_heldout, best_loss, best_step
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)  # the interval's time includes its queued work
+        with device_assert_as_nonfinite(stage.name, pending.first_step, step):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the interval's time includes its queued work
         dt = time.perf_counter() - interval_start
-        logged, any_stop = pending.read_back(ctx, stop.requested)
+        with device_assert_as_nonfinite(stage.name, pending.first_step, step):
+            logged, any_stop = pending.read_back(ctx, stop.requested)
         tok_s = sum(s.tokens for s in logged) / dt if dt > 0 else math.inf
         rows = []
         for s in logged:

@@ -3,13 +3,17 @@ the optimizer step (the default), or skip the step within a budget (`skip_step`)
 
 `stop` guards with `torch._assert_async`: on a GPU the check is queued on the device and never waits for
 it (a failed check is a device-side assert, after which no further kernel runs, so that optimizer step
-never lands); on a CPU it raises at once, and the loop reports it as `NonFiniteLoss` naming the step.
+never lands, and the next readback, at the log, fails: `device_assert_as_nonfinite` reports it as
+`NonFiniteLoss` naming the steps since the last log, before any checkpoint of them); on a CPU it raises
+at once, and the loop reports it as `NonFiniteLoss` naming the step.
 `skip_step` must decide on the host whether to step, so it reads one flag back per step. Every rank
 decides alike: the gradient norm is already global (DDP and FSDP reduce gradients before it), and under
 several processes the flag is reduced so a rank's own non-finite loss stops or skips every rank.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -55,3 +59,18 @@ class NonFiniteGuard:
             raise NonFiniteLoss(self._message(step, f", {self.skipped} non-finite steps exceed "
                                                     f"train.nonfinite_budget {self.budget}"))
         return False
+
+
+@contextlib.contextmanager
+def device_assert_as_nonfinite(stage: str, first_step: int, last_step: int):
+    """Around the log's readback on a GPU: the device-side assert of a failed `stop` guard in steps
+    first_step..last_step surfaces here, and is reported as the NonFiniteLoss it is."""
+    try:
+        yield
+    except RuntimeError as exc:
+        if "device-side assert" not in str(exc):
+            raise
+        raise NonFiniteLoss(
+            f"stage {stage}: the loss or gradient norm is not finite at a step in {first_step}..{last_step} (a "
+            f"device-side assert; the device's context is lost); stopped before that step's optimizer step, and "
+            f"no checkpoint of those steps was written") from exc

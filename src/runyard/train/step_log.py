@@ -39,6 +39,10 @@ class PendingSteps:
     def __len__(self) -> int:
         return len(self._steps)
 
+    @property
+    def first_step(self) -> int:
+        return self._steps[0]["step"]
+
     def add(self, step: int, lr: float, loss: torch.Tensor, grad_norm: torch.Tensor, tokens: Any,
             stats: torch.Tensor, stepped: bool, skipped: int, time: float) -> None:
         """Keep a step's figures (tensors stay where they are; `tokens` may be a host number)."""
