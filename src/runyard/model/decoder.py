@@ -17,7 +17,14 @@ import torch
 
 from runyard.model import hf
 from runyard.model.config import ModelConfig
-from runyard.model.registry import ExportError, ModelFamily, Sizing, register
+from runyard.model.registry import (
+    ExportError,
+    ModelFamily,
+    NoTensorParallelPlan,
+    Sizing,
+    TensorParallelPlan,
+    register,
+)
 from runyard.model.transformer import Transformer
 
 
@@ -80,6 +87,29 @@ class DecoderFamily(ModelFamily):
 
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(model.blocks)
+
+    def tensor_parallel_plan(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
+        """Megatron's split of each block: Q/K/V and the SwiGLU gate/up column-wise (each rank its share of
+        the heads and of the hidden width), the attention output and down projection row-wise; the
+        embedding, norms and head stay whole on every rank."""
+        cfg = model.cfg
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_hidden", cfg.ffn_hidden)):
+            if n % tp:
+                raise NoTensorParallelPlan(f"tensor parallel over {tp} processes needs model.{what} ({n}) divisible "
+                                           f"by {tp}")
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        styles, fused, local = {}, {}, {}
+        for i in range(cfg.n_layers):
+            b = f"blocks.{i}"
+            styles.update({f"{b}.attn.wqkv": "colwise", f"{b}.attn.wo": "rowwise",
+                           f"{b}.ffn.w_gate_up": "colwise", f"{b}.ffn.w_down": "rowwise"})
+            fused[f"{b}.attn.wqkv.weight"] = (q, kv, kv)
+            if cfg.qkv_bias:
+                fused[f"{b}.attn.wqkv.bias"] = (q, kv, kv)
+            fused[f"{b}.ffn.w_gate_up.weight"] = (cfg.ffn_hidden, cfg.ffn_hidden)
+            local[f"{b}.attn.n_heads"] = cfg.n_heads // tp
+            local[f"{b}.attn.n_kv_heads"] = cfg.n_kv_heads // tp
+        return TensorParallelPlan(styles, fused, local)
 
     def config_from_weights(self, spec: Any, weights_config: ModelConfig) -> ModelConfig:
         return ModelConfig.from_spec_and_weights(spec, weights_config)

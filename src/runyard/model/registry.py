@@ -88,6 +88,26 @@ class Sizing:
         return self.flops_per_unit / 3
 
 
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a family's model splits over a tensor-parallel mesh (torchtitan's per-model plan), applied from
+    outside the model by train/tensor_parallel.py.
+
+    `styles`: submodule path -> "colwise" (output features split: Q/K/V, the MLP's gate and up) or
+    "rowwise" (input features split, outputs summed: the attention output, the MLP's down projection).
+    `fused_rows`: parameter path -> sizes of the parts its rows concatenate (a fused Q/K/V matrix), so each
+    rank's rows hold its share of every part. `local_attributes`: "module.attr" -> the value each rank's
+    module holds (its share of the heads)."""
+
+    styles: dict[str, str]
+    fused_rows: dict[str, tuple[int, ...]]
+    local_attributes: dict[str, int]
+
+
+class NoTensorParallelPlan(RunyardError):
+    """A layout asks for tensor parallelism that the model family (or this model's shape) does not allow."""
+
+
 class ModelFamily(ABC):
     """One kind of model. Configs are the family's own frozen dataclasses (with to_dict/from_dict)."""
 
@@ -135,6 +155,11 @@ class ModelFamily(ABC):
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules FSDP shards one by one (the root is sharded after them)."""
         return []
+
+    def tensor_parallel_plan(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
+        """How the model splits over `tp` processes; NoTensorParallelPlan naming why it cannot."""
+        raise NoTensorParallelPlan(f"model family {self.name!r} has no tensor-parallel plan; use resources.parallel: "
+                                   "ddp or fsdp")
 
     def checkpoint_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules whose activations `train.activation_checkpointing` recomputes in backward, in

@@ -111,10 +111,17 @@ def evaluation_units(spec: JobSpec, stage: ResolvedStage, family: ModelFamily, c
 
 
 def state_bytes(parameters: int, spec: JobSpec) -> int:
-    states = parameters * BYTES_PER_PARAM_TRAINING
-    if spec.resources.parallel == "fsdp":
-        states //= spec.resources.nproc
-    return states
+    return parameters * BYTES_PER_PARAM_TRAINING // state_sharding(spec)
+
+
+def state_sharding(spec: JobSpec) -> int:
+    """Over how many processes a replica's model state is split: FSDP's shards times tensor parallel's."""
+    parallel = spec.resources.parallel
+    if parallel == "fsdp":
+        return spec.resources.nproc
+    if parallel == "ddp":
+        return 1
+    return parallel.dp_shard * parallel.tp
 
 
 def recomputed_units(stage: ResolvedStage, size: Sizing) -> int:
@@ -165,7 +172,7 @@ def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int | None = None, to
 def recommended_training(spec: JobSpec, stages: list[StagePlan]) -> Hardware:
     """The training hardware the seed's table and the stages' sizes call for (recommend.training_hardware)."""
     biggest = max(stages, key=lambda s: s.memory["states"] + s.memory["activations"])
-    per_replica = biggest.memory["states"] * (spec.resources.nproc if spec.resources.parallel == "fsdp" else 1)
+    per_replica = biggest.memory["states"] * state_sharding(spec)
     need = per_replica + max(biggest.memory["activations"], biggest.memory["evaluation"]) + GPU_RESERVED_BYTES
     kind = DATA_KINDS[spec.task]
     util = UTILISATION["train_transformer" if kind == "text" else "train_other"]

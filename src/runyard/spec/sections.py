@@ -406,6 +406,20 @@ class CheckpointSpec(_Strict):
     keep_best: bool = Field(default=True, description="also keep the checkpoint with the lowest held-out loss")
 
 
+class ParallelSpec(_Strict):
+    """A layout on one device mesh (torchtitan's): data-parallel replicas, FSDP2 shards and tensor
+    parallelism; dp_replicate x dp_shard x tp must equal the world size. `ddp` and `fsdp` are shorthands."""
+
+    dp_replicate: int = Field(default=1, ge=1, description="full replicas (DDP's axis)")
+    dp_shard: int = Field(default=1, ge=1, description="processes that shard parameters, gradients and optimizer state (FSDP2)")
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="tensor-parallel degree: each block's projections split column- and row-wise over this many "
+        "processes (the family's plan; for the decoder its heads and its feed-forward width must divide by it)",
+    )
+
+
 class ResourcesSpec(_Strict):
     """Where and how the run computes, and the requirement a market or scheduler acts on."""
 
@@ -417,10 +431,12 @@ class ResourcesSpec(_Strict):
     )
     compile: bool = Field(default=False, description="compile the model with torch.compile")
     nproc: int = Field(default=1, ge=1, description="worker processes on this node, under torchrun (`--nproc` overrides)")
-    parallel: Literal["ddp", "fsdp"] = Field(
+    parallel: Literal["ddp", "fsdp"] | ParallelSpec = Field(
         default="ddp",
-        description="with several processes: `ddp` (a full replica each) or `fsdp` (parameters, gradients and "
-        "optimizer state sharded; FSDP2)",
+        description="with several processes: `ddp` (a full replica each), `fsdp` (parameters, gradients and "
+        "optimizer state sharded; FSDP2), or a layout `{dp_replicate, dp_shard, tp}` whose product is the world "
+        "size (`{tp: 2}`: tensor parallel over two processes; tensor parallel trains pretrain stages without "
+        "LoRA, and is not yet combined with data parallelism)",
     )
     deterministic: bool = Field(
         default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"

@@ -1,5 +1,6 @@
 """How a stage's model is laid out for training, applied from outside it in torchtitan's order
-(`parallelize.py`): activation checkpointing of the family's blocks, then `torch.compile` of each block
+(`parallelize.py`): tensor parallelism by the family's plan (train/tensor_parallel.py), activation
+checkpointing of the family's blocks, then `torch.compile` of each block
 (`resources.compile`, on CUDA), then data parallelism (DDP, or FSDP2 over the family's shard units;
 train/parallel.py). Compiling before wrapping keeps FSDP2's hooks and DDP's buckets outside the compiled
 graphs, so FSDP2 reduce-scatters once per step rather than inside a compiled whole; blocks are compiled in
@@ -14,7 +15,7 @@ import torch
 
 from runyard.model.compute import apply_activation_checkpointing
 from runyard.model.registry import ModelFamily
-from runyard.train import parallel
+from runyard.train import parallel, tensor_parallel
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ def lay_out(model: torch.nn.Module, family: ModelFamily, ctx: parallel.DistConte
     """The module the loop's forward runs on: `model` with its recomputed blocks
     (`train.activation_checkpointing`), wrapped for data parallelism. `model` itself keeps its names and
     is what checkpoints and the optimizer see."""
+    if ctx.tp > 1:  # first, as torchtitan does: the blocks are split before anything wraps them
+        tensor_parallel.apply_tensor_parallel(model, family.tensor_parallel_plan(model, ctx.tp),
+                                              tensor_parallel.tp_mesh(ctx))
     mode = getattr(train_cfg, "activation_checkpointing", "none")
     if mode != "none":
         chosen = apply_activation_checkpointing(family.checkpoint_units(model), mode,

@@ -38,7 +38,7 @@ from runyard.model.registry import get_family
 from runyard.plan.weights_in import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
-from runyard.train import batches, checkpoint, finetune_eval, layout, parallel
+from runyard.train import batches, checkpoint, finetune_eval, layout, parallel, tensor_parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
@@ -127,7 +127,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         reference = dpo_reference(model, uses_lora=stage.lora is not None)
     adapters = None
     if stage.lora is not None:
-        if ctx.distributed and spec.resources.parallel == "fsdp":
+        if ctx.distributed and spec.resources.parallel != "ddp":
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
     module = layout.lay_out(model, family, ctx, spec.resources, stage.train)  # recompute, compile, wrap
@@ -142,7 +142,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         # Text: windows of the spec's training length (a model from weights may attend further,
         # config.context_length); images: pixel batches. Held out: drawn across the whole held-out split,
         # the same sample at every evaluation and after a resume.
-        loader = batches.train_loader(prepared, stage.model, stage.train.batch_size, data_seed, ctx)
+        loader = batches.train_loader(prepared, stage.model, stage.train.batch_size, data_seed, ctx.data)
         heldout = batches.heldout_sample(prepared, stage.model, stage.train.batch_size,
                                          spec.eval.batches * stage.train.batch_size,
                                          evaluation_seeds(spec.seed)["eval.heldout"])
@@ -150,6 +150,9 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     else:
         if instruct is None:
             raise RunyardError(f"stage {stage.name} ({stage.kind}) has no prepared instruction data")
+        if ctx.tp > 1:
+            raise parallel.LayoutError(f"stage {stage.name} ({stage.kind}): tensor parallel trains pretrain stages "
+                                       "only for now; set resources.parallel: ddp or fsdp")
         objective = instruct_objective(
             stage.kind, instruct, stage.train.batch_size, spec.eval.batches * stage.train.batch_size, data_seed,
             derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
@@ -198,6 +201,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     family = get_family(stage.model.family)
     # Built the same way on a fresh start and a resume (its init weights loaded either way); a resume
     # then restores its checkpoint over them.
+    ctx = parallel.with_layout(ctx, spec.resources)  # its tensor-parallel degree; ctx.data reads the data
     setup = build_setup(spec, stage, prepared, ctx, run_dir=stage_dir.parent.parent, instruct=instruct)
     objective = setup.objective
     device, precision = ctx.device, spec.resources.precision
@@ -221,6 +225,10 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     if restored is not None and restored.values.get("lora_base_sha256") != base_hash:
         raise LoRAError(f"stage {stage.name}: the checkpoint's adapters were trained on a base with sha256 "
                         f"{restored.values.get('lora_base_sha256')}, this stage's base is {base_hash}")
+    if restored is not None and int(restored.values.get("tp") or 1) != ctx.tp:
+        raise parallel.LayoutError(f"stage {stage.name}: the checkpoint {restored.ref.path} was written with tensor "
+                                   f"parallel {restored.values.get('tp') or 1}, this job lays out tp {ctx.tp}; "
+                                   "resuming across tensor-parallel layouts is not yet supported")
     recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
     if restored is not None:
         saved = restored.values
@@ -239,7 +247,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     seen_key = f"{unit}s"
     tokens_seen = next((r[seen_key] for r in reversed(metrics.read()) if seen_key in r), 0) if ctx.is_main and step else 0
     # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
-    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx,
+    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx.data,
                                          restored.values if restored else None)
     flops_per_token = family.sizing(setup.config).flops_per_unit
     peak = device_peak_flops(device)
@@ -251,6 +259,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     guard = NonFiniteGuard(stage.name, train_cfg.nonfinite, train_cfg.nonfinite_budget,
                            int(restored.values.get("nonfinite_skipped") or 0) if restored else 0)
 
+    tp_fused_rows = ({k: list(v) for k, v in family.tensor_parallel_plan(setup.model, ctx.tp).fused_rows.items()}
+                     if ctx.tp > 1 else None)
+
     def checkpoint_now(at_step: int) -> Path:
         nonlocal last_path
         values = {
@@ -258,7 +269,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "best_heldout_loss": None if math.isinf(best_loss) else best_loss,
             "best_step": best_step,
             "last_heldout_loss": last_heldout,
-            "world_size": ctx.world_size,
+            "world_size": ctx.data.world_size,  # the processes that read data: the global batch's factor
+            "tp": ctx.tp,
+            "tp_fused_rows": tp_fused_rows,  # whole-weight readers restore the model's row order (checkpoint/reader.py)
             "grad_accum": grad_accum,
             "kind": stage.kind,
             "lora_base_sha256": base_hash,
@@ -333,8 +346,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             # every micro-batch and process; a host number, or a tensor summed on the device). Each rank
             # scales its sum by world_size / count; DDP's mean over ranks then gives the gradient of the
             # whole global batch.
-            count, tokens_per_step = objective.global_counts(micro_batches, ctx)
-            loss_scale = ctx.world_size / count
+            count, tokens_per_step = objective.global_counts(micro_batches, ctx.data)
+            loss_scale = ctx.data.world_size / count
             if isinstance(loss_scale, torch.Tensor):  # computed in float64, applied as a Python scale would be
                 loss_scale = loss_scale.float()
             for micro, batch in enumerate(micro_batches):
@@ -342,7 +355,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
                     loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
                     loss.backward()
                 step_loss += loss.detach()
-            grad_norm = parallel.plain_tensor(torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf))
+            grad_norm = parallel.plain_tensor(parallel.clip_grad_norm(params, clip if clip else math.inf))
             stepped = guard.should_step(step + 1, step_loss, grad_norm, ctx)  # before the optimizer step
             if stepped:
                 setup.optimizer.step()
@@ -367,7 +380,11 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput
-    model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
+    if ctx.tp > 1:
+        model = tensor_parallel.consolidated_model(setup.model, family.tensor_parallel_plan(setup.model, ctx.tp),
+                                                   lambda: family.build(setup.config), ctx)
+    else:
+        model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
     if setup.adapters is not None:
         model = merged_model(family, setup.config, setup.model, device)
     if instruct is not None and ctx.is_main:
