@@ -57,3 +57,32 @@ def test_two_tensor_parallel_processes_match_one_process(tmp_path):
     assert w1.keys() == w2.keys()
     for name in w1:
         assert torch.allclose(w1[name], w2[name], rtol=0, atol=1e-4), name
+
+
+def test_a_tensor_parallel_run_stopped_by_sigterm_resumes_on_the_same_curve(tmp_path):
+    """SIGTERM mid-run: every rank checkpoints its shards (fused rows rank by rank) and exits 4; `resume`
+    under the same layout loads them and the curve continues the one-process run's."""
+    import signal
+
+    from runyard.errors import EXIT_PREEMPTED
+
+    from .test_distributed import start, wait_for_step
+
+    steps = 12
+    longer = {"train": {"steps": steps}, "checkpoint": {"interval": 2}}
+    one = run(tmp_path, "one", longer)
+    spec = tmp_path / "tp.yaml"
+    spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), {**longer, "resources": {"parallel": {"tp": 2}}})))
+    run_dir = tmp_path / "tp"
+    proc = start("train", str(spec), "--run-dir", str(run_dir), "--nproc", "2")
+    wait_for_step(run_dir, 3, proc)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    stopped = ckpt.list_checkpoints(run_dir / "stages/main/checkpoints")[-1].step
+    assert 3 <= stopped < steps
+    runyard("resume", str(run_dir), "--no-progress", "--nproc", "2", check=True, timeout=400)
+    a, b = rows(one), rows(run_dir)
+    assert [r["step"] for r in b] == list(range(1, steps + 1))
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
