@@ -61,7 +61,8 @@ def test_two_tensor_parallel_processes_match_one_process(tmp_path):
 
 def test_a_tensor_parallel_run_stopped_by_sigterm_resumes_on_the_same_curve(tmp_path):
     """SIGTERM mid-run: every rank checkpoints its shards (fused rows rank by rank) and exits 4; `resume`
-    under the same layout loads them and the curve continues the one-process run's."""
+    under the same layout loads them and the curve continues the one-process run's (here with every
+    block recomputed in backward as well)."""
     import signal
 
     from runyard.errors import EXIT_PREEMPTED
@@ -72,7 +73,10 @@ def test_a_tensor_parallel_run_stopped_by_sigterm_resumes_on_the_same_curve(tmp_
     longer = {"train": {"steps": steps}, "checkpoint": {"interval": 2}}
     one = run(tmp_path, "one", longer)
     spec = tmp_path / "tp.yaml"
-    spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), {**longer, "resources": {"parallel": {"tp": 2}}})))
+    # with activation checkpointing too: recomputed tensor-parallel blocks give the same curve
+    tp_patch = {"train": {"steps": steps, "activation_checkpointing": "full"}, "checkpoint": {"interval": 2},
+                "resources": {"parallel": {"tp": 2}}}
+    spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), tp_patch)))
     run_dir = tmp_path / "tp"
     proc = start("train", str(spec), "--run-dir", str(run_dir), "--nproc", "2")
     wait_for_step(run_dir, 3, proc)

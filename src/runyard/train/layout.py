@@ -22,9 +22,9 @@ log = logging.getLogger(__name__)
 
 def lay_out(model: torch.nn.Module, family: ModelFamily, ctx: parallel.DistContext, resources,
             train_cfg) -> torch.nn.Module:
-    """The module the loop's forward runs on: `model` with its recomputed blocks
-    (`train.activation_checkpointing`), wrapped for data parallelism. `model` itself keeps its names and
-    is what checkpoints and the optimizer see."""
+    """The module the loop's forward runs on: `model` split over its tensor-parallel group (ctx.tp), with
+    its recomputed blocks (`train.activation_checkpointing`) and compiled blocks, wrapped for data
+    parallelism. `model` itself keeps its names and is what checkpoints and the optimizer see."""
     if ctx.tp > 1:  # first, as torchtitan does: the blocks are split before anything wraps them
         tensor_parallel.apply_tensor_parallel(model, family.tensor_parallel_plan(model, ctx.tp),
                                               tensor_parallel.tp_mesh(ctx))

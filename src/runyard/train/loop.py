@@ -127,7 +127,8 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         reference = dpo_reference(model, uses_lora=stage.lora is not None)
     adapters = None
     if stage.lora is not None:
-        if ctx.distributed and spec.resources.parallel != "ddp":
+        shape = parallel.layout_of(spec.resources.parallel, ctx.world_size)
+        if ctx.distributed and (shape.dp_shard > 1 or shape.tp > 1):
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
     module = layout.lay_out(model, family, ctx, spec.resources, stage.train)  # recompute, compile, wrap
