@@ -10,6 +10,7 @@ EXIT_BAD_SPEC = 2  # the spec (or a command line) was rejected before any work s
 EXIT_GATE_FAILED = 3  # a stage's gates failed; later stages did not start
 EXIT_PREEMPTED = 4  # stopped by SIGTERM/SIGINT after writing a checkpoint; resume continues it
 EXIT_OUT_OF_MEMORY = 5  # killed by the kernel for going past the job's memory limit (its cgroup's OOM killer)
+EXIT_NON_FINITE = 6  # a stage's loss or gradient norm went non-finite; stopped before that optimizer step
 
 
 class RunyardError(Exception):

@@ -17,17 +17,29 @@ import torch
 
 from runyard.model import hf
 from runyard.model.config import ModelConfig
-from runyard.model.registry import ExportError, ModelFamily, Sizing, register
+from runyard.model.registry import (
+    ExportError,
+    ModelFamily,
+    NoTensorParallelPlan,
+    Sizing,
+    TensorParallelPlan,
+    register,
+)
 from runyard.model.transformer import Transformer
 
 
+def block_activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
+    """What one block keeps for backward: ~34*d per token (Korthikanti et al. 2022, counted there in
+    2-byte values; SDPA's memory-efficient attention keeps no score matrix)."""
+    return 34 * cfg.d_model * micro_batch * cfg.context_length * bytes_per_value // 2
+
+
 def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 4) -> int:
-    """A coarse estimate of saved activations for one micro-batch: ~34*d per token per layer plus the
-    logits (Korthikanti et al. 2022, without recomputation, SDPA's memory-efficient attention)."""
+    """A coarse estimate of saved activations for one micro-batch without recomputation: every block's
+    (block_activation_bytes) plus the logits and their softmax."""
     tokens = micro_batch * cfg.context_length
-    per_layer = 34 * cfg.d_model * tokens * bytes_per_value // 2
     logits = tokens * cfg.vocab_size * bytes_per_value * 2
-    return cfg.n_layers * per_layer + logits
+    return cfg.n_layers * block_activation_bytes(cfg, micro_batch, bytes_per_value) + logits
 
 
 class DecoderFamily(ModelFamily):
@@ -53,6 +65,9 @@ class DecoderFamily(ModelFamily):
             unit="token",
             activation_bytes=activation_bytes(config, micro_batch),
             cache_bytes_per_unit=2 * config.n_layers * config.n_kv_heads * config.head_dim * 2,  # K and V, bf16
+            recomputable_units=config.n_layers,
+            unit_activation_bytes=block_activation_bytes(config, micro_batch),
+            unit_input_bytes=micro_batch * config.context_length * config.d_model * 4,  # the residual stream, fp32
         )
 
     def units_per_example(self, config: ModelConfig) -> int:
@@ -72,6 +87,29 @@ class DecoderFamily(ModelFamily):
 
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         return list(model.blocks)
+
+    def tensor_parallel_plan(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
+        """Megatron's split of each block: Q/K/V and the SwiGLU gate/up column-wise (each rank its share of
+        the heads and of the hidden width), the attention output and down projection row-wise; the
+        embedding, norms and head stay whole on every rank."""
+        cfg = model.cfg
+        for what, n in (("n_heads", cfg.n_heads), ("n_kv_heads", cfg.n_kv_heads), ("ffn_hidden", cfg.ffn_hidden)):
+            if n % tp:
+                raise NoTensorParallelPlan(f"tensor parallel over {tp} processes needs model.{what} ({n}) divisible "
+                                           f"by {tp}")
+        q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+        styles, fused, local = {}, {}, {}
+        for i in range(cfg.n_layers):
+            b = f"blocks.{i}"
+            styles.update({f"{b}.attn.wqkv": "colwise", f"{b}.attn.wo": "rowwise",
+                           f"{b}.ffn.w_gate_up": "colwise", f"{b}.ffn.w_down": "rowwise"})
+            fused[f"{b}.attn.wqkv.weight"] = (q, kv, kv)
+            if cfg.qkv_bias:
+                fused[f"{b}.attn.wqkv.bias"] = (q, kv, kv)
+            fused[f"{b}.ffn.w_gate_up.weight"] = (cfg.ffn_hidden, cfg.ffn_hidden)
+            local[f"{b}.attn.n_heads"] = cfg.n_heads // tp
+            local[f"{b}.attn.n_kv_heads"] = cfg.n_kv_heads // tp
+        return TensorParallelPlan(styles, fused, local)
 
     def config_from_weights(self, spec: Any, weights_config: ModelConfig) -> ModelConfig:
         return ModelConfig.from_spec_and_weights(spec, weights_config)

@@ -57,7 +57,9 @@ class Sizing:
     fit's FLOPs per training row. `activation_bytes` estimates the activations one micro-batch keeps for
     backward. `inference_flops_per_unit` is one prediction's FLOPs per unit; None means a forward pass,
     a third of training's (forward 2, backward 4 FLOPs per weight). `cache_bytes_per_unit` is what serving
-    keeps per unit in flight (a decoder's KV cache per token, in bf16); 0 for a model without one."""
+    keeps per unit in flight (a decoder's KV cache per token, in bf16); 0 for a model without one.
+    `recomputable_units` blocks (the family's `checkpoint_units`) each keep `unit_activation_bytes` of those
+    activations, or only `unit_input_bytes` (their input) when they are recomputed in backward."""
 
     parameters: int
     non_embedding_parameters: int
@@ -66,6 +68,17 @@ class Sizing:
     activation_bytes: int
     inference_flops_per_unit: float | None = None
     cache_bytes_per_unit: int = 0
+    recomputable_units: int = 0
+    unit_activation_bytes: int = 0
+    unit_input_bytes: int = 0
+
+    def activation_bytes_with(self, recomputed_units: int) -> int:
+        """The activations one micro-batch keeps when `recomputed_units` blocks are recomputed in backward:
+        each keeps only its input, and one block's activations are live again while it is recomputed."""
+        n = max(0, min(recomputed_units, self.recomputable_units))
+        if n == 0:
+            return self.activation_bytes
+        return self.activation_bytes - n * (self.unit_activation_bytes - self.unit_input_bytes) + self.unit_activation_bytes
 
     @property
     def forward_flops_per_unit(self) -> float:
@@ -73,6 +86,26 @@ class Sizing:
         if self.inference_flops_per_unit is not None:
             return self.inference_flops_per_unit
         return self.flops_per_unit / 3
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a family's model splits over a tensor-parallel mesh (torchtitan's per-model plan), applied from
+    outside the model by train/tensor_parallel.py.
+
+    `styles`: submodule path -> "colwise" (output features split: Q/K/V, the MLP's gate and up) or
+    "rowwise" (input features split, outputs summed: the attention output, the MLP's down projection).
+    `fused_rows`: parameter path -> sizes of the parts its rows concatenate (a fused Q/K/V matrix), so each
+    rank's rows hold its share of every part. `local_attributes`: "module.attr" -> the value each rank's
+    module holds (its share of the heads)."""
+
+    styles: dict[str, str]
+    fused_rows: dict[str, tuple[int, ...]]
+    local_attributes: dict[str, int]
+
+
+class NoTensorParallelPlan(RunyardError):
+    """A layout asks for tensor parallelism that the model family (or this model's shape) does not allow."""
 
 
 class ModelFamily(ABC):
@@ -122,6 +155,17 @@ class ModelFamily(ABC):
     def shard_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules FSDP shards one by one (the root is sharded after them)."""
         return []
+
+    def tensor_parallel_plan(self, model: torch.nn.Module, tp: int) -> TensorParallelPlan:
+        """How the model splits over `tp` processes; NoTensorParallelPlan naming why it cannot."""
+        raise NoTensorParallelPlan(f"model family {self.name!r} has no tensor-parallel plan; use resources.parallel: "
+                                   "ddp or fsdp")
+
+    def checkpoint_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The submodules whose activations `train.activation_checkpointing` recomputes in backward, in
+        order (a decoder's blocks), and which `resources.compile` compiles one by one; by default the
+        FSDP units. Each must be called with its inputs only (no state carried between calls)."""
+        return self.shard_units(model)
 
     # -- starting from existing weights (`model.init`) ------------------------------------------------
     def config_from_weights(self, spec: Any, weights_config: Any) -> Any:

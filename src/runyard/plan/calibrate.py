@@ -28,7 +28,12 @@ from typing import Any
 
 import torch
 
-from runyard.model.compute import autocast_for, forward_backward, resolve_device
+from runyard.model.compute import (
+    apply_activation_checkpointing,
+    autocast_for,
+    forward_backward,
+    resolve_device,
+)
 from runyard.model.registry import ModelFamily
 from runyard.plan.devices import device, kind_of_cuda_name
 
@@ -222,6 +227,7 @@ def calibrate_stage(
     budget_s: float = 3.0,
     max_steps: int = 3,
     decode: bool = True,
+    recompute: tuple[str, int] = ("none", 1),
 ) -> StageCalibration | None:
     """Time real training steps of `family`'s model of `config` at `micro_batch` (see the module doc).
     None when the family offers no synthetic batch (it is estimated from FLOPs instead)."""
@@ -236,6 +242,7 @@ def calibrate_stage(
             return None
         x, y = (t.to(dev) for t in batch)
         model = family.build(config).to(dev)
+        apply_activation_checkpointing(family.checkpoint_units(model), *recompute)  # as the stage will train
         model.train()
         optimizer = torch.optim.AdamW(family.optimizer_groups(model, optim), lr=optim.lr, betas=optim.betas,
                                       eps=optim.eps)

@@ -204,7 +204,9 @@ def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, fac
     if calibrate and family.trains_with_loop and fits_here(size.parameters, size.activation_bytes, machine):
         calibration = calibrate_stage(plan.stage, family, config, stage.optim, stage.train.batch_size, machine,
                                       spec.resources.precision, run_threads(spec), budget_s=budget_s,
-                                      decode=plan.stage == spec.stages[-1].name)
+                                      decode=plan.stage == spec.stages[-1].name,
+                                      recompute=(stage.train.activation_checkpointing,
+                                                 stage.train.activation_checkpointing_every))
     phases, how = stage_phases(spec, plan, machine, calibration)
     return StageEstimate(plan, phases, how, stage_memory(plan, calibration), calibration)
 

@@ -10,7 +10,8 @@ Memory per device (`MemoryEstimate`) counts:
   stated here), plus a CUDA context on a GPU;
 - model state: fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter (divided over ranks
   under FSDP);
-- activations one micro-batch keeps for backward (the family's estimate, or measured by a calibration);
+- activations one micro-batch keeps for backward (the family's estimate, with the blocks that
+  `train.activation_checkpointing` recomputes keeping only their input; or measured by a calibration);
 - the evaluation's batch (a forward pass without gradients: its outputs and the loss's softmax);
 - the loader: the token shards it maps, resident once read.
 This module never measures; `runyard.plan.planner` replaces stated figures with measured ones.
@@ -22,6 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from runyard.market.requirement import Interconnect, Requirement
+from runyard.model.compute import checkpointed_indices
 from runyard.model.registry import DEFAULT_FAMILY, ModelFamily, Sizing, get_family
 from runyard.plan import weights_in
 from runyard.plan.devices import GPU_RESERVED_BYTES, UTILISATION, device
@@ -109,23 +111,42 @@ def evaluation_units(spec: JobSpec, stage: ResolvedStage, family: ModelFamily, c
 
 
 def state_bytes(parameters: int, spec: JobSpec) -> int:
-    states = parameters * BYTES_PER_PARAM_TRAINING
-    if spec.resources.parallel == "fsdp":
-        states //= spec.resources.nproc
-    return states
+    return parameters * BYTES_PER_PARAM_TRAINING // state_sharding(spec)
 
 
-def memory_estimate(spec: JobSpec, size: Sizing, framework: int, loader: int, gpu: bool) -> MemoryEstimate:
-    """The stated memory of a stage (see the module doc). On a GPU the framework is the CUDA context."""
+def state_sharding(spec: JobSpec) -> int:
+    """Over how many processes a replica's model state is split: FSDP's shards times tensor parallel's."""
+    parallel = spec.resources.parallel
+    if parallel == "fsdp":
+        return spec.resources.nproc
+    if parallel == "ddp":
+        return 1
+    return parallel.dp_shard * parallel.tp
+
+
+def recomputed_units(stage: ResolvedStage, size: Sizing) -> int:
+    """How many of the family's blocks the stage's `train.activation_checkpointing` recomputes."""
+    t = stage.train
+    return len(checkpointed_indices(size.recomputable_units, t.activation_checkpointing,
+                                    t.activation_checkpointing_every))
+
+
+def memory_estimate(spec: JobSpec, size: Sizing, framework: int, loader: int, gpu: bool,
+                    recomputed: int = 0) -> MemoryEstimate:
+    """The stated memory of a stage (see the module doc), with `recomputed` blocks keeping only their
+    input for backward. On a GPU the framework is the CUDA context."""
+    how = "stated: the family's activation estimate, 16 bytes a parameter, the framework as a run imports it"
+    if recomputed:
+        how += f"; {recomputed} of {size.recomputable_units} blocks recomputed in backward"
     return MemoryEstimate(
         framework=GPU_RESERVED_BYTES if gpu else framework,
         states=state_bytes(size.parameters, spec),
-        activations=size.activation_bytes,
+        activations=size.activation_bytes_with(recomputed),
         # A forward pass without gradients keeps no activations; its outputs and softmax are about the
         # last layers' share, taken as a third of the training batch's activations.
         evaluation=size.activation_bytes // 3,
         loader=0 if gpu else loader,
-        how="stated: the family's activation estimate, 16 bytes a parameter, the framework as a run imports it",
+        how=how,
     )
 
 
@@ -141,7 +162,7 @@ def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int | None = None, to
     family, cfg = stage_config(spec, stage, facts)
     size = family.sizing(cfg, micro_batch=stage.train.batch_size)
     units = training_units(spec, stage, family, cfg, train_rows)
-    memory = memory_estimate(spec, size, framework, loader, gpu=False)
+    memory = memory_estimate(spec, size, framework, loader, gpu=False, recomputed=recomputed_units(stage, size))
     seconds = units / tokens_per_s if tokens_per_s else None
     return StagePlan(stage_name, family.name, size.parameters, size.non_embedding_parameters, units, size.unit,
                      size.flops_per_unit, size.flops_per_unit * units, memory.total, seconds, memory.to_dict(),
@@ -151,7 +172,7 @@ def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int | None = None, to
 def recommended_training(spec: JobSpec, stages: list[StagePlan]) -> Hardware:
     """The training hardware the seed's table and the stages' sizes call for (recommend.training_hardware)."""
     biggest = max(stages, key=lambda s: s.memory["states"] + s.memory["activations"])
-    per_replica = biggest.memory["states"] * (spec.resources.nproc if spec.resources.parallel == "fsdp" else 1)
+    per_replica = biggest.memory["states"] * state_sharding(spec)
     need = per_replica + max(biggest.memory["activations"], biggest.memory["evaluation"]) + GPU_RESERVED_BYTES
     kind = DATA_KINDS[spec.task]
     util = UTILISATION["train_transformer" if kind == "text" else "train_other"]

@@ -210,6 +210,31 @@ class TrainSpec(_Strict):
     steps: int = Field(default=200, ge=1, description="optimizer steps in the stage")
     batch_size: int = Field(default=16, ge=1, description="sequences per micro-batch per process")
     grad_accum: int = Field(default=1, ge=1, description="micro-batches accumulated into one optimizer step")
+    log_interval: int | None = Field(
+        default=None,
+        ge=1,
+        description="steps between the loop's readbacks of the device (losses, gradient norms, token counts and "
+        "metrics stay on the device until then; metrics.jsonl still has a row per step, written then) and between "
+        "its checks for a stop request; evaluations and checkpoints also log. null: 1 on a CPU, 10 on a GPU",
+    )
+    activation_checkpointing: Literal["none", "full", "selective"] = Field(
+        default="none",
+        description="recompute blocks' activations in backward instead of keeping them: `none`, `full` (every "
+        "block keeps only its input; about a third more compute) or `selective` (every "
+        "`activation_checkpointing_every`-th block); losses are unchanged and the plan counts the memory saved",
+    )
+    activation_checkpointing_every: int = Field(
+        default=2, ge=1, description="with `activation_checkpointing: selective`: recompute blocks k, 2k, 3k, ... (k this)"
+    )
+    nonfinite: Literal["stop", "skip_step"] = Field(
+        default="stop",
+        description="a non-finite loss or gradient norm: `stop` the stage before that step's optimizer step (exit "
+        "6; the checkpoints before it stay the latest) or `skip_step` (its gradients dropped, no optimizer step, "
+        "counted in metrics as `nonfinite_skipped`; costs one readback of a flag per step)",
+    )
+    nonfinite_budget: int = Field(
+        default=5, ge=0, description="with `nonfinite: skip_step`: steps the stage may skip; one more stops it (exit 6)"
+    )
 
 
 class GateSpec(_Strict):
@@ -381,6 +406,20 @@ class CheckpointSpec(_Strict):
     keep_best: bool = Field(default=True, description="also keep the checkpoint with the lowest held-out loss")
 
 
+class ParallelSpec(_Strict):
+    """A layout on one device mesh (torchtitan's): data-parallel replicas, FSDP2 shards and tensor
+    parallelism; dp_replicate x dp_shard x tp must equal the world size. `ddp` and `fsdp` are shorthands."""
+
+    dp_replicate: int = Field(default=1, ge=1, description="full replicas (DDP's axis)")
+    dp_shard: int = Field(default=1, ge=1, description="processes that shard parameters, gradients and optimizer state (FSDP2)")
+    tp: int = Field(
+        default=1,
+        ge=1,
+        description="tensor-parallel degree: each block's projections split column- and row-wise over this many "
+        "processes (the family's plan; for the decoder its heads and its feed-forward width must divide by it)",
+    )
+
+
 class ResourcesSpec(_Strict):
     """Where and how the run computes, and the requirement a market or scheduler acts on."""
 
@@ -392,10 +431,12 @@ class ResourcesSpec(_Strict):
     )
     compile: bool = Field(default=False, description="compile the model with torch.compile")
     nproc: int = Field(default=1, ge=1, description="worker processes on this node, under torchrun (`--nproc` overrides)")
-    parallel: Literal["ddp", "fsdp"] = Field(
+    parallel: Literal["ddp", "fsdp"] | ParallelSpec = Field(
         default="ddp",
-        description="with several processes: `ddp` (a full replica each) or `fsdp` (parameters, gradients and "
-        "optimizer state sharded; FSDP2)",
+        description="with several processes: `ddp` (a full replica each), `fsdp` (parameters, gradients and "
+        "optimizer state sharded; FSDP2), or a layout `{dp_replicate, dp_shard, tp}` whose product is the world "
+        "size (`{tp: 2}`: tensor parallel over two processes; tensor parallel trains pretrain stages without "
+        "LoRA, and is not yet combined with data parallelism)",
     )
     deterministic: bool = Field(
         default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"

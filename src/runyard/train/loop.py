@@ -3,7 +3,8 @@
 Each optimizer step: set the learning rate, take `grad_accum` micro-batches from the stage's objective
 (train/stage_kinds.py: pretrain, sft or dpo), sum each one's loss and divide by the step's global count
 (tokens, supervised tokens or pairs over every micro-batch and process, so accumulation and several
-processes equal one large batch), clip, AdamW step, log. Held-out evaluation (on a sample fixed for the
+processes equal one large batch), clip, check the loss and gradient norm are finite (train/nonfinite.py:
+stop before the optimizer step, or skip it), AdamW step, log. Held-out evaluation (on a sample fixed for the
 run) and checkpoints happen at their intervals. A stop request (SIGTERM/SIGINT) writes a checkpoint at the
 next step boundary and raises `Preempted`. A LoRA stage (train/lora.py) trains and checkpoints its
 adapters alone; its result is the merged model.
@@ -37,18 +38,22 @@ from runyard.model.registry import get_family
 from runyard.plan.weights_in import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
-from runyard.train import batches, checkpoint, finetune_eval, parallel
+from runyard.train import batches, checkpoint, finetune_eval, layout, parallel, tensor_parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
+from runyard.train.nonfinite import NonFiniteGuard, device_assert_as_nonfinite
 from runyard.train.progress import StepProgress
 from runyard.train.recovery import RecoveryTracker
 from runyard.train.rng import seed_everything
 from runyard.train.schedule import lr_at
 from runyard.train.signals import StopRequest
 from runyard.train.stage_kinds import PretrainObjective, dpo_reference, instruct_objective
+from runyard.train.step_log import PendingSteps
 
 log = logging.getLogger(__name__)
+
+DEVICE_LOG_INTERVAL = 10  # steps between readbacks on a GPU when train.log_interval is null
 
 
 @dataclass
@@ -122,12 +127,11 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         reference = dpo_reference(model, uses_lora=stage.lora is not None)
     adapters = None
     if stage.lora is not None:
-        if ctx.distributed and spec.resources.parallel == "fsdp":
+        shape = parallel.layout_of(spec.resources.parallel, ctx.world_size)
+        if ctx.distributed and (shape.dp_shard > 1 or shape.tp > 1):
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
-    module = parallel.wrap_model(model, ctx, spec.resources, shard_units=family.shard_units(model))
-    if spec.resources.compile and ctx.device.type == "cuda":
-        module = torch.compile(module)
+    module = layout.lay_out(model, family, ctx, spec.resources, stage.train)  # recompute, compile, wrap
     o = stage.optim
     if adapters is not None:
         groups = [{"name": "lora", "params": list(adapters.parameters()), "weight_decay": o.weight_decay}]
@@ -139,7 +143,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         # Text: windows of the spec's training length (a model from weights may attend further,
         # config.context_length); images: pixel batches. Held out: drawn across the whole held-out split,
         # the same sample at every evaluation and after a resume.
-        loader = batches.train_loader(prepared, stage.model, stage.train.batch_size, data_seed, ctx)
+        loader = batches.train_loader(prepared, stage.model, stage.train.batch_size, data_seed, ctx.data)
         heldout = batches.heldout_sample(prepared, stage.model, stage.train.batch_size,
                                          spec.eval.batches * stage.train.batch_size,
                                          evaluation_seeds(spec.seed)["eval.heldout"])
@@ -147,6 +151,9 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     else:
         if instruct is None:
             raise RunyardError(f"stage {stage.name} ({stage.kind}) has no prepared instruction data")
+        if ctx.tp > 1:
+            raise parallel.LayoutError(f"stage {stage.name} ({stage.kind}): tensor parallel trains pretrain stages "
+                                       "only for now; set resources.parallel: ddp or fsdp")
         objective = instruct_objective(
             stage.kind, instruct, stage.train.batch_size, spec.eval.batches * stage.train.batch_size, data_seed,
             derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
@@ -195,6 +202,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     family = get_family(stage.model.family)
     # Built the same way on a fresh start and a resume (its init weights loaded either way); a resume
     # then restores its checkpoint over them.
+    ctx = parallel.with_layout(ctx, spec.resources)  # its tensor-parallel degree; ctx.data reads the data
     setup = build_setup(spec, stage, prepared, ctx, run_dir=stage_dir.parent.parent, instruct=instruct)
     objective = setup.objective
     device, precision = ctx.device, spec.resources.precision
@@ -218,6 +226,10 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     if restored is not None and restored.values.get("lora_base_sha256") != base_hash:
         raise LoRAError(f"stage {stage.name}: the checkpoint's adapters were trained on a base with sha256 "
                         f"{restored.values.get('lora_base_sha256')}, this stage's base is {base_hash}")
+    if restored is not None and int(restored.values.get("tp") or 1) != ctx.tp:
+        raise parallel.LayoutError(f"stage {stage.name}: the checkpoint {restored.ref.path} was written with tensor "
+                                   f"parallel {restored.values.get('tp') or 1}, this job lays out tp {ctx.tp}; "
+                                   "resuming across tensor-parallel layouts is not yet supported")
     recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
     if restored is not None:
         saved = restored.values
@@ -236,7 +248,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     seen_key = f"{unit}s"
     tokens_seen = next((r[seen_key] for r in reversed(metrics.read()) if seen_key in r), 0) if ctx.is_main and step else 0
     # Resumed onto another world size, accumulation keeps the checkpoint's global batch when it divides.
-    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx,
+    grad_accum = parallel.grad_accum_for(train_cfg.grad_accum, train_cfg.batch_size, ctx.data,
                                          restored.values if restored else None)
     flops_per_token = family.sizing(setup.config).flops_per_unit
     peak = device_peak_flops(device)
@@ -245,6 +257,11 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     throughput: list[float] = []
     last_path = restored.ref.path if restored else None
     retention_keep_best = spec.checkpoint.keep_best
+    guard = NonFiniteGuard(stage.name, train_cfg.nonfinite, train_cfg.nonfinite_budget,
+                           int(restored.values.get("nonfinite_skipped") or 0) if restored else 0)
+
+    tp_fused_rows = ({k: list(v) for k, v in family.tensor_parallel_plan(setup.model, ctx.tp).fused_rows.items()}
+                     if ctx.tp > 1 else None)
 
     def checkpoint_now(at_step: int) -> Path:
         nonlocal last_path
@@ -253,84 +270,122 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "best_heldout_loss": None if math.isinf(best_loss) else best_loss,
             "best_step": best_step,
             "last_heldout_loss": last_heldout,
-            "world_size": ctx.world_size,
+            "world_size": ctx.data.world_size,  # the processes that read data: the global batch's factor
+            "tp": ctx.tp,
+            "tp_fused_rows": tp_fused_rows,  # whole-weight readers restore the model's row order (checkpoint/reader.py)
             "grad_accum": grad_accum,
             "kind": stage.kind,
             "lora_base_sha256": base_hash,
+            "nonfinite_skipped": guard.skipped,
         }
         retention = checkpoint.Retention(spec.checkpoint.keep_last, best_step if retention_keep_best else None)
         last_path = checkpoint.save(setup.state, ckpt_dir, at_step, values, ctx, retention=retention,
                                     wait=at_step >= total_steps or stop.requested)
         return last_path
 
+    # Nothing in a step reads a tensor back to the host: its figures wait on the device (train/step_log.py)
+    # until the log interval, an evaluation, a checkpoint or the last step; then one all-reduce (which also
+    # carries the stop agreement) and one readback turn them into a metrics row per step.
+    log_every = train_cfg.log_interval or (DEVICE_LOG_INTERVAL if device.type == "cuda" else 1)
+    pending = PendingSteps(device)
+
+    def log_pending() -> bool:
+        """Write the pending steps' rows (and the held-out evaluation at an evaluation step); whether any
+        rank has been asked to stop."""
+        nonlocal tokens_seen, last_heldout, best_loss, best_step
+        with device_assert_as_nonfinite(stage.name, pending.first_step, step):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the interval's time includes its queued work
+        dt = time.perf_counter() - interval_start
+        with device_assert_as_nonfinite(stage.name, pending.first_step, step):
+            logged, any_stop = pending.read_back(ctx, stop.requested)
+        tok_s = sum(s.tokens for s in logged) / dt if dt > 0 else math.inf
+        rows = []
+        for s in logged:
+            tokens_seen += int(s.tokens)
+            row = {"step": s.step, "loss": s.loss, "lr": s.lr, "grad_norm": s.grad_norm, f"{unit}s_per_s": tok_s,
+                   f"{unit}s": tokens_seen, "time": s.time, **objective.step_metrics(s.stats)}
+            if train_cfg.nonfinite == "skip_step":
+                row["nonfinite_skipped"] = s.skipped
+                if not s.stepped:  # not a loss the model trained on: kept out of the curve and the gates
+                    row["skipped_loss"] = repr(row.pop("loss"))
+            step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
+            if step_mfu is not None:
+                row["mfu"] = step_mfu
+            throughput.append(tok_s)
+            if s.stepped:
+                losses.append(s.loss)
+            rows.append(row)
+        last = rows[-1]
+        if last["step"] % spec.eval.interval == 0 or last["step"] == total_steps:
+            evaluation = objective.evaluate(setup.module, device, autocast, heldout_loss_of)
+            last_heldout = parallel.all_reduce_mean(evaluation["heldout_loss"], ctx)
+            last.update(evaluation, heldout_loss=last_heldout)
+            if last_heldout < best_loss:
+                best_loss, best_step = last_heldout, last["step"]
+        if ctx.is_main:
+            for row in rows:
+                metrics.write(row)
+            recovery.after_step(rows[0]["step"])
+        bar.update(last["step"], loss=logged[-1].loss, tok_s=tok_s, heldout=last_heldout)
+        if not ctx.distributed:
+            return stop.requested
+        if any_stop and not stop.requested:
+            stop.request("a signal on another rank")
+        return any_stop
+
     setup.module.train()
     with StepProgress(f"stage {stage.name}", total_steps, start=step, enabled=show_progress and ctx.is_main) as bar:
+        interval_start = time.perf_counter()
         while step < total_steps:
-            t0 = time.perf_counter()
             lr = lr_at(step, stage.optim.lr, stage.schedule, total_steps)
             for group in setup.optimizer.param_groups:
                 group["lr"] = lr
             step_loss = torch.zeros((), device=device)
             micro_batches = [objective.next_batch() for _ in range(grad_accum)]
             # The step's loss is normalised by its global count (tokens, supervised tokens or pairs over
-            # every micro-batch and process). Each rank scales its sum by world_size / count; DDP's mean
-            # over ranks then gives the gradient of the whole global batch.
-            count, tokens_per_step = objective.global_counts(micro_batches, ctx)
-            loss_scale = ctx.world_size / count
+            # every micro-batch and process; a host number, or a tensor summed on the device). Each rank
+            # scales its sum by world_size / count; DDP's mean over ranks then gives the gradient of the
+            # whole global batch.
+            count, tokens_per_step = objective.global_counts(micro_batches, ctx.data)
+            loss_scale = ctx.data.world_size / count
+            if isinstance(loss_scale, torch.Tensor):  # computed in float64, applied as a Python scale would be
+                loss_scale = loss_scale.float()
             for micro, batch in enumerate(micro_batches):
                 with parallel.grad_sync(setup.module, ctx, micro == grad_accum - 1):
                     loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
                     loss.backward()
                 step_loss += loss.detach()
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip else math.inf)
-            setup.optimizer.step()
+            grad_norm = parallel.plain_tensor(parallel.clip_grad_norm(params, clip if clip else math.inf))
+            stepped = guard.should_step(step + 1, step_loss, grad_norm, ctx)  # before the optimizer step
+            if stepped:
+                setup.optimizer.step()
             setup.optimizer.zero_grad(set_to_none=True)
             step += 1
+            pending.add(step, lr, step_loss, grad_norm, tokens_per_step, objective.step_stats(device), stepped,
+                        guard.skipped, time.time())
 
-            loss_value = parallel.all_reduce_mean(step_loss.item(), ctx)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            tok_s = tokens_per_step / dt
-            throughput.append(tok_s)
-            tokens_seen += int(tokens_per_step)
-            row = {
-                "step": step,
-                "loss": loss_value,
-                "lr": lr,
-                "grad_norm": float(grad_norm),
-                f"{unit}s_per_s": tok_s,
-                f"{unit}s": tokens_seen,
-                "time": time.time(),
-                **objective.step_metrics(ctx),
-            }
-            step_mfu = mfu(flops_per_token, tok_s, peak, ctx.world_size)
-            if step_mfu is not None:
-                row["mfu"] = step_mfu
-            if step % spec.eval.interval == 0 or step == total_steps:
-                evaluation = objective.evaluate(setup.module, device, autocast, heldout_loss_of)
-                last_heldout = parallel.all_reduce_mean(evaluation["heldout_loss"], ctx)
-                row.update(evaluation, heldout_loss=last_heldout)
-                if last_heldout < best_loss:
-                    best_loss, best_step = last_heldout, step
-            losses.append(loss_value)
-            if ctx.is_main:
-                metrics.write(row)
-                recovery.after_step(step)
-            bar.update(step, loss=loss_value, tok_s=tok_s, heldout=last_heldout)
-
-            if parallel.agree_stop(stop, ctx):
+            evaluates = step % spec.eval.interval == 0 or step == total_steps
+            checkpoints = step % spec.checkpoint.interval == 0 or step == total_steps
+            if not (step % log_every == 0 or evaluates or checkpoints):
+                continue
+            if log_pending():  # a stop request on any rank, agreed in the log's reduction
                 path = checkpoint_now(step)
                 raise Preempted(
                     f"stage {stage.name} stopped by {stop.signal_name} at step {step}; checkpoint {path}. "
                     f"Continue with `runyard resume {stage_dir.parent.parent}`."
                 )
-            if step % spec.checkpoint.interval == 0 or step == total_steps:
+            if checkpoints:
                 checkpoint_now(step)
+            interval_start = time.perf_counter()  # evaluation and checkpoint time are not the steps'
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput
-    model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
+    if ctx.tp > 1:
+        model = tensor_parallel.consolidated_model(setup.model, family.tensor_parallel_plan(setup.model, ctx.tp),
+                                                   lambda: family.build(setup.config), ctx)
+    else:
+        model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
     if setup.adapters is not None:
         model = merged_model(family, setup.config, setup.model, device)
     if instruct is not None and ctx.is_main:

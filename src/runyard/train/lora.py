@@ -30,6 +30,10 @@ from torch import nn
 from runyard.errors import RunyardError
 from runyard.spec.finetune import LoRASpec
 
+# Adapters (and so their AdamW state) are fp32 whatever the base's dtype: a bf16 base trains fp32 adapters
+# (bf16's 8-bit mantissa would round away B's small early updates); autocast still runs their matmuls in bf16.
+ADAPTER_DTYPE = torch.float32
+
 
 class LoRAError(RunyardError):
     """LoRA cannot be applied as asked (an unknown target, a family without projections, FSDP)."""
@@ -95,7 +99,8 @@ class LoRAModule(nn.Module):
 def _add_delta(module: nn.Linear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> torch.Tensor:
     if not module.lora.enabled:
         return output
-    return output + module.lora.delta(inputs[0]).to(output.dtype)
+    lora = module.lora
+    return output + lora.delta(inputs[0].to(lora.b[lora.slices[0][0]].dtype)).to(output.dtype)
 
 
 class AdapterSet(nn.Module):
@@ -141,7 +146,7 @@ def apply_lora(model: nn.Module, spec: LoRASpec, seed: int) -> AdapterSet:
     for path in sorted(by_linear, key=lambda p: [int(x) if x.isdigit() else x for x in p.split(".")]):
         linear = model.get_submodule(path)
         lora = LoRAModule(linear.in_features, linear.out_features, by_linear[path], spec.rank, spec.alpha,
-                          spec.dropout, generator).to(device=linear.weight.device, dtype=linear.weight.dtype)
+                          spec.dropout, generator).to(device=linear.weight.device, dtype=ADAPTER_DTYPE)
         linear.add_module("lora", lora)
         linear.register_forward_hook(_add_delta)
         modules[path] = lora

@@ -12,6 +12,7 @@ The model never knows it is parallelised: `wrap_model` applies DDP or FSDP2 from
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 from collections.abc import Callable, Sequence
@@ -23,8 +24,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from runyard.errors import RunyardError
 from runyard.model.compute import resolve_device
 from runyard.spec.seeds import derive_seed
 
@@ -44,6 +47,7 @@ class DistContext:
     # A second gloo group for checkpoint traffic, so an async save's collectives (run from a background
     # thread) never interleave with the training loop's on the default group.
     ckpt_group: Any = None
+    tp: int = 1  # tensor-parallel degree: consecutive ranks form one tensor-parallel group
 
     @property
     def is_main(self) -> bool:
@@ -52,6 +56,51 @@ class DistContext:
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def data(self) -> DistContext:
+        """The data-parallel view: the rank and world size that read data and normalise the loss. Under
+        tensor parallelism every rank of a group reads the same batch (so pure tp is one data rank)."""
+        if self.tp == 1:
+            return self
+        return dataclasses.replace(self, rank=self.rank // self.tp, world_size=self.world_size // self.tp,
+                                   ckpt_group=None, tp=1)
+
+
+class LayoutError(RunyardError):
+    """`resources.parallel` asks for a layout that this world size or this runyard cannot lay out."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+
+def layout_of(setting: Any, world_size: int) -> Layout:
+    """`resources.parallel` as mesh sizes: `ddp` replicates over every process, `fsdp` shards over them,
+    a `{dp_replicate, dp_shard, tp}` layout must multiply to the world size."""
+    if setting == "ddp" or setting is None:
+        return Layout(world_size, 1, 1)
+    if setting == "fsdp":
+        return Layout(1, world_size, 1)
+    layout = Layout(setting.dp_replicate, setting.dp_shard, setting.tp)
+    if layout.dp_replicate * layout.dp_shard * layout.tp != world_size:
+        raise LayoutError(f"resources.parallel {layout.dp_replicate} x {layout.dp_shard} x {layout.tp} "
+                          f"(dp_replicate x dp_shard x tp) does not equal the {world_size} processes")
+    if layout.tp > 1 and layout.tp != world_size:
+        raise LayoutError(f"resources.parallel: tensor parallel (tp {layout.tp}) is not yet combined with data "
+                          f"parallelism; use tp equal to the processes ({world_size}) or ddp/fsdp")
+    if layout.dp_replicate > 1 and layout.dp_shard > 1:
+        raise LayoutError("resources.parallel: replicas of FSDP shards (HSDP) are not yet laid out; use ddp or fsdp")
+    return layout
+
+
+def with_layout(ctx: DistContext, resources) -> DistContext:
+    """`ctx` knowing its tensor-parallel degree (from `resources.parallel`)."""
+    layout = layout_of(getattr(resources, "parallel", "ddp"), ctx.world_size)
+    return ctx if layout.tp == ctx.tp else dataclasses.replace(ctx, tp=layout.tp)
 
 
 def _attempt_store(rank: int, world_size: int) -> dict:
@@ -118,6 +167,25 @@ def all_reduce_sum(values: list[float], ctx: DistContext) -> list[float]:
     return [float(v) for v in t.tolist()]
 
 
+def device_values(values: Sequence[float], ctx: DistContext) -> torch.Tensor:
+    """`values` as a float64 vector where this rank's collectives run (the GPU, or the CPU under gloo)."""
+    dev = ctx.device if ctx.device.type == "cuda" else torch.device("cpu")
+    return torch.tensor(list(values), dtype=torch.float64).to(dev, non_blocking=True)
+
+
+def all_reduce_sum_tensor(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
+    """`t` summed over all ranks, in place, without reading it back: under nccl the host queues the
+    reduction and goes on."""
+    if ctx.distributed:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def plain_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor (FSDP2's gradient norm, replicated on every rank) as the plain tensor it holds."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def all_reduce_max(value: float, ctx: DistContext) -> float:
     if not ctx.distributed:
         return value
@@ -175,9 +243,11 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, resources,
     """
     if not ctx.distributed:
         return model
-    parallel = getattr(resources, "parallel", "ddp")
+    layout = layout_of(getattr(resources, "parallel", "ddp"), ctx.world_size)
+    if layout.tp > 1:  # tensor parallel over every process (train/tensor_parallel.py): no data parallelism
+        return model
     seed_rank_stream(ctx)
-    if parallel == "fsdp":
+    if layout.dp_shard > 1:
         kwargs: dict[str, Any] = {}
         if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
             kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -187,6 +257,21 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, resources,
         return model
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """`torch.nn.utils.clip_grad_norm_`, also over a mix of DTensor (tensor-parallel shards) and plain
+    (replicated) gradients, which torch's own refuses: each DTensor's norm is reduced over its mesh. The
+    total stays on the device."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not any(isinstance(g, DTensor) for g in grads) or all(isinstance(g, DTensor) for g in grads):
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [torch.linalg.vector_norm(g) for g in grads]
+    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for g in grads:
+        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+    return total
 
 
 def is_fsdp(module: torch.nn.Module) -> bool:

@@ -6,7 +6,12 @@ normalised by, the summed loss of a micro-batch, and the held-out evaluation.
 Normalisation: the loop sums each micro-batch's loss and divides by the global count of the step (tokens
 for pretrain, supervised tokens for sft, pairs for dpo) over every micro-batch and process, so
 accumulation and several processes give the gradient of one large batch. Pretrain and dpo know that
-count in advance; sft sums it over the ranks (one small all-reduce per step).
+count in advance; sft sums it over the ranks as a tensor on the device (one small all-reduce per step
+that the host never waits for).
+
+Nothing here reads a tensor back to the host: a step's statistics (`step_stats`, a float64 vector on the
+device) are summed over the ranks and read back by the loop only when it logs, which turns them into the
+row's metrics (`step_metrics`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from runyard.train.lora import adapters_disabled
 from runyard.train.objectives import dpo_loss, sequence_logprobs
 
 Autocast = Callable[[], AbstractContextManager]
+NO_SUPERVISED = "a step's global batch holds no supervised token (the data stage drops such samples)"
 
 
 class PretrainObjective:
@@ -54,7 +60,12 @@ class PretrainObjective:
             logits = module(x)
         return token_loss_sum(logits, y)
 
-    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
+    def step_stats(self, device: torch.device) -> torch.Tensor:
+        """This rank's statistics of the step just taken (summed over ranks when logged); resets them."""
+        return torch.zeros(0, dtype=torch.float64, device=device)
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        """A logged step's metrics from its `step_stats` summed over the ranks."""
         return {}
 
     def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
@@ -75,12 +86,17 @@ class SFTObjective:
     def next_batch(self) -> Batch:
         return self.loader.next_batch()
 
-    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext) -> tuple[float, float]:
-        supervised, tokens = parallel.all_reduce_sum(
-            [float(sum(b.supervised for b in batches)), float(sum(b.real_tokens for b in batches))], ctx)
-        if supervised == 0:
-            raise RuntimeError("a step's global batch holds no supervised token (the data stage drops such samples)")
-        return supervised, tokens
+    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext):
+        """(supervised tokens, input tokens) of the step over every process: host numbers in one process,
+        device tensors summed over the ranks in several (the loss scale then stays on the device)."""
+        local = [float(sum(b.supervised for b in batches)), float(sum(b.real_tokens for b in batches))]
+        if not ctx.distributed:
+            if local[0] == 0:
+                raise RuntimeError(NO_SUPERVISED)
+            return local[0], local[1]
+        counts = parallel.all_reduce_sum_tensor(parallel.device_values(local, ctx), ctx)
+        torch._assert_async(counts[0] > 0, NO_SUPERVISED)
+        return counts[0], counts[1]
 
     def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
         self._padding += batch.inputs.numel() - batch.real_tokens
@@ -89,9 +105,13 @@ class SFTObjective:
             logits = module(batch.inputs.to(device, non_blocking=True))
         return token_loss_sum(logits, batch.labels.to(device, non_blocking=True))
 
-    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
-        padding, positions = parallel.all_reduce_sum([self._padding, self._positions], ctx)
+    def step_stats(self, device: torch.device) -> torch.Tensor:
+        stats = torch.tensor([self._padding, self._positions], dtype=torch.float64).to(device, non_blocking=True)
         self._padding = self._positions = 0.0
+        return stats
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        padding, positions = sums
         return {"padding_fraction": padding / max(positions, 1.0)}
 
     def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
@@ -109,13 +129,15 @@ class DPOObjective:
     def __init__(self, loader: SampleLoader, heldout: list[Batch], beta: float, reference: Callable):
         self.loader, self.heldout, self.beta, self.reference = loader, heldout, beta, reference
         self._heldout_reference: list | None = None
-        self._stats = [0.0, 0.0, 0.0]  # pairs, pairs ranked right, summed margin
+        self._stats: list = [0.0, 0.0, 0.0]  # pairs, pairs ranked right, summed margin (the last two on the device)
 
     def next_batch(self) -> Batch:
         return self.loader.next_batch()
 
-    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext) -> tuple[float, float]:
-        tokens = parallel.all_reduce_sum([float(sum(b.real_tokens for b in batches))], ctx)[0]
+    def global_counts(self, batches: list[Batch], ctx: parallel.DistContext):
+        tokens: Any = float(sum(b.real_tokens for b in batches))
+        if ctx.distributed:  # for throughput only: summed on the device, read when logged
+            tokens = parallel.all_reduce_sum_tensor(parallel.device_values([tokens], ctx), ctx)[0]
         return float(sum(b.pairs for b in batches) * ctx.world_size), tokens  # each rank reads as many
 
     def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
@@ -124,14 +146,19 @@ class DPOObjective:
             logits = module(batch.inputs.to(device, non_blocking=True))
         logps = sequence_logprobs(logits, batch.labels.to(device, non_blocking=True))
         terms = dpo_loss(logps[: batch.pairs], logps[batch.pairs :], ref_c, ref_r, self.beta)
+        margins = terms.margins.detach()
         self._stats[0] += batch.pairs
-        self._stats[1] += float((terms.margins > 0).sum())
-        self._stats[2] += float(terms.margins.sum())
+        self._stats[1] = (margins > 0).sum().double() + self._stats[1]
+        self._stats[2] = margins.sum().double() + self._stats[2]
         return terms.losses.sum()
 
-    def step_metrics(self, ctx: parallel.DistContext) -> dict[str, float]:
-        pairs, right, margin = parallel.all_reduce_sum(self._stats, ctx)
+    def step_stats(self, device: torch.device) -> torch.Tensor:
+        stats = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in self._stats])
         self._stats = [0.0, 0.0, 0.0]
+        return stats
+
+    def step_metrics(self, sums: list[float]) -> dict[str, float]:
+        pairs, right, margin = sums
         return {"reward_accuracy": right / max(pairs, 1.0), "reward_margin": margin / max(pairs, 1.0)}
 
     def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,

@@ -9,6 +9,7 @@ import torch
 
 from runyard.errors import CheckpointCorrupt
 from runyard.train.checkpoint import plain, sharded, store
+from runyard.train.tensor_parallel import rank_major_rows
 
 
 def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -19,7 +20,20 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tup
     parts = plain.read_parts(path, manifest, map_location)
     if "model" not in parts and sharded.is_sharded(path):
         parts["model"] = sharded.read_model(path, map_location)
-    return parts, store.read_state_json(path)
+    values = store.read_state_json(path)
+    if "model" in parts and values.get("tp_fused_rows"):
+        parts["model"] = model_order(parts["model"], values["tp_fused_rows"], int(values["tp"]))
+    return parts, values
+
+
+def model_order(weights: dict[str, torch.Tensor], fused_rows: dict[str, list[int]], tp: int) -> dict[str, torch.Tensor]:
+    """A tensor-parallel checkpoint holds fused projections' rows rank by rank (train/tensor_parallel.py);
+    whoever reads whole weights gets the model's own order."""
+    out = dict(weights)
+    for name, parts in fused_rows.items():
+        if name in out:
+            out[name] = out[name][torch.argsort(rank_major_rows(tuple(parts), tp))]
+    return out
 
 
 def read_model_weights(path: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
