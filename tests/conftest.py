@@ -51,6 +51,14 @@ def pytest_configure(config):
     if config.getoption("runyard_all", False):
         os.environ["RUNYARD_TEST_TIER"] = "full"
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    try:  # the default for a @given test that names no count (tests with their own use tiers.examples)
+        from hypothesis import settings
+
+        settings.register_profile("runyard-fast", max_examples=25)
+        settings.register_profile("runyard-full", max_examples=100)
+        settings.load_profile("runyard-full" if tiers.full_tier() else "runyard-fast")
+    except ImportError:
+        pass
     if "RUNYARD_CACHE_DIR" not in os.environ:
         os.environ["RUNYARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="runyard-test-cache-")
     if "RUNYARD_ENV_CACHE" not in os.environ:  # environment locks' archive memo, rebuilt venvs
