@@ -9,8 +9,8 @@ and a dataset prepared by one worker is reused by the other. Temporary directori
 tmp_path_factory) are per worker, as xdist makes them.
 
 Tiers (tests/tiers.py): the fast tier is the default; tests marked `full` (the rest of a matrix whose
-first instance stays fast) are deselected unless `--all` is given, RUNYARD_TEST_TIER=full is set, or a
--m expression names `full`. The full tier also runs hypothesis at its full example counts."""
+first instance stays fast) are deselected unless `--all` is given, RUNYARD_TEST_TIER=full is set, a
+-m expression names `full`, or the test is named by its id on the command line. The full tier also runs hypothesis at its full example counts."""
 
 from __future__ import annotations
 
@@ -71,6 +71,27 @@ def pytest_configure(config):
         pass
 
 
+def _named_tests(config) -> list[str]:
+    """The test ids named on the command line (`path::test[...]`), as pytest's node ids: they run whatever
+    their tier."""
+    named = []
+    for arg in config.args:
+        path, sep, rest = arg.partition("::")
+        if not sep:
+            continue
+        try:
+            relative = (config.invocation_params.dir / path).resolve().relative_to(config.rootpath)
+        except ValueError:
+            continue
+        named.append(f"{relative.as_posix()}::{rest}")
+    return named
+
+
+def _param_values(item) -> list[str]:
+    callspec = getattr(item, "callspec", None)
+    return [v for v in callspec.params.values() if isinstance(v, str)] if callspec else []
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     # Tests that share one daemon or database run on one xdist worker (serially, as before xdist), unless
@@ -81,13 +102,15 @@ def pytest_collection_modifyitems(config, items):
             continue
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))  # one Slurm cluster, its queue and nodes
-        elif getattr(item, "callspec", None) and item.callspec.params.get("backend") == "postgres":
+        elif "postgres" in _param_values(item):  # a `backend` or `market_url` case on PostgreSQL
             item.add_marker(pytest.mark.xdist_group("postgres"))  # one PostgreSQL server
     if tiers.full_tier() or "full" in (config.getoption("markexpr", "") or ""):
         return
+    named = _named_tests(config)
     keep, full = [], []
     for item in items:
-        (full if item.get_closest_marker("full") else keep).append(item)
+        left_out = item.get_closest_marker("full") and not any(item.nodeid.startswith(n) for n in named)
+        (full if left_out else keep).append(item)
     if full:
         config.hook.pytest_deselected(items=full)
         items[:] = keep
