@@ -9,8 +9,9 @@ and a dataset prepared by one worker is reused by the other. Temporary directori
 tmp_path_factory) are per worker, as xdist makes them.
 
 Tiers (tests/tiers.py): the fast tier is the default; tests marked `full` (the rest of a matrix whose
-first instance stays fast) are deselected unless `--all` is given, RUNYARD_TEST_TIER=full is set, a
--m expression names `full`, or the test is named by its id on the command line. The full tier also runs hypothesis at its full example counts."""
+first instance stays fast) are deselected unless `--all` is given, RUNYARD_TEST_TIER=full is set, a -m
+expression names `full`, or the test is named by its id on the command line. The full tier also runs
+hypothesis at its full example counts."""
 
 from __future__ import annotations
 

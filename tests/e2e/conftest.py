@@ -110,7 +110,7 @@ def reference_run(tmp_path_factory) -> ReferenceRun:
         spec = root / "spec.yaml"
         spec.write_text(yaml.safe_dump(merge(TINY_SPEC, {**REFERENCE_PATCH,
                                                          "data": {"sources": [{"path": f"{corpus}/*.txt"}],
-                                                                  # it holds ~440 merges' worth of text
+                                                                  # its text supports ~440 tokens
                                                                   "tokenizer": {"vocab_size": 384}}})))
         proc = runyard("run", str(spec), "--run-dir", str(root / "run"), "--no-progress", check=True)
         (root / "stdout.txt").write_text(proc.stdout)
