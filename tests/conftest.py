@@ -5,7 +5,8 @@ fixture, so module-scoped fixtures and the subprocesses they start use them too)
 Under pytest-xdist (scripts/test.sh runs `-n auto --dist loadgroup`) the controller sets the caches
 before it starts its workers, so every worker shares them: the data cache takes a lock per dataset (one
 preparer at a time, the others wait and reuse it, as several ranks or Slurm tasks do), so sharing is safe
-and a dataset prepared by one worker is reused by the other. Temporary directories (tmp_path,
+and a dataset prepared by one worker is reused by the other; the environment cache's archive memo is
+written atomically (an entry lost to a concurrent writer is hashed again). Temporary directories (tmp_path,
 tmp_path_factory) are per worker, as xdist makes them.
 
 Tiers (tests/tiers.py): the fast tier is the default; tests marked `full` (the rest of a matrix whose
