@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from runyard.control.scheduler import Preempt, Reject, SchedulerConfig, Start, plan
 from runyard.control.states import JobState
 from runyard.control.store import Job
+from tests.tiers import examples
 
 _ids = itertools.count(1)
 
@@ -112,7 +113,7 @@ jobs_st = st.lists(st.tuples(st.integers(1, 4), st.integers(0, 3), st.sampled_fr
                    min_size=1, max_size=12)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200, fast=40), deadline=None)
 @given(pending=jobs_st, held=st.lists(st.tuples(st.integers(1, 3), st.integers(0, 3), st.sampled_from([None, 20.0])),
                                       max_size=3), backfill=st.booleans())
 def test_no_lower_priority_job_starts_while_a_higher_one_that_fits_waits(pending, held, backfill):
@@ -240,7 +241,7 @@ def _scenario(held, waiting, capacity):
     return holders, jobs, n
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400, fast=60), deadline=None)
 @given(held=st.lists(holder_st, max_size=3), waiting=st.lists(waiting_st, min_size=1, max_size=8),
        capacity=st.integers(2, 8), cap=st.sampled_from([None, None, 2, 3]),
        quota=st.sampled_from([None, 2, 4]), backfill=st.booleans())
@@ -290,7 +291,7 @@ def test_plan_starts_exactly_the_jobs_that_delay_no_higher_priority_reservation(
                 _grid_take(used, slots, at, length, job.devices)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400, fast=60), deadline=None)
 @given(held=st.lists(holder_st, max_size=3), waiting=st.lists(waiting_st, min_size=1, max_size=8),
        capacity=st.integers(2, 8), cap=st.sampled_from([None, 2, 3]))
 def test_the_head_of_the_queue_is_never_delayed(held, waiting, capacity, cap):

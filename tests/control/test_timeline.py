@@ -8,6 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runyard.control.timeline import FreeTimeline
+from tests.tiers import examples
 
 UNITS = 600  # beyond every event (at most 16 reservations of 33 units after 30): from there on, nothing changes
 
@@ -48,7 +49,7 @@ ops = st.lists(st.tuples(st.sampled_from(["reserve", "reserve", "start", "give"]
                          st.sampled_from([None, 1, 2, 3, 5, 7, 9, 17, 33])), min_size=1, max_size=16)
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=examples(400, fast=60), deadline=None)
 @given(devices=st.integers(0, 4), cap=st.sampled_from([None, 1, 3]),
        returns=st.lists(st.tuples(st.sampled_from([None, 0, 1, 4, 9, 30]), st.integers(1, 3)), max_size=4),
        steps=ops)

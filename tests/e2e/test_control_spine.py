@@ -18,11 +18,10 @@ import yaml
 from runyard.control.client import ControlClient
 from runyard.train import checkpoint as ckpt
 
+from .conftest import REFERENCE_STEPS as STEPS
 from .conftest import TINY_SPEC, merge, runyard
 
 pytestmark = pytest.mark.slow
-STEPS = 40
-PATCH = {"train": {"steps": STEPS}, "checkpoint": {"interval": 5}}
 
 
 def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -49,12 +48,9 @@ def control(tmp_path):
     proc.wait(20)
 
 
-def test_preempted_run_resumes_to_the_same_weights(tmp_path, control):
+def test_preempted_run_resumes_to_the_same_weights(tmp_path, control, reference_run):
     state, client = control
-    spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(merge(TINY_SPEC, PATCH)))
-    reference = tmp_path / "reference"
-    runyard("run", str(spec), "--run-dir", str(reference), "--no-progress", check=True)
+    spec, reference = reference_run.spec, reference_run.run_dir  # the session's run, never preempted
 
     run_dir = tmp_path / "preempted"
     out = runyard("submit", str(spec), "--state-dir", str(state), "--run-dir", str(run_dir), "--priority", "0",

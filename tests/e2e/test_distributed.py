@@ -28,7 +28,8 @@ from runyard.train import checkpoint as ckpt
 
 from .conftest import TINY_SPEC, merge, runyard
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its tests compare against one uninterrupted run (a module fixture).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e_distributed")]
 
 STEPS = 20
 # Global batch 24 sequences: batch 2 x 12 micro-batches on 1 process, x 6 on 2, x 4 on 3 (resumes keep it).
@@ -109,7 +110,7 @@ def one_process(tmp_path_factory):
     return spec, tmp / "run"
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+@pytest.mark.parametrize("parallel", ["ddp", pytest.param("fsdp", marks=pytest.mark.full)])  # fsdp also below
 def test_two_processes_match_one_process_at_every_step(one_process, tmp_path, parallel):
     _spec, ref_dir = one_process
     # Same global batch: 2 ranks x 6 micro-batches of 2 (accumulation exercises no_sync / no reduce).

@@ -21,7 +21,7 @@ from tests.model.hf_models import hf_model, save_hf_model
 
 from .conftest import TINY_SPEC, merge, runyard
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e_finetune_from_hf")]  # one run (module fixture)
 
 # ChatML-like, ending each assistant turn with the tokenizer's eos_token (`</s>`), as many models' do.
 TEMPLATE = (

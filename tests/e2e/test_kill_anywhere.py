@@ -35,7 +35,11 @@ from runyard.train import checkpoint as ckpt
 from .conftest import TINY_SPEC, merge, runyard
 from .faults import ProcessTree, children, fault_rng, finish, wait_until
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its tests compare against the module's reference runs. The fast tier keeps one
+# instance of each property (a kill in the data stage, one in training, one under the control plane, the
+# damaged checkpoint, the gates, one writer, the recovery record); the full tier adds the whole tree killed
+# in the data stage and the two-process runs (torchrun killed alone, the launcher, the tree).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e_kill_anywhere")]
 
 STEPS = 24
 PATCH = {
@@ -200,7 +204,7 @@ def test_a_kill_before_the_first_checkpoint_is_recorded_and_resumes_bitwise(refe
 
 
 # -- the fault-injection suite: random moments, main process alone or the whole tree ----------------------
-@pytest.mark.parametrize("victim", ["main", "tree"])
+@pytest.mark.parametrize("victim", ["main", pytest.param("tree", marks=pytest.mark.full)])
 def test_killed_in_prepare_then_rerun_is_bitwise_identical(spec, reference, tmp_path, tree, victim):
     rng = fault_rng(f"prepare-{victim}")
     run_dir = tmp_path / "run"
@@ -255,6 +259,7 @@ def test_one_process_killed_in_training_again_and_again_ends_bitwise_identical(s
     assert_same_run(run_dir, reference)
 
 
+@pytest.mark.full
 def test_two_processes_killed_in_training_again_and_again_end_bitwise_identical(spec_two, reference_two, tmp_path,
                                                                                  tree):
     rng = fault_rng("train-two")

@@ -17,25 +17,17 @@ from runyard.errors import EXIT_GATE_FAILED, EXIT_PREEMPTED
 from runyard.model.hf.export import load_export
 from runyard.train import checkpoint as ckpt
 
-from .conftest import TINY_SPEC, merge, runyard
+from .conftest import REFERENCE_STEPS as STEPS
+from .conftest import runyard
 
 pytestmark = pytest.mark.slow
 
-STEPS = 60
-PATCH = {"train": {"steps": STEPS}, "checkpoint": {"interval": 10}}
 
-
-@pytest.fixture(scope="module")
-def reference_run(tmp_path_factory):
-    """One uninterrupted run that the other tests compare against."""
-    import yaml
-
-    root = tmp_path_factory.mktemp("reference")
-    spec = root / "spec.yaml"
-    spec.write_text(yaml.safe_dump(merge(TINY_SPEC, PATCH)))
-    run_dir = root / "run"
-    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True)
-    return spec, run_dir, proc
+@pytest.fixture
+def reference(reference_run):
+    """The session's reference run (tests/e2e/conftest.py): 60 steps on a corpus a tiny model learns
+    decisively, so that its quality holds on any CPU."""
+    return reference_run.spec, reference_run.run_dir, reference_run.stdout
 
 
 def final_weights(run_dir: Path, stage: str = "main") -> dict[str, torch.Tensor]:
@@ -50,8 +42,8 @@ def losses(run_dir: Path, stage: str = "main") -> list[tuple[int, float]]:
     return [(r["step"], r["loss"]) for r in rows]
 
 
-def test_run_directory_is_complete(reference_run):
-    _spec, run_dir, proc = reference_run
+def test_run_directory_is_complete(reference):
+    _spec, run_dir, stdout = reference
     for rel in [
         "spec.yaml", "manifest.json", "data/report.md", "data/report.json",
         "stages/main/metrics.jsonl", "stages/main/gates.json",
@@ -66,15 +58,17 @@ def test_run_directory_is_complete(reference_run):
     assert manifest["data"]["inputs"], "input fingerprints recorded"
     report = json.loads((run_dir / "eval" / "report.json").read_text())
     m = report["metrics"]
-    assert m["heldout_loss"] < m["unigram_loss"], "the model must beat a context-free baseline"
-    assert "held-out perplexity" in proc.stdout and "unigram" in proc.stdout
+    # Measured 1.86 against 4.40 (58% below); the bound, a third below, leaves ~1 nat, a hundred times
+    # the difference between CPUs (~0.01 nats when this run trained on the stdlib and barely learned).
+    assert m["heldout_loss"] < (2 / 3) * m["unigram_loss"], f"the model must beat a context-free baseline: {m}"
+    assert "held-out perplexity" in stdout and "unigram" in stdout
     gates = json.loads((run_dir / "stages/main/gates.json").read_text())
     assert gates["passed"] and {g["name"] for g in gates["gates"]} >= {"finite", "loss_drop", "checkpoint_roundtrip"}
     assert [s for s, _ in losses(run_dir)] == list(range(1, STEPS + 1))
 
 
-def test_export_gives_the_same_logits_as_the_trained_model(reference_run):
-    _spec, run_dir, _ = reference_run
+def test_export_gives_the_same_logits_as_the_trained_model(reference):
+    _spec, run_dir, _ = reference
     model, cfg, _tok = load_export(run_dir / "export")
     from runyard.model.transformer import Transformer
 
@@ -86,8 +80,8 @@ def test_export_gives_the_same_logits_as_the_trained_model(reference_run):
         assert torch.equal(model.eval()(idx), live(idx))
 
 
-def test_generate_cli_is_deterministic_for_a_seed(reference_run):
-    _spec, run_dir, _ = reference_run
+def test_generate_cli_is_deterministic_for_a_seed(reference):
+    _spec, run_dir, _ = reference
     a = runyard("generate", str(run_dir), "--prompt", "def ", "--max-tokens", "12", "--seed", "3", check=True)
     b = runyard("generate", str(run_dir), "--prompt", "def ", "--max-tokens", "12", "--seed", "3", check=True)
     assert a.stdout == b.stdout and a.stdout.startswith("def ")
@@ -95,7 +89,8 @@ def test_generate_cli_is_deterministic_for_a_seed(reference_run):
     assert json.loads(show.stdout)["exported"] is True
 
 
-@pytest.mark.parametrize("option", [["--top-p", "0"], ["--temperature", "-1"], ["--top-k", "0"]])
+@pytest.mark.parametrize("option", [["--top-p", "0"], pytest.param(["--temperature", "-1"], marks=pytest.mark.full),
+                                    pytest.param(["--top-k", "0"], marks=pytest.mark.full)])
 def test_generate_rejects_bad_sampling_options_without_a_traceback(tmp_path, option):
     proc = runyard("generate", str(tmp_path), "--prompt", "x", *option)
     assert proc.returncode == 2, proc.stderr
@@ -116,8 +111,8 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 
 
 @pytest.mark.parametrize("corrupt_newest", [False, True], ids=["resume", "resume-after-corrupt-checkpoint"])
-def test_sigterm_then_resume_is_bitwise_identical(reference_run, tmp_path, corrupt_newest):
-    spec, ref_dir, _ = reference_run
+def test_sigterm_then_resume_is_bitwise_identical(reference, tmp_path, corrupt_newest):
+    spec, ref_dir, _ = reference
     run_dir = tmp_path / "run"
     proc = subprocess.Popen(
         [sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
@@ -139,7 +134,8 @@ def test_sigterm_then_resume_is_bitwise_identical(reference_run, tmp_path, corru
 
     resumed = runyard("resume", str(run_dir), "--no-progress", check=True)
     if corrupt_newest:
-        assert "fails its xxh3_128 checksum" in resumed.stderr + resumed.stdout
+        # Log lines wrap at the terminal's width, wherever the run directory's path puts them.
+        assert "fails its xxh3_128 checksum" in " ".join((resumed.stderr + resumed.stdout).split())
     reference, result = final_weights(ref_dir), final_weights(run_dir)
     assert reference.keys() == result.keys()
     for name in reference:

@@ -19,7 +19,7 @@ from tests.model.hf_models import hf_model, save_hf_model
 
 from .conftest import TINY_SPEC, merge, runyard
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("e2e_weights_in")]  # one run (module fixture)
 
 
 def write(tmp_path, hf_dir, **model):

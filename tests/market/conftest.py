@@ -8,12 +8,16 @@ skipped with a reason, except in CI (CI=true), where they fail.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from urllib.parse import quote
 
 import pytest
 from sqlalchemy import create_engine, text
+
+from runyard.market.store import Store
 
 BACKENDS = ["sqlite", "postgres"]
 
@@ -56,15 +60,32 @@ class PgSchemas:
         self.engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory) -> Path:
+    """An SQLite store migrated to the newest revision once per session (per xdist worker), for tests that
+    open many fresh markets (a hypothesis example each) and are not about creating the schema."""
+    path = tmp_path_factory.mktemp("market-template") / "market.db"
+    store = Store(str(path))
+    store.migrate()
+    store.dispose()
+    return path
+
+
 @pytest.fixture
-def url_factory(request, tmp_path) -> Iterator:
-    """`url_factory(backend)` makes a fresh, empty store URL on that backend."""
+def url_factory(request, tmp_path, sqlite_template) -> Iterator:
+    """`url_factory(backend)` makes a fresh, empty store URL on that backend; `url_factory(backend,
+    migrated=True)` one whose schema is already at the newest revision (on SQLite a copy of the session's
+    template, so each hypothesis example skips the migrations; PostgreSQL's fresh schema is migrated when
+    the market opens it, as before)."""
     schemas: list[PgSchemas] = []
     counter = iter(range(10**6))
 
-    def make(backend: str) -> str:
+    def make(backend: str, migrated: bool = False) -> str:
         if backend == "sqlite":
-            return str(tmp_path / f"market-{next(counter)}.db")
+            path = tmp_path / f"market-{next(counter)}.db"
+            if migrated:
+                shutil.copyfile(sqlite_template, path)
+            return str(path)
         if not schemas:
             schemas.append(PgSchemas(pg_base_url()))
         return schemas[0].new_url()

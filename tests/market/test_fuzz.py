@@ -15,10 +15,13 @@ from schemathesis.specs.openapi.checks import response_schema_conformance
 from runyard.market.api import create_app
 from runyard.market.operations import BY_NAME, OPERATIONS
 from runyard.market.server import ServerThread
+from tests.tiers import examples
 
 from .helpers import HOUR, assert_audit_ok, listing, new_party, open_market, operator_client, requirement
 
-EXAMPLES = 25
+EXAMPLES = examples(25, fast=3)  # per operation; every operation is fuzzed in both tiers
+# One worker runs the module: the audit test checks the store the fuzzing tests wrote.
+pytestmark = pytest.mark.xdist_group("market_fuzz")
 PROVIDER_OPERATIONS = {
     "create_listing", "withdraw_listing", "accept_lease", "reject_lease", "start_lease", "close_lease",
     "report_usage", "contest", "report_availability", "publish_endpoint",

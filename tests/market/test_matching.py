@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runyard.market.matching import DemandView, ListingView, OrderBook, best_listing, fits
+from tests.tiers import examples
 
 NOW = 1_000_000
 
@@ -90,7 +91,7 @@ demands_st = st.lists(
 )
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40, fast=15), deadline=None)
 @given(listings_st, demands_st, st.integers(1, 16))
 def test_order_book_agrees_with_a_linear_scan(listings, demands, capacity):
     free = {x.id: capacity for x in listings}

@@ -12,6 +12,7 @@ standing leases renewed and settled period by period, so that a run which stalls
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections import Counter
 
@@ -62,14 +63,16 @@ from runyard.market.schema import disputes, lease_periods, usage_records
 from runyard.market.schema import leases as leases_table
 from runyard.market.signing import generate_keypair, sign
 from runyard.market.standing import AvailabilityIn, NoticeIn, ProbesIn
+from tests.tiers import examples
 
 from .helpers import FAR, open_market
 
 KINDS = ["h100-80gb", "l40s"]
 START = 1_800_000_000  # the market's clock at the start of every example
 REACHED: Counter = Counter()
+FAST_EXAMPLES = 10  # the fast tier's walks (derandomized: the same walks every run) still reach MUST_REACH
 SETTINGS = settings(
-    max_examples=20,
+    max_examples=examples(20, fast=FAST_EXAMPLES),
     stateful_step_count=40,
     deadline=None,
     derandomize=True,
@@ -630,7 +633,9 @@ def machine_for(url_factory, backend: str):
 @pytest.mark.slow
 def test_random_operations_keep_every_invariant(backend, url_factory):
     REACHED.clear()
-    run_state_machine_as_test(machine_for(url_factory, backend), settings=SETTINGS)
+    # Each example's store is a copy of the session's migrated template (SQLite), not migrated afresh.
+    migrated = functools.partial(url_factory, migrated=True)
+    run_state_machine_as_test(machine_for(migrated, backend), settings=SETTINGS)
     print(dict(REACHED))
     missed = [what for what in MUST_REACH if REACHED[what] == 0]
     assert not missed, f"the random walk never reached {missed}; it reached {dict(REACHED)}"

@@ -17,7 +17,9 @@ from runyard.reproduce.lock import KIND_WHEEL, LOCK_DIR, LockedDist, read_lock, 
 
 from .conftest import runyard
 
-pytestmark = pytest.mark.slow
+# One worker runs the reproduction tests: they share one finished run and its rebuilt environment
+# (session fixtures in conftest.py, a minute or two to build).
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("reproduce")]
 
 
 def _report(into) -> dict:

@@ -20,7 +20,7 @@ from runyard.train import checkpoint, parallel
 from runyard.train.loop import train_stage
 from runyard.train.signals import StopRequest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_loop_resume")]  # one dataset (module fixture)
 
 VOCAB = 97
 CTX = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))

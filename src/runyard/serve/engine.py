@@ -67,7 +67,7 @@ class Generator:
         device: str | torch.device = "cpu",
         eos_ids: Iterable[int] | None = None,
     ):
-        """`eos_ids`: the tokens that end a generation (an export's, `serve.export.export_eos_ids`: a chat
+        """`eos_ids`: the tokens that end a generation (an export's, `model.hf.export.export_eos_ids`: a chat
         model may end turns and documents with different ones); default the tokenizer's end-of-text."""
         self.device = torch.device(device)
         self.model = model.to(self.device)
