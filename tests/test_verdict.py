@@ -30,6 +30,24 @@ def test_a_real_gain_over_the_baseline_is_fit_to_ship_and_says_why():
     assert any("39.2% below the unigram baseline" in p for p in v.passed)
 
 
+def test_a_loss_above_the_baseline_is_said_to_be_above_it():
+    # The sft-only run: a held-out loss 13.1% above the unigram baseline was printed "-13.1% below".
+    v = verdict(summarise(5.09, 5.0, 4.5, 1000), EvalSpec())
+    (reason,) = v.reasons
+    assert "13.1% above the unigram baseline" in reason and "is -" not in reason
+    assert "below the unigram" not in reason
+
+
+def test_comparison_words_say_which_way():
+    from runyard.train.gates import compared, fell_or_rose
+
+    assert compared(5.09, 4.5) == "13.1% above"
+    assert compared(4.5, 5.0) == "10.0% below"
+    assert compared(3.0, 3.0) == "equal to"
+    assert fell_or_rose(7.64, 5.09) == "fell 33.4%"
+    assert fell_or_rose(5.0, 5.5) == "rose 10.0%"
+
+
 def test_the_margin_is_a_spec_field():
     assert verdict(ppl_metrics(735, 760), EvalSpec(unigram_margin=0)).fit_to_ship
     assert not verdict(ppl_metrics(760, 760), EvalSpec(unigram_margin=0)).fit_to_ship  # equal is not beating

@@ -17,6 +17,7 @@ from runyard.plan.lifetime import Lifetime, plot_lifetime
 from runyard.spec.job import EvalSpec
 from runyard.system.files import atomic_write_text
 from runyard.train.finetune_metrics import finetune_markdown
+from runyard.train.gates import compared
 
 
 @dataclass(frozen=True)
@@ -46,9 +47,8 @@ def verdict(
     if thresholds.must_beat_unigram:
         margin = thresholds.unigram_margin
         needed = metrics.unigram_loss * (1 - margin)
-        gain = 1 - metrics.heldout_loss / metrics.unigram_loss if metrics.unigram_loss > 0 else 0.0
         line = (
-            f"held-out loss {metrics.heldout_loss:.3f} is {gain:.1%} below the unigram baseline "
+            f"held-out loss {metrics.heldout_loss:.3f} is {compared(metrics.heldout_loss, metrics.unigram_loss)} the unigram baseline "
             f"{metrics.unigram_loss:.3f}; fit to ship needs at least {margin:.0%} (eval.unigram_margin), "
             f"a loss of {needed:.3f} or lower"
         )
