@@ -10,6 +10,7 @@ EXIT_BAD_SPEC = 2  # the spec (or a command line) was rejected before any work s
 EXIT_GATE_FAILED = 3  # a stage's gates failed; later stages did not start
 EXIT_PREEMPTED = 4  # stopped by SIGTERM/SIGINT after writing a checkpoint; resume continues it
 EXIT_OUT_OF_MEMORY = 5  # killed by the kernel for going past the job's memory limit (its cgroup's OOM killer)
+EXIT_NOT_FIT = 7  # the run finished (evaluated, exported) but its verdict is not fit to ship
 
 
 class RunyardError(Exception):
@@ -48,6 +49,13 @@ class GateFailed(RunyardError):
     """A stage's gates failed; the run stops before any later stage."""
 
     exit_code = EXIT_GATE_FAILED
+
+
+class NotFitToShip(RunyardError):
+    """The run finished, its model exported and its report written, but the verdict is not fit to ship
+    (the message names each bound that failed). Retrying the same spec gives the same verdict."""
+
+    exit_code = EXIT_NOT_FIT
 
 
 class Preempted(RunyardError):

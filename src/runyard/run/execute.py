@@ -26,7 +26,7 @@ from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_ch
 from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
 from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
-from runyard.errors import GateFailed, SpecError
+from runyard.errors import EXIT_NOT_FIT, GateFailed, NotFitToShip, SpecError
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
     summarise,
@@ -79,6 +79,15 @@ class RunSummary:
     samples: list[dict] = field(default_factory=list)
     evaluated: bool = False
     prediction: dict | None = None  # tabular and image tasks: the test split's metrics beside their baseline
+    reasons: list[str] = field(default_factory=list)  # why the verdict is not fit to ship
+
+    def not_fit(self) -> NotFitToShip | None:
+        """The error `runyard run` exits with (EXIT_NOT_FIT) when the finished run is not fit to ship."""
+        if not self.evaluated or self.fit_to_ship is not False:
+            return None
+        return NotFitToShip(f"the run finished but is not fit to ship: {'; '.join(self.reasons) or 'see the report'}. "
+                            f"The export and {self.run_dir / 'eval' / 'report.md'} are written; exit {EXIT_NOT_FIT} "
+                            "tells a script or CI")
 
 
 def default_run_dir(spec: JobSpec, root: Path | None = None) -> Path:
@@ -339,7 +348,8 @@ def evaluate_and_export(
     finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
     lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
     write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime)
-    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
+    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True,
+                      reasons=list(result.reasons))
 
 
 def execute_run(
@@ -399,7 +409,7 @@ def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evalua
     with stop_on_signals(stop):
         result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)
     return RunSummary(run_dir, result.stages, fit_to_ship=result.fit_to_ship, evaluated=result.evaluated,
-                      prediction=result.prediction)
+                      prediction=result.prediction, reasons=result.reasons)
 
 
 def _configure_threads(spec: JobSpec) -> ThreadChoice:
