@@ -38,6 +38,7 @@ from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load
 from runyard.model.hf.export import export_model as write_export
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
+from runyard.plan.records_in import check_records_in
 from runyard.plan.runlife import run_lifetime
 from runyard.plan.weights_in import check_weights_in, stage_start, weights_origin, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
@@ -365,6 +366,7 @@ def execute_run(
     if only_stage is not None and only_stage not in names:
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     check_weights_in(spec)  # exit 2 before any work when the spec cannot run on its initial weights
+    check_records_in(spec)  # exit 2 before any work when an sft/dpo record is bad (on_bad_record: error)
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):
