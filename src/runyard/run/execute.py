@@ -32,7 +32,7 @@ from runyard.evaluate.heldout import (
     summarise,
     unigram_loss,
 )
-from runyard.evaluate.report import verdict, write_report
+from runyard.evaluate.report import finetune_verdict, verdict, write_report
 from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
 from runyard.model.hf.export import export_model as write_export
@@ -345,8 +345,12 @@ def evaluate_and_export(
         samples.append({"prompt": prompt, "completion": completion})
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
-    result = verdict(metrics, spec.eval, stage_metrics)
     finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
+    final = spec.stages[-1]
+    if final.kind == "pretrain":
+        result = verdict(metrics, spec.eval, stage_metrics)
+    else:  # a fine-tune is judged on its own held-out figures, not on the pretraining text's baseline
+        result = finetune_verdict(final.name, final.kind, finetune[final.name], spec.eval, stage_metrics)
     lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
     write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime)
     return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True,
