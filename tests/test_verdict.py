@@ -30,6 +30,24 @@ def test_a_real_gain_over_the_baseline_is_fit_to_ship_and_says_why():
     assert any("39.2% below the unigram baseline" in p for p in v.passed)
 
 
+def test_a_loss_above_the_baseline_is_said_to_be_above_it():
+    # The issue's sft-only run: a held-out loss 13.1% above the unigram baseline was printed "-13.1% below".
+    v = verdict(summarise(5.09, 5.0, 4.5, 1000), EvalSpec())
+    (reason,) = v.reasons
+    assert "13.1% above the unigram baseline" in reason and "is -" not in reason
+    assert "below the unigram" not in reason
+
+
+def test_comparison_words_say_which_way():
+    from runyard.train.gates import compared, fell_or_rose
+
+    assert compared(5.09, 4.5) == "13.1% above"
+    assert compared(4.5, 5.0) == "10.0% below"
+    assert compared(3.0, 3.0) == "equal to"
+    assert fell_or_rose(7.64, 5.09) == "fell 33.4%"
+    assert fell_or_rose(5.0, 5.5) == "rose 10.0%"
+
+
 def test_the_margin_is_a_spec_field():
     assert verdict(ppl_metrics(735, 760), EvalSpec(unigram_margin=0)).fit_to_ship
     assert not verdict(ppl_metrics(760, 760), EvalSpec(unigram_margin=0)).fit_to_ship  # equal is not beating
@@ -71,3 +89,40 @@ def test_flags_reach_the_report_without_changing_the_verdict(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["passed"] == result.passed
     md = (tmp_path / "report.md").read_text()
     assert "**FIT TO SHIP**" in md and "- **flag**: stage main" in md and "- held: held-out loss" in md
+
+
+def finetune_record(before: dict, after: dict) -> dict:
+    return {"before": {"metrics": before}, "after": {"metrics": after}}
+
+
+def test_an_sft_run_is_judged_on_its_own_response_loss_and_task_metric():
+    from runyard.evaluate.report import finetune_verdict
+
+    # The issue's run: the held-out response loss fell from 7.64 to 5.09; the task share rose.
+    record = finetune_record({"heldout_loss": 7.64, "task_python_syntax": 0.0},
+                             {"heldout_loss": 5.09, "task_python_syntax": 11 / 16})
+    v = finetune_verdict("sft", "sft", record, EvalSpec())
+    assert v.fit_to_ship and v.reasons == []
+    assert any("response loss 5.0900 is 33.4% below its initial weights' 7.6400" in p for p in v.passed)
+    assert any("task metric python_syntax 0.688" in p for p in v.passed)
+    assert not finetune_verdict("sft", "sft", record, EvalSpec(min_response_loss_drop=0.5)).fit_to_ship
+    assert not finetune_verdict("sft", "sft", record, EvalSpec(min_task_score=0.9)).fit_to_ship
+    worse = finetune_record({"heldout_loss": 5.0, "task_exact_match": 0.5}, {"heldout_loss": 5.2, "task_exact_match": 0.25})
+    v = finetune_verdict("tune", "sft", worse, EvalSpec())
+    assert not v.fit_to_ship and len(v.reasons) == 2
+    assert "4.0% above its initial weights'" in v.reasons[0]
+    assert finetune_verdict("tune", "sft", worse, EvalSpec(min_response_loss_drop=None, min_task_score=0.0)).fit_to_ship
+
+
+def test_a_dpo_run_is_judged_on_reward_accuracy_and_margin():
+    from runyard.evaluate.report import finetune_verdict
+
+    record = finetune_record({"heldout_reward_accuracy": 0.0, "heldout_reward_margin": 0.0},
+                             {"heldout_reward_accuracy": 0.75, "heldout_reward_margin": 0.34})  # the demo's
+    assert finetune_verdict("dpo", "dpo", record, EvalSpec()).fit_to_ship
+    chance = finetune_record({"heldout_reward_accuracy": 0.0, "heldout_reward_margin": 0.0},
+                             {"heldout_reward_accuracy": 0.4, "heldout_reward_margin": -0.1})
+    v = finetune_verdict("dpo", "dpo", chance, EvalSpec())
+    assert not v.fit_to_ship and any("eval.min_reward_accuracy" in r for r in v.reasons)
+    assert any("eval.min_reward_margin" in r for r in v.reasons)
+    assert not finetune_verdict("dpo", "dpo", {}, EvalSpec()).fit_to_ship  # no figures: not judged fit

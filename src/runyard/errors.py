@@ -11,6 +11,7 @@ EXIT_GATE_FAILED = 3  # a stage's gates failed; later stages did not start
 EXIT_PREEMPTED = 4  # stopped by SIGTERM/SIGINT after writing a checkpoint; resume continues it
 EXIT_OUT_OF_MEMORY = 5  # killed by the kernel for going past the job's memory limit (its cgroup's OOM killer)
 EXIT_NON_FINITE = 6  # a stage's loss or gradient norm went non-finite; stopped before that optimizer step
+EXIT_NOT_FIT = 7  # the run finished (evaluated, exported) but its verdict is not fit to ship
 
 
 class RunyardError(Exception):
@@ -49,6 +50,13 @@ class GateFailed(RunyardError):
     """A stage's gates failed; the run stops before any later stage."""
 
     exit_code = EXIT_GATE_FAILED
+
+
+class NotFitToShip(RunyardError):
+    """The run finished, its model exported and its report written, but the verdict is not fit to ship
+    (the message names each bound that failed). Retrying the same spec gives the same verdict."""
+
+    exit_code = EXIT_NOT_FIT
 
 
 class Preempted(RunyardError):

@@ -35,7 +35,7 @@ def test_allow_list_and_never_retried_classes():
     assert decide(policy, F.USER_ERROR, 75, [[0, "user_error"]], 1).retry
     d = decide(policy, F.USER_ERROR, 1, [[0, "user_error"]], 1)
     assert not d.retry and "not in the retry list [75]" in d.final_reason
-    for reason in (F.BAD_SPEC, F.GATE_FAILED):
+    for reason in (F.BAD_SPEC, F.GATE_FAILED, F.NOT_FIT_TO_SHIP):
         assert not decide(policy, reason, 2, [[0, str(reason)]], 1).retry
 
 

@@ -37,6 +37,7 @@ def test_illegal_transitions_are_refused_with_what_is_allowed(current, target):
     (2, None, (None, FailureReason.BAD_SPEC)),
     (3, None, (None, FailureReason.GATE_FAILED)),
     (5, None, (None, FailureReason.OUT_OF_MEMORY)),
+    (7, None, (None, FailureReason.NOT_FIT_TO_SHIP)),  # finished, not fit: not infra, not retried
     (1, None, (None, FailureReason.USER_ERROR)),
     (17, None, (None, FailureReason.USER_ERROR)),
     (None, 9, (None, FailureReason.INFRA)),

@@ -12,7 +12,7 @@ import pytest
 from transformers import PreTrainedTokenizerFast
 
 from runyard.data.chat import DEFAULT_TEMPLATE, ChatTemplate, ChatTemplateError, choose_template
-from runyard.data.instruct_sources import RecordError, preference_pairs, python_function_records
+from runyard.data.instruct_sources import BadRecords, preference_pairs, python_function_records
 from runyard.data.samples import SampleLoader
 from runyard.spec.data_instruct import InstructSourceSpec
 from tests.train.finetune_fixtures import function_pairs, prepare, write_sft_jsonl, write_tokenizer
@@ -77,13 +77,13 @@ def test_roles_out_of_order_name_the_file_line_and_field(tok, tmp_path):
         {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]},
         {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]},
     ])
-    with pytest.raises(RecordError, match=r"chats.jsonl:2: `messages\[1\].role` is 'user' where 'assistant'"):
+    with pytest.raises(BadRecords, match=r"chats.jsonl:2: messages\[1\].role: 'assistant' \(roles out of order"):
         prepare({"sources": [{"path": str(bad)}], "chat_template": "default"}, "sft", tok, 64, tmp_path / "c")
 
 
 def test_a_record_without_the_fields_is_named(tok, tmp_path):
     bad = write_jsonl(tmp_path / "pairs.jsonl", [{"prompt": "a", "answer": "b"}])
-    with pytest.raises(RecordError, match="pairs.jsonl:1: a record needs `messages`, or `prompt` and `response`"):
+    with pytest.raises(BadRecords, match="pairs.jsonl:1: messages: a record needs `messages`, or `prompt` and `response`"):
         prepare({"sources": [{"path": str(bad)}]}, "sft", tok, 64, tmp_path / "c")
 
 

@@ -34,7 +34,13 @@ TINY_SPEC = {
     "schedule": {"warmup_steps": 3},
     "train": {"steps": 16, "batch_size": 8},
     "stages": [{"name": "main", "gates": {"min_loss_drop": 0.05}}],
-    "eval": {"interval": 4, "batches": 2, "final_batches": 4, "prompts": ["def "], "sample_tokens": 8},
+    # 16 steps do not beat the unigram baseline by 10% (nor can a few sft or dpo steps be counted on to
+    # lower their held-out figures), so this run is not fit to ship and `runyard run` would exit 7: the tests
+    # built on it are about the spine, not the verdict, so the bounds are off here (test_not_fit_to_ship.py
+    # turns them on and expects exit 7).
+    "eval": {"interval": 4, "batches": 2, "final_batches": 4, "prompts": ["def "], "sample_tokens": 8,
+             "must_beat_unigram": False, "min_response_loss_drop": None, "min_reward_accuracy": None,
+             "min_reward_margin": None, "min_task_score": 0.0},
     "checkpoint": {"interval": 4, "keep_last": 3},
     "resources": {"device": "cpu", "threads": 1},
 }

@@ -71,10 +71,19 @@ def test_two_ddp_processes_match_one_with_masks(tmp_path, lora):
 
 def test_a_run_with_an_sft_stage_reports_before_and_after(tmp_path):
     gated = merge(SFT_STAGE, {"gates": {"min_heldout_loss_drop": 0.001}})  # measured from the `before` record
+    # The verdict's bounds on: the run ends in sft, so it is judged on that stage's own figures (the
+    # tiny pretrain stage's text would never beat its unigram baseline by eval.unigram_margin).
     spec = write(tmp_path, "run", {"stages": [{"name": "pre", "train": {"steps": 4}, "gates": {"min_loss_drop": None}},
-                                              gated]})
+                                              gated],
+                                   "eval": {"must_beat_unigram": True, "min_response_loss_drop": 0.0,
+                                            "min_task_score": None}})
     run_dir = tmp_path / "run"
-    runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True)
+    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True)
+    assert "fit to ship: yes" in proc.stdout
+    verdict = json.loads((run_dir / "eval/report.json").read_text())
+    assert verdict["fit_to_ship"] and not any("unigram" in line for line in verdict["passed"] + verdict["reasons"])
+    assert any("stage tune's held-out response loss" in line and "below its initial weights'" in line
+               for line in verdict["passed"])
     report = (run_dir / "eval/report.md").read_text()
     assert "## Fine-tuning: stage tune (sft)" in report and "| heldout_loss |" in report
     data_report = (run_dir / "data/tune/report.md").read_text()

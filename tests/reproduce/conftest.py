@@ -26,7 +26,10 @@ TINY_SPEC = {
     "schedule": {"warmup_steps": 3},
     "train": {"steps": 12, "batch_size": 8},
     "stages": [{"name": "main", "gates": {"min_loss_drop": 0.05}}],
-    "eval": {"interval": 4, "batches": 2, "final_batches": 4, "prompts": ["def "], "sample_tokens": 8},
+    # Not fit to ship (16 steps do not beat the unigram baseline by 10%), which would end `run` with exit
+    # 7: reproduction is about the bytes, not the verdict, so the bound is off.
+    "eval": {"interval": 4, "batches": 2, "final_batches": 4, "prompts": ["def "], "sample_tokens": 8,
+             "must_beat_unigram": False},
     "checkpoint": {"interval": 4, "keep_last": 2},
     "resources": {"device": "cpu", "threads": 1},
 }

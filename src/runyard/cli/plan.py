@@ -13,6 +13,7 @@ from runyard.plan.cost import format_money
 from runyard.plan.lifetime import plot_lifetime
 from runyard.plan.planner import Plan, make_plan, traffic_from
 from runyard.plan.recommend import describe_devices
+from runyard.plan.records_in import check_records_in
 from runyard.plan.sizing import human_bytes
 from runyard.plan.weights_in import check_weights_in
 from runyard.run.execute import default_run_dir
@@ -32,8 +33,9 @@ and the requirement (accelerators, devices, duration) a market or scheduler acts
 
 With --traffic (or the spec's `traffic` section) it also prints the inference cost per day on the
 recommended serving hardware and the day cumulative inference overtakes the training cost, as a table and
-a PNG. Before any of it, the sources must resolve (a path or glob that matches no file is an error, exit 2)
-and the disk must hold the data cache, the checkpoints and the export."""
+a PNG. Before any of it, the sources must resolve (a path or glob that matches no file is an error, exit 2),
+the initial weights and every sft/dpo record must be usable (data.on_bad_record: error lists every bad
+record, exit 2) and the disk must hold the data cache, the checkpoints and the export."""
 
 
 def _non_negative(text: str) -> float:
@@ -90,6 +92,7 @@ def cmd_plan(args) -> int:
     run_dir = default_run_dir(spec)
     pre = preflight(spec, run_dir)  # sources resolve (or exit 2), and the disk estimates
     check_weights_in(spec)  # the initial weights' directories, tokenizers and chat templates (or exit 2)
+    scans = check_records_in(spec)  # every sft/dpo record parsed and checked (or exit 2, listing the bad ones)
     traffic = traffic_from(spec, args.traffic, args.tokens_per_request, args.rows_per_request)
     plan = make_plan(spec, pre.files, run_dir, calibrate=not args.no_calibrate, traffic=traffic,
                      budget_s=args.budget_s)
@@ -102,7 +105,10 @@ def cmd_plan(args) -> int:
         out = {**plan.to_dict(), "preflight": pre.to_dict(), "lifetime_png": str(png) if png else None}
         print(json.dumps(out, indent=2))
         return 0
-    for line in pre.lines() + plan_lines(plan):
+    records = [f"records of stage {name}: {scan.records:,} checked, "
+               + (f"{scan.bad_total:,} bad, left out (on_bad_record: skip)" if scan.bad_total else "none bad")
+               for name, scan in scans.items()]
+    for line in pre.lines() + records + plan_lines(plan):
         print(line)
     if png is not None:
         print(f"plot: {png}")

@@ -54,7 +54,11 @@ def register(verbs: argparse._SubParsersAction) -> None:
             "run a spec end to end: data, gated stages, evaluation, export",
             "Run (or continue) a job spec end to end: prepare the data, train each stage in order (a stage "
             "whose gates fail stops the run, exit 3), evaluate on held-out data, export the model, and print "
-            "a summary. Re-running on an existing run directory continues where it stopped.",
+            "a summary. Re-running on an existing run directory continues where it stopped. Exit codes: 0 done "
+            "and fit to ship, 1 an error, 2 the spec, its data or its initial weights were rejected before any "
+            "work, 3 a stage's gates failed, 4 stopped by a signal after a checkpoint (resume continues it), 5 "
+            "killed for going past its memory limit, 7 finished and exported but not fit to ship (the reasons "
+            "are printed and in eval/report.md).",
         ),
         (
             "train",
@@ -77,7 +81,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         help="continue a stopped run from its last good checkpoint",
         description="Continue the run in RUN_DIR with the spec stored there, from the newest checkpoint "
         "that passes its checksums. Passed stages are not trained again (a passed stage whose final "
-        "checkpoint is damaged is retrained from its last good checkpoint first)." + ONE_WRITER,
+        "checkpoint is damaged is retrained from its last good checkpoint first). Exit codes as `run`'s: 7 "
+        "when the finished run is not fit to ship." + ONE_WRITER,
     )
     p.add_argument("run_dir", type=Path, help="the run directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
@@ -150,6 +155,9 @@ def cmd_run(args) -> int:
             evaluate=args.evaluate,
         )
         _print_summary(summary)
+        not_fit = summary.not_fit()
+        if not_fit is not None:
+            raise not_fit  # exit 7 (EXIT_NOT_FIT), after the summary: a script or CI notices
         return 0
 
     return run_worker(work)  # under torchrun: an outcome (exit 3, 4) is reported, not restarted
@@ -170,6 +178,9 @@ def cmd_resume(args) -> int:
     def work() -> int:
         summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress)
         _print_summary(summary)
+        not_fit = summary.not_fit()
+        if not_fit is not None:
+            raise not_fit  # exit 7 (EXIT_NOT_FIT), after the summary: a script or CI notices
         return 0
 
     return run_worker(work)

@@ -2,8 +2,8 @@
 
 `infra` failures (a killed process, a lost node) are the provider's fault and get a generous
 budget with exponential backoff; `user_error` (the training code exited non-zero) gets a small
-budget, or only the exit codes on an allow-list are retried. `bad_spec` and `gate_failed` are
-never retried: the same input gives the same answer; nor is `out_of_memory` (the job went past its
+budget, or only the exit codes on an allow-list are retried. `bad_spec`, `gate_failed` and
+`not_fit_to_ship` (a finished run judged not fit, exit 7) are never retried: the same input gives the same answer; nor is `out_of_memory` (the job went past its
 memory limit, and the same limit ends the same way: the user must ask for more). Only failures inside the window count.
 """
 
@@ -69,7 +69,7 @@ def decide(
 
     `failures` must already include this one.
     """
-    if reason in (FailureReason.BAD_SPEC, FailureReason.GATE_FAILED):
+    if reason in (FailureReason.BAD_SPEC, FailureReason.GATE_FAILED, FailureReason.NOT_FIT_TO_SHIP):
         return RetryDecision(False, 0.0, f"{reason}: exit {exit_code}; not retried (same input, same outcome)")
     if reason == FailureReason.OUT_OF_MEMORY:
         return RetryDecision(False, 0.0, f"{reason}: the job went past its memory limit and the kernel killed it; "

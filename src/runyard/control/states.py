@@ -18,6 +18,7 @@ from enum import StrEnum
 from runyard.errors import (
     EXIT_BAD_SPEC,
     EXIT_GATE_FAILED,
+    EXIT_NOT_FIT,
     EXIT_OK,
     EXIT_OUT_OF_MEMORY,
     EXIT_PREEMPTED,
@@ -61,6 +62,7 @@ class FailureReason(StrEnum):
     NO_CAPACITY = "no_capacity"  # asks for more devices than this provider has
     GATE_FAILED = "gate_failed"  # exit 3: a stage's gates failed
     OUT_OF_MEMORY = "out_of_memory"  # exit 5: past its memory limit; the same limit gives the same end
+    NOT_FIT_TO_SHIP = "not_fit_to_ship"  # exit 7: finished and exported, judged not fit to ship; not infra
     DEPENDENCY_FAILED = "dependency_failed"  # the job it waits on (an earlier stage) did not succeed
 
 
@@ -112,6 +114,8 @@ def classify_exit(returncode: int | None, signal_number: int | None) -> tuple[Jo
         return None, FailureReason.GATE_FAILED
     if returncode == EXIT_OUT_OF_MEMORY:
         return None, FailureReason.OUT_OF_MEMORY
+    if returncode == EXIT_NOT_FIT:
+        return None, FailureReason.NOT_FIT_TO_SHIP
     if returncode >= 128:  # a shell reporting a child killed by signal (128 + n)
         return None, FailureReason.INFRA
     return None, FailureReason.USER_ERROR

@@ -30,11 +30,17 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from runyard.data import minhash
-from runyard.data.chat import CHAT_TEMPLATE_DIR, TEMPLATE_INPUTS, ChatTemplate, choose_template
+from runyard.data.chat import (
+    CHAT_TEMPLATE_DIR,
+    TEMPLATE_INPUTS,
+    ChatTemplate,
+    ChatTemplateRefused,
+    choose_template,
+)
 from runyard.data.clean import text_hash
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.instruct_report import write_instruct_report
-from runyard.data.instruct_sources import Record, iter_records
+from runyard.data.instruct_sources import KEEP_BAD, BadRecords, Record, RecordError, iter_records
 from runyard.data.normalize import normalize_text
 from runyard.data.pipeline import _source_base
 from runyard.data.samples import SampleStore, write_store
@@ -154,12 +160,21 @@ def conversation_text(record: Record) -> str:
 
 
 def _read(spec: InstructDataSpec, files, preference: bool, counts: Counter, removed: Counter,
-          samples: dict[str, list]) -> list[Record]:
-    records = []
+          samples: dict[str, list], where: str) -> list[Record]:
+    records, bad, bad_total = [], [], 0
     for file in files:
         source = spec.sources[file.source]
         for record in iter_records(source, file, _source_base(source.path), preference, counts):
             counts["records_read"] += 1
+            if isinstance(record, RecordError):  # found by the pre-pass first under on_bad_record: error
+                bad_total += 1
+                if len(bad) < KEEP_BAD:
+                    bad.append(record)
+                reason = f"bad_record.{record.problem}"
+                removed[reason] += 1
+                samples.setdefault(reason, []).append({"id": record.where, "field": record.field,
+                                                       "expected": record.expected})
+                continue
             if record.group is not None and len(spec.sources) > 1:  # groups of two sources never merge
                 record.group = f"sources[{file.source}]:{record.group}"
             for m in record.messages:
@@ -171,7 +186,13 @@ def _read(spec: InstructDataSpec, files, preference: bool, counts: Counter, remo
                 removed["empty_response"] += 1
                 samples.setdefault("empty_response", []).append({"id": record.id})
                 continue
+            if record.rejected is not None and record.rejected == record.messages[-1]["content"]:
+                removed["chosen_equals_rejected"] += 1  # no preference to learn
+                samples.setdefault("chosen_equals_rejected", []).append({"id": record.id})
+                continue
             records.append(record)
+    if bad_total and spec.on_bad_record == "error":
+        raise BadRecords(where, bad, bad_total)
     return records
 
 
@@ -213,12 +234,25 @@ def _fit(sample: tuple[list[int], list[int], int], limit: int, policy: str) -> t
     return (tokens, mask, prompt_end), "truncated"
 
 
+def _examples(template: ChatTemplate, records: list[Record], n: int = 2) -> list[dict]:
+    """The first `n` conversations the template renders, cut into segments, for the report."""
+    out = []
+    for r in records:
+        try:
+            out.append({"id": r.id, "segments": template.segments(r.messages)})
+        except ChatTemplateRefused:
+            continue
+        if len(out) == n:
+            break
+    return out
+
+
 def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_length: int, seed: int,
              files, fp: str, out: Path, where: str) -> None:
     counts: Counter = Counter()
     removed: Counter = Counter()
     removal_samples: dict[str, list] = {}
-    records = _read(spec, files, kind == "dpo", counts, removed, removal_samples)
+    records = _read(spec, files, kind == "dpo", counts, removed, removal_samples, where)
     if not records:
         raise DataError(f"{where}: the sources hold no usable records ({counts['records_read']} read)")
     texts = [conversation_text(r) for r in records]
@@ -264,11 +298,16 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
         for record, is_held in zip(records, held, strict=True):
             if is_held != (split == "heldout"):
                 continue
-            a, why_a = _fit(_encode(tok, template, record.messages), limit, spec.too_long)
-            b, why_b = None, None
-            if record.rejected is not None:
-                alt = record.messages[:-1] + [{"role": "assistant", "content": record.rejected}]
-                b, why_b = _fit(_encode(tok, template, alt), limit, spec.too_long)
+            try:
+                a, why_a = _fit(_encode(tok, template, record.messages), limit, spec.too_long)
+                b, why_b = None, None
+                if record.rejected is not None:
+                    alt = record.messages[:-1] + [{"role": "assistant", "content": record.rejected}]
+                    b, why_b = _fit(_encode(tok, template, alt), limit, spec.too_long)
+            except ChatTemplateRefused as exc:  # raise_exception: the template's own reason, counted
+                removed["template_refused"] += 1
+                removal_samples.setdefault("template_refused", []).append({"id": record.id, "reason": exc.reason})
+                continue
             dropped = a is None or (record.rejected is not None and b is None)
             for why in {why_a, why_b} - {None}:
                 fit_counts[why] += 1
@@ -299,7 +338,7 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
         "split": {"method": "by group where records have one, else by conversation: seeded hash < fraction",
                   "heldout_fraction": spec.heldout_fraction, "too_long": spec.too_long, **split_stats},
         "chat_template": {"origin": template.origin, "source": template.source},
-        "examples": [{"id": r.id, "segments": template.segments(r.messages)} for r in records[:2]],
+        "examples": _examples(template, records),
     }
     atomic_write_json(out / "prepared.json", {
         "kind": kind, "fingerprint": fp, "stats": stats, "pad_id": eos, "eos_id": eos,

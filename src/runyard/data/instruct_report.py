@@ -15,7 +15,23 @@ _REASONS = {
     "no_response_tokens": "the rendered conversation has no assistant token to learn",
     "too_long_dropped": "longer than the context (too_long: drop)",
     "too_long_truncated_to_nothing": "longer than the context; truncated, no response token was left",
+    "chosen_equals_rejected": "a preference pair whose chosen answer equals its rejected one",
+    "template_refused": "the chat template refused the conversation (raise_exception)",
+    "bad_record.malformed_json": "bad record: a line that is not JSON (on_bad_record: skip)",
+    "bad_record.not_an_object": "bad record: not a JSON object (on_bad_record: skip)",
+    "bad_record.no_messages": "bad record: no `messages` (or `prompt` and `response`) (on_bad_record: skip)",
+    "bad_record.bad_message": "bad record: a message that is not an object (on_bad_record: skip)",
+    "bad_record.not_a_string": "bad record: a field or content that is not a string (on_bad_record: skip)",
+    "bad_record.unknown_role": "bad record: a role other than system, user, assistant (on_bad_record: skip)",
+    "bad_record.roles_out_of_order": "bad record: roles out of order (on_bad_record: skip)",
+    "bad_record.no_response": "bad record: does not end with an assistant message (on_bad_record: skip)",
+    "bad_record.missing_field": "bad record: a required field is missing, e.g. `rejected` (on_bad_record: skip)",
 }
+
+
+def _sample(s: dict) -> str:
+    extra = s.get("reason") or (f"{s['field']}: {s['expected']}" if "field" in s else "")
+    return f"`{s['id']}`" + (f" ({extra})" if extra else "")
 
 
 def _split_rows(stats: dict[str, Any]) -> list[str]:
@@ -44,6 +60,10 @@ def markdown(stats: dict[str, Any]) -> str:
     if stats["removed"]:
         lines += ["| reason | records |", "|---|---:|"]
         lines += [f"| {_REASONS.get(k, k)} (`{k}`) | {v:,} |" for k, v in sorted(stats["removed"].items())]
+        samples = stats.get("removal_samples") or {}
+        if samples:
+            lines += ["", "Samples of what was removed:", ""]
+            lines += [f"- `{k}`: " + "; ".join(_sample(s) for s in v) for k, v in sorted(samples.items())]
     else:
         lines.append("No record was removed.")
     d = stats["dedup"]

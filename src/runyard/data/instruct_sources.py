@@ -4,8 +4,10 @@ documented functions become (signature and docstring -> body) pairs.
 A record is a conversation: `messages` (system first if any, then user and assistant alternating, ending
 with the assistant), and for preference data the last assistant turn comes in two versions, `chosen` and
 `rejected`. A record whose structure is wrong (a role out of order, an unknown role, a field of the wrong
-type) stops the data stage with an error naming the file, the line or row, and the field; a record that
-is well formed but unusable (an empty response) is counted and left out.
+type, a line that is not JSON) is a RecordError naming the file, the line or row, the field and what was
+expected: `runyard plan` and `run` find every one before any work (instruct_check.py) and refuse them
+(data.on_bad_record: error) or leave them out, counted by kind (skip); a record that is well formed but
+unusable (an empty response, a chosen answer equal to the rejected one) is counted and left out.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from runyard.data.sources import InputFile, read_bytes
-from runyard.errors import DataError
+from runyard.errors import EXIT_BAD_SPEC, DataError
 from runyard.spec.data_instruct import InstructSourceSpec
 
 ROLES = ("system", "user", "assistant")
@@ -43,30 +45,64 @@ class Record:
 
 
 class RecordError(DataError):
-    """A record whose structure is wrong; the message names the file, the line or row, and the field."""
+    """A record whose structure is wrong: `where` names the file and the line or row, `field` the field,
+    `expected` what it should hold, `problem` the kind of problem (counted by kind under
+    on_bad_record: skip)."""
+
+    def __init__(self, where: str, field: str, expected: str, problem: str):
+        super().__init__(f"{where}: {field}: {expected}")
+        self.where, self.field, self.expected, self.problem = where, field, expected, problem
+
+
+class BadRecords(DataError):
+    """Records that cannot be used, found before any work (data.on_bad_record: error): every one is
+    counted, the first `shown` listed with file:line, field and what was expected."""
+
+    exit_code = EXIT_BAD_SPEC
+
+    def __init__(self, where: str, bad: list[RecordError], total: int, shown: int = 20):
+        kinds = Counter(b.problem for b in bad)
+        lines = [f"{where}: {total:,} bad record{'s' if total != 1 else ''} ("
+                 + ", ".join(f"{k} {v:,}" for k, v in sorted(kinds.items()))
+                 + "); set data.on_bad_record: skip to leave them out (counted in the data report):"]
+        lines += [f"  {b.where}: {b.field}: {b.expected}" for b in bad[:shown]]
+        if total > shown:
+            lines.append(f"  ... and {total - shown:,} more")
+        super().__init__("\n".join(lines))
+        self.bad, self.total = bad, total
+
+
+# What the pre-pass keeps of the bad records it finds (it counts them all).
+KEEP_BAD = 1000
 
 
 def _check_messages(messages: Any, where: str) -> list[dict[str, str]]:
     if not isinstance(messages, list) or not messages:
-        raise RecordError(f"{where}: field `messages` must be a non-empty list of {{role, content}}")
+        raise RecordError(where, "messages", "a non-empty list of {role, content}", "no_messages")
     out = []
     for i, m in enumerate(messages):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
-            raise RecordError(f"{where}: `messages[{i}]` must be an object with string `role` and `content`")
+        if not isinstance(m, dict):
+            raise RecordError(where, f"messages[{i}]", f"an object with string `role` and `content`, got "
+                              f"{type(m).__name__}", "bad_message")
+        for name in ("role", "content"):
+            if not isinstance(m.get(name), str):
+                got = "nothing" if name not in m else type(m[name]).__name__
+                raise RecordError(where, f"messages[{i}].{name}", f"a string, got {got}", "not_a_string")
         if m["role"] not in ROLES:
-            raise RecordError(f"{where}: `messages[{i}].role` is {m['role']!r}; roles are {list(ROLES)}")
+            raise RecordError(where, f"messages[{i}].role", f"one of {list(ROLES)}, got {m['role']!r}",
+                              "unknown_role")
         out.append({"role": m["role"], "content": m["content"]})
     body = out[1:] if out[0]["role"] == "system" else out
     for i, m in enumerate(body):
         expected = "user" if i % 2 == 0 else "assistant"
         if m["role"] != expected:
             index = i + (len(out) - len(body))
-            raise RecordError(
-                f"{where}: `messages[{index}].role` is {m['role']!r} where {expected!r} was expected (roles out "
-                "of order: an optional system message, then user and assistant alternating)"
-            )
+            raise RecordError(where, f"messages[{index}].role", f"{expected!r} (roles out of order: an optional "
+                              f"system message, then user and assistant alternating), got {m['role']!r}",
+                              "roles_out_of_order")
     if not body or body[-1]["role"] != "assistant":
-        raise RecordError(f"{where}: `messages` must end with an assistant message (the response to learn)")
+        raise RecordError(where, "messages", "to end with an assistant message (the response to learn)",
+                          "no_response")
     return out
 
 
@@ -74,35 +110,45 @@ def _string(record: dict, name: str, where: str, required: bool = True) -> str |
     value = record.get(name)
     if value is None and not required:
         return None
+    if name not in record:
+        raise RecordError(where, name, "a string; the field is missing", "missing_field")
     if not isinstance(value, str):
-        raise RecordError(f"{where}: field `{name}` must be a string, got {type(value).__name__}")
+        raise RecordError(where, name, f"a string, got {type(value).__name__}", "not_a_string")
     return value
 
 
 def record_from_mapping(raw: Any, rid: str, preference: bool, group_field: str | None) -> Record:
-    """A Record from one JSON object / Parquet row (`rid` names its file and line or row)."""
+    """A Record from one JSON object / Parquet row (`rid` names its file and line or row); RecordError
+    names the field and what it should hold when the record is malformed."""
     if not isinstance(raw, dict):
-        raise RecordError(f"{rid}: a record must be an object, got {type(raw).__name__}")
+        raise RecordError(rid, "(record)", f"an object, got {type(raw).__name__}", "not_an_object")
     group = None
     if group_field is not None:
         if group_field not in raw:
-            raise RecordError(f"{rid}: field `{group_field}` (group_field) is missing")
+            raise RecordError(rid, group_field, "a value (data.sources[].group_field); the field is missing",
+                              "missing_field")
         group = str(raw[group_field])
     system = _string(raw, "system", rid, required=False)
     head = [{"role": "system", "content": system}] if system is not None else []
     if preference:
         meta = {}
         if "messages" in raw:
+            if not isinstance(raw["messages"], list):
+                raise RecordError(rid, "messages", "a list of {role, content} (the prompt)", "no_messages")
             prompt = _check_messages(raw["messages"] + [{"role": "assistant", "content": ""}], rid)[:-1]
-        else:
+        elif "prompt" in raw:
             prompt = head + [{"role": "user", "content": _string(raw, "prompt", rid)}]
             meta["format"] = "prompt_response"
+        else:
+            raise RecordError(rid, "prompt", f"a preference record needs `prompt` (or `messages`), `chosen` and "
+                              f"`rejected`; it has {sorted(raw)[:8]}", "no_messages")
         chosen, rejected = _string(raw, "chosen", rid), _string(raw, "rejected", rid)
         return Record(rid, group, prompt + [{"role": "assistant", "content": chosen}], rejected=rejected, meta=meta)
     if "messages" in raw:
         return Record(rid, group, _check_messages(raw["messages"], rid))
     if "prompt" not in raw or "response" not in raw:
-        raise RecordError(f"{rid}: a record needs `messages`, or `prompt` and `response`; it has {sorted(raw)[:8]}")
+        raise RecordError(rid, "messages", f"a record needs `messages`, or `prompt` and `response`; it has "
+                          f"{sorted(raw)[:8]}", "no_messages")
     messages = head + [
         {"role": "user", "content": _string(raw, "prompt", rid)},
         {"role": "assistant", "content": _string(raw, "response", rid)},
@@ -110,21 +156,28 @@ def record_from_mapping(raw: Any, rid: str, preference: bool, group_field: str |
     return Record(rid, group, messages, meta={"format": "prompt_response"})
 
 
+def raw_records(path: str, data: bytes, format: str) -> Iterator[tuple[str, Any]]:
+    """(file:line or file#row, the parsed object) of every record of a JSONL or Parquet file; a line that
+    is not JSON comes as its RecordError in place of the object, so a reader can go on past it."""
+    return _jsonl_records(path, data) if format == "jsonl" else _parquet_records(path, data)
+
+
 def _jsonl_records(path: str, data: bytes) -> Iterator[tuple[str, Any]]:
     for lineno, line in enumerate(data.split(b"\n"), start=1):
         if not line.strip():
             continue
+        where = f"{path}:{lineno}"
         try:
-            yield f"{path}:{lineno}", json.loads(line.decode("utf-8"))
+            yield where, json.loads(line)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise RecordError(f"{path}:{lineno}: not a JSON object ({exc})") from None
+            yield where, RecordError(where, "(line)", f"a JSON object ({exc})", "malformed_json")
 
 
 def _parquet_records(path: str, data: bytes) -> Iterator[tuple[str, Any]]:
     try:
         table = pq.read_table(pa.BufferReader(data))
     except pa.ArrowException as exc:
-        raise RecordError(f"{path}: not a readable Parquet file: {exc}") from None
+        raise DataError(f"{path}: not a readable Parquet file: {exc}") from None
     for row, record in enumerate(table.to_pylist()):
         yield f"{path}#row{row}", record
 
@@ -206,9 +259,9 @@ _REJECTED_BODY = {"next_function": _next_function_body, "shuffled_lines": _shuff
 
 
 def iter_records(source: InstructSourceSpec, file: InputFile, base: str, preference: bool,
-                 counts: Counter) -> Iterator[Record]:
+                 counts: Counter) -> Iterator[Record | RecordError]:
     """Every record of one file of `source` (`base`: the source's fixed directory, so groups and ids
-    do not depend on where the files sit)."""
+    do not depend on where the files sit); a malformed record comes as its RecordError, in its place."""
     data = read_bytes(file.path)
     counts["files"] += 1
     counts["bytes_read"] += len(data)
@@ -219,6 +272,11 @@ def iter_records(source: InstructSourceSpec, file: InputFile, base: str, prefere
         records = python_function_records(rel, text, module, source, counts)
         yield from (preference_pairs(list(records), source.rejected, counts) if preference else records)
         return
-    raw = _jsonl_records(rel, data) if source.format == "jsonl" else _parquet_records(rel, data)
-    for rid, item in raw:
-        yield record_from_mapping(item, rid, preference, source.group_field)
+    for rid, item in raw_records(rel, data, source.format):
+        if isinstance(item, RecordError):
+            yield item
+            continue
+        try:
+            yield record_from_mapping(item, rid, preference, source.group_field)
+        except RecordError as bad:
+            yield bad

@@ -22,6 +22,7 @@ import numpy as np
 from runyard.errors import RunyardError
 from runyard.evaluate.report import Verdict
 from runyard.spec.predictive import PredictionEvalSpec
+from runyard.train.gates import compared
 
 
 def _sklearn_metrics() -> ModuleType:
@@ -174,8 +175,7 @@ def prediction_verdict(result: PredictionMetrics, thresholds: PredictionEvalSpec
     if thresholds.must_beat_baseline:
         loss, base = result.metrics[result.loss_name], result.baseline[result.loss_name]
         needed = base * (1 - thresholds.baseline_margin)
-        gain = 1 - loss / base if base else 0.0
-        line = (f"{result.loss_name} {loss:.4f} is {gain:.1%} below the baseline's {base:.4f} ({result.baseline_name}); "
+        line = (f"{result.loss_name} {loss:.4f} is {compared(loss, base)} the baseline's {base:.4f} ({result.baseline_name}); "
                 f"fit to ship needs at least {thresholds.baseline_margin:.0%} (eval.prediction.baseline_margin)")
         (passed if loss < base and loss <= needed else reasons).append(line)
     return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed)

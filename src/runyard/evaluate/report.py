@@ -17,6 +17,7 @@ from runyard.plan.lifetime import Lifetime, plot_lifetime
 from runyard.spec.job import EvalSpec
 from runyard.system.files import atomic_write_text
 from runyard.train.finetune_metrics import finetune_markdown
+from runyard.train.gates import compared
 
 
 @dataclass(frozen=True)
@@ -46,14 +47,64 @@ def verdict(
     if thresholds.must_beat_unigram:
         margin = thresholds.unigram_margin
         needed = metrics.unigram_loss * (1 - margin)
-        gain = 1 - metrics.heldout_loss / metrics.unigram_loss if metrics.unigram_loss > 0 else 0.0
         line = (
-            f"held-out loss {metrics.heldout_loss:.3f} is {gain:.1%} below the unigram baseline "
+            f"held-out loss {metrics.heldout_loss:.3f} is {compared(metrics.heldout_loss, metrics.unigram_loss)} the unigram baseline "
             f"{metrics.unigram_loss:.3f}; fit to ship needs at least {margin:.0%} (eval.unigram_margin), "
             f"a loss of {needed:.3f} or lower"
         )
         ok = metrics.heldout_loss < metrics.unigram_loss and metrics.heldout_loss <= needed
         (passed if ok else reasons).append(line)
+    flags = stalled_heldout(stage_metrics or {}, thresholds.stall_fraction)
+    return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed, flags=flags)
+
+
+def finetune_verdict(stage: str, kind: str, record: dict, thresholds: EvalSpec,
+                     stage_metrics: dict[str, list[dict]] | None = None) -> Verdict:
+    """The verdict of a run whose last stage is sft or dpo, on that stage's own held-out figures before its
+    first step and after its last (stages/<stage>/finetune.json): sft, the response loss against the initial
+    weights' (eval.min_response_loss_drop) and the task metric where there is one (eval.min_task_score, else
+    not below the initial weights'); dpo, reward accuracy and margin (eval.min_reward_accuracy,
+    eval.min_reward_margin)."""
+    reasons, passed = [], []
+    before = (record.get("before") or {}).get("metrics") or {}
+    after = (record.get("after") or {}).get("metrics") or {}
+    if not before or not after:
+        reasons.append(f"stage {stage} ({kind}) has no held-out figures from before and after its training "
+                       f"(stages/{stage}/finetune.json)")
+        return Verdict(False, reasons, flags=stalled_heldout(stage_metrics or {}, thresholds.stall_fraction))
+    if kind == "sft":
+        drop = thresholds.min_response_loss_drop
+        a, b = after.get("heldout_loss"), before.get("heldout_loss")
+        if drop is not None and a is not None and b is not None:
+            needed = b * (1 - drop)
+            line = (f"stage {stage}'s held-out response loss {a:.4f} is {compared(a, b)} its initial weights' "
+                    f"{b:.4f}; fit to ship needs it {'lower' if drop == 0 else f'at least {drop:.0%} lower'} "
+                    f"(eval.min_response_loss_drop)" + (f", {needed:.4f} or lower" if drop else ""))
+            (passed if a < b and a <= needed else reasons).append(line)
+        for key in sorted(k for k in after if k.startswith("task_")):
+            score, base = after[key], before.get(key)
+            name = key.removeprefix("task_")
+            if thresholds.min_task_score is not None:
+                line = (f"stage {stage}'s task metric {name} {score:.3f} on held-out prompts against the bound "
+                        f"{thresholds.min_task_score} (eval.min_task_score)")
+                ok = score >= thresholds.min_task_score
+            else:
+                base_text = f"{base:.3f}" if base is not None else "-"
+                line = (f"stage {stage}'s task metric {name} {score:.3f} on held-out prompts against its initial "
+                        f"weights' {base_text}; fit to ship needs it not lower (eval.min_task_score: null)")
+                ok = base is None or score >= base
+            (passed if ok else reasons).append(line)
+    else:
+        accuracy, margin = after.get("heldout_reward_accuracy"), after.get("heldout_reward_margin")
+        if thresholds.min_reward_accuracy is not None:
+            line = (f"stage {stage}'s held-out reward accuracy {accuracy:.3f} (initial weights "
+                    f"{before.get('heldout_reward_accuracy', float('nan')):.3f}) against the bound "
+                    f"{thresholds.min_reward_accuracy} (eval.min_reward_accuracy)")
+            (passed if accuracy is not None and accuracy >= thresholds.min_reward_accuracy else reasons).append(line)
+        if thresholds.min_reward_margin is not None:
+            line = (f"stage {stage}'s held-out mean reward margin {margin:.4f} against the bound "
+                    f"{thresholds.min_reward_margin}: fit to ship needs it above (eval.min_reward_margin)")
+            (passed if margin is not None and margin > thresholds.min_reward_margin else reasons).append(line)
     flags = stalled_heldout(stage_metrics or {}, thresholds.stall_fraction)
     return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed, flags=flags)
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from runyard.errors import EXIT_NOT_FIT, EXIT_OK
 from runyard.reproduce.build import BuiltEnvironment, build_environment
 from runyard.reproduce.bundle import wheelhouse_of
 from runyard.reproduce.compare import DEFAULT_TOLERANCE, DIFFERENT, Comparison, compare_runs
@@ -40,8 +41,10 @@ class Reproduction:
 
     @property
     def exit_code(self) -> int:
-        """0 when the result held (bitwise or within tolerance), 1 when it did not or the rerun failed."""
-        return 1 if self.rerun_exit_code != 0 or self.comparison.verdict == DIFFERENT else 0
+        """0 when the result held (bitwise or within tolerance), 1 when it did not or the rerun failed. A
+        rerun that finished not fit to ship (exit 7) did not fail: the comparison says whether it matches."""
+        failed = self.rerun_exit_code not in (EXIT_OK, EXIT_NOT_FIT)
+        return 1 if failed or self.comparison.verdict == DIFFERENT else 0
 
 
 def default_into(run_dir: Path) -> Path:

@@ -26,18 +26,19 @@ from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_ch
 from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
 from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
-from runyard.errors import GateFailed, SpecError
+from runyard.errors import EXIT_NOT_FIT, GateFailed, NotFitToShip, SpecError
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
     summarise,
     unigram_loss,
 )
-from runyard.evaluate.report import verdict, write_report
+from runyard.evaluate.report import finetune_verdict, verdict, write_report
 from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
 from runyard.model.hf.export import export_model as write_export
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
+from runyard.plan.records_in import check_records_in
 from runyard.plan.runlife import run_lifetime
 from runyard.plan.weights_in import check_weights_in, stage_start, weights_origin, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
@@ -79,6 +80,15 @@ class RunSummary:
     samples: list[dict] = field(default_factory=list)
     evaluated: bool = False
     prediction: dict | None = None  # tabular and image tasks: the test split's metrics beside their baseline
+    reasons: list[str] = field(default_factory=list)  # why the verdict is not fit to ship
+
+    def not_fit(self) -> NotFitToShip | None:
+        """The error `runyard run` exits with (EXIT_NOT_FIT) when the finished run is not fit to ship."""
+        if not self.evaluated or self.fit_to_ship is not False:
+            return None
+        return NotFitToShip(f"the run finished but is not fit to ship: {'; '.join(self.reasons) or 'see the report'}. "
+                            f"The export and {self.run_dir / 'eval' / 'report.md'} are written; exit {EXIT_NOT_FIT} "
+                            "tells a script or CI")
 
 
 def default_run_dir(spec: JobSpec, root: Path | None = None) -> Path:
@@ -335,11 +345,16 @@ def evaluate_and_export(
         samples.append({"prompt": prompt, "completion": completion})
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
-    result = verdict(metrics, spec.eval, stage_metrics)
     finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
+    final = spec.stages[-1]
+    if final.kind == "pretrain":
+        result = verdict(metrics, spec.eval, stage_metrics)
+    else:  # a fine-tune is judged on its own held-out figures, not on the pretraining text's baseline
+        result = finetune_verdict(final.name, final.kind, finetune[final.name], spec.eval, stage_metrics)
     lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
     write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime)
-    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True)
+    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True,
+                      reasons=list(result.reasons))
 
 
 def execute_run(
@@ -355,6 +370,7 @@ def execute_run(
     if only_stage is not None and only_stage not in names:
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     check_weights_in(spec)  # exit 2 before any work when the spec cannot run on its initial weights
+    check_records_in(spec)  # exit 2 before any work when an sft/dpo record is bad (on_bad_record: error)
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):
@@ -399,7 +415,7 @@ def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evalua
     with stop_on_signals(stop):
         result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)
     return RunSummary(run_dir, result.stages, fit_to_ship=result.fit_to_ship, evaluated=result.evaluated,
-                      prediction=result.prediction)
+                      prediction=result.prediction, reasons=result.reasons)
 
 
 def _configure_threads(spec: JobSpec) -> ThreadChoice:

@@ -72,6 +72,7 @@ class TaskRunResult:
     stages: list[dict] = field(default_factory=list)
     prediction: dict[str, Any] | None = None
     fit_to_ship: bool | None = None
+    reasons: list[str] = field(default_factory=list)  # the bounds the verdict found failing
     evaluated: bool = False
     family: str | None = None
 
@@ -225,6 +226,7 @@ def _table_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedTable, last:
                      extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
     mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=verdict.fit_to_ship)
     out.prediction, out.fit_to_ship, out.evaluated = result.to_dict(), verdict.fit_to_ship, True
+    out.reasons = list(verdict.reasons)
     return out
 
 
@@ -337,4 +339,5 @@ def _image_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedImages, mode
                      extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
     mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=verdict.fit_to_ship)
     out.prediction, out.fit_to_ship, out.evaluated = result.to_dict(), verdict.fit_to_ship, True
+    out.reasons = list(verdict.reasons)
     return out

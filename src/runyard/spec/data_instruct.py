@@ -90,6 +90,15 @@ class InstructDataSpec(_Strict):
         description="a conversation longer than the model's context: `drop` it, or `truncate` it to the "
         "context (dropped all the same when no response token is left); both counted in the data report",
     )
+    on_bad_record: Literal["error", "skip"] = Field(
+        default="error",
+        description="a record that cannot be used (a line that is not JSON, no `messages`, roles out of order, "
+        "an unknown role such as `tool`, a non-string content, a preference record without `chosen` or "
+        "`rejected`, a conversation the chat template refuses with raise_exception): `error` refuses the run "
+        "before any work (exit 2, from `runyard plan` too), listing every bad record by file:line, field and "
+        "what was expected (the first 20, with a count of the rest); `skip` leaves each out, counted by kind "
+        "with samples in the data report",
+    )
     length_grouping: int = Field(
         default=32,
         ge=0,

@@ -370,6 +370,33 @@ class EvalSpec(_Strict):
         description="fraction by which the held-out loss (nats per token) must fall below the unigram "
         "baseline's for must_beat_unigram: 0.1 means at least 10% lower, 0 means any lower",
     )
+    min_response_loss_drop: float | None = Field(
+        default=0.0,
+        ge=0,
+        lt=1,
+        description="when the last stage is sft: fit to ship only if its held-out response loss fell by at "
+        "least this fraction from the stage's initial weights' (evaluated before its first step); 0 means any "
+        "fall, null no bound. Such a run is judged on its last stage's own figures, not on the unigram baseline",
+    )
+    min_task_score: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="when the last stage is sft with a task metric (sft.task_metric): fit to ship only if the "
+        "share of held-out prompts it answers right is at least this; null: at least the initial weights' share",
+    )
+    min_reward_accuracy: float | None = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="when the last stage is dpo: fit to ship only if its held-out reward accuracy (pairs whose "
+        "chosen response gets the higher implicit reward) is at least this; null no bound",
+    )
+    min_reward_margin: float | None = Field(
+        default=0.0,
+        description="when the last stage is dpo: fit to ship only if its held-out mean reward margin (chosen "
+        "minus rejected) is above this; null no bound",
+    )
     stall_fraction: float | None = Field(
         default=0.2,
         gt=0,

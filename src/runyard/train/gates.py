@@ -34,12 +34,40 @@ class GateResult:
     detail: str
 
 
+def compared(value: float, reference: float, unit: str = "") -> str:
+    """`value` against `reference` in words that say which way it lies: "13.1% below", "13.1% above" or
+    "equal to" (a negative percentage never stands for the other direction)."""
+    if not (math.isfinite(value) and math.isfinite(reference)) or reference == 0:
+        return "above" if value > reference else "below" if value < reference else "equal to"
+    change = value / reference - 1
+    if abs(change) < 5e-4:
+        return "equal to"
+    return f"{abs(change):.1%} {'above' if change > 0 else 'below'}"
+
+
+def fell_or_rose(start: float, end: float) -> str:
+    """How a loss moved from `start` to `end`: "fell 7.6%", "rose 3.0%" or "did not change"."""
+    if not (math.isfinite(start) and math.isfinite(end)) or start == 0:
+        return f"went from {start:.4g} to {end:.4g}"
+    change = end / start - 1
+    if abs(change) < 5e-4:
+        return "did not change"
+    return f"{'rose' if change > 0 else 'fell'} {abs(change):.1%}"
+
+
 def loss_drop(losses: list[float]) -> float:
     """Fractional fall of the training loss: first window's mean against the last window's."""
     window = max(1, min(10, len(losses) // 5))
     first = sum(losses[:window]) / window
     last = sum(losses[-window:]) / window
     return (first - last) / first if first > 0 else 0.0
+
+
+def _moved(drop: float) -> str:
+    # A drop (fraction of the start) in words: a negative drop is a rise, said as one.
+    if not math.isfinite(drop):
+        return f"changed by {drop}"
+    return "did not change" if abs(drop) < 5e-4 else f"{'fell' if drop > 0 else 'rose'} {abs(drop):.1%}"
 
 
 def checkpoint_roundtrip_exact(checkpoint_path: Path, model: torch.nn.Module) -> tuple[bool, str]:
@@ -92,7 +120,7 @@ def evaluate_gates(
         drop = loss_drop(losses) if losses else 0.0
         ok = math.isfinite(drop) and drop >= gates.min_loss_drop
         results.append(
-            GateResult("loss_drop", ok, drop, gates.min_loss_drop, f"training loss fell by {drop:.1%}")
+            GateResult("loss_drop", ok, drop, gates.min_loss_drop, "training loss " + _moved(drop))
         )
     if gates.max_heldout_loss is not None:
         ok = heldout_loss is not None and math.isfinite(heldout_loss) and heldout_loss <= gates.max_heldout_loss
@@ -105,7 +133,7 @@ def evaluate_gates(
             drop = (heldout_start - heldout_loss) / heldout_start
         ok = drop is not None and math.isfinite(drop) and drop >= gates.min_heldout_loss_drop
         detail = ("no held-out loss to compare" if drop is None
-                  else f"held-out loss {heldout_start:.4f} -> {heldout_loss:.4f} ({drop:.1%})")
+                  else f"held-out loss {heldout_start:.4f} -> {heldout_loss:.4f} ({_moved(drop)})")
         results.append(GateResult("heldout_loss_drop", ok, drop, gates.min_heldout_loss_drop, detail))
     if gates.min_tokens_per_s is not None:
         ok = tokens_per_s >= gates.min_tokens_per_s
