@@ -224,3 +224,57 @@ def test_indented_reST_adornments_are_recognised_but_indented_comments_are_not_h
     view = prose_view(text)
     assert view.markup_lines == {"heading_adornment": 1} and "######" not in view.text
     assert "Reference" in view.titles and "# a comment in code" in view.text
+
+
+def _prose_words(n: int, first: int = 0) -> str:
+    """n words of varied prose in paragraphs (no repeated n-gram dominates)."""
+    words = [f"{w}{first + i}" if i % 3 else w for i, w in enumerate(
+        ("the kernel schedules each task on a runqueue and balances load across cpus when idle " * (n // 14 + 1))
+        .split()[:n])]
+    return "\n\n".join(" ".join(words[i : i + 60]) + "." for i in range(0, n, 60))
+
+
+# A kernel-doc style page: 900 words of prose and a literal block of a program's output full of '...'.
+_OUTPUT = "\n".join(f"    [{i}.000] probing device {i} ... ... done ..." for i in range(60))
+LITERAL_PAGES = {
+    "rest-double-colon": _prose_words(450) + "\n\nThe boot log reads::\n\n" + _OUTPUT + "\n\n" + _prose_words(450, 1000),
+    "rest-code-block": _prose_words(450) + "\n\n.. code-block:: console\n   :linenos:\n\n" + _OUTPUT + "\n\n"
+    + _prose_words(450, 1000),
+    "markdown-backticks": _prose_words(450) + "\n\n```console\n" + _OUTPUT + "\n# comment ###\n```\n\n" + _prose_words(450, 1000),
+    "markdown-tildes": _prose_words(450) + "\n\n~~~\n" + _OUTPUT + "\n```\n~~~\n\n" + _prose_words(450, 1000),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LITERAL_PAGES))
+def test_literal_blocks_are_left_out_of_the_prose_statistics(name):
+    page = LITERAL_PAGES[name]
+    spec = FilterSpec(**PROSE_BOUNDS)
+    assert check_document(page, spec) is None  # kept: the '...' are in the literal block
+    plain = check_document(page, FilterSpec(**PROSE_BOUNDS, markup_aware=False))
+    assert plain is not None and plain.reason == "symbol_word_ratio", plain
+    view = prose_view(page)
+    assert "probing device" not in view.text and view.markup_lines["literal_block"] >= 60
+    assert view.literal_words >= 60 * 8 and len(view.text.split()) == 900 + 4 * ("reads::" in page)
+
+
+def test_literal_blocks_still_count_as_words_and_prose_spam_is_still_caught():
+    # All code: no prose words, but the document's words count for min_words.
+    code_only = "```python\n" + "\n".join(f"value_{i} = compute(item_{i}, factor={i})" for i in range(30)) + "\n```\n"
+    failed = check_document(code_only, FilterSpec(min_words=50))
+    assert failed is None
+    # '...' outside the block is still counted.
+    spam = _prose_words(100) + "\n\nwait ... " * 40 + "\n\n```\nx = 1\n```\n"
+    failed = check_document(spam, FilterSpec(**PROSE_BOUNDS))
+    assert failed is not None and failed.reason == "symbol_word_ratio"
+
+
+def test_only_literal_markup_makes_a_literal_block():
+    # A `.. note::` directive and a paragraph ending in `::` without an indented block are prose.
+    text = "Intro.\n\n.. note::\n\n   Read this ... carefully.\n\nA list::\nnot indented ...\n"
+    view = prose_view(text)
+    assert "literal_block" not in view.markup_lines and "carefully" in view.text and "not indented" in view.text
+    # The `::` paragraph stays, the block after it goes; text after the block is prose again.
+    text = "Example::\n\n    $ make ...\n    ok ...\n\nBack to prose.\n"
+    view = prose_view(text)
+    assert view.markup_lines["literal_block"] == 3 and "Example::" in view.text and "Back to prose." in view.text
+    assert "make" not in view.text

@@ -7,7 +7,9 @@ Measures follow the Gopher rules (Rae et al. 2021) so bounds from that paper car
 optional (null turns the rule off) because code, tables and prose need different ones. With
 `markup_aware` (the default), every rule but the character counts reads the document's prose view
 (data/markup.py): table borders and heading adornments of technical text are not repetition or symbols,
-and the repetition rules (lines, paragraphs, n-grams) leave heading titles out.
+the repetition rules (lines, paragraphs, n-grams) leave heading titles out, and literal blocks (Markdown
+fences, reST `::` blocks and code directives) are left out of every statistic; the word counts
+(min_words, max_words) still count the words inside them.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class _Doc:
         self.body = view.body if view is not None else raw
         # Heading titles count as text but never as a repeat: "Parameters" under every function is structure.
         self.titles = view.titles if view is not None else frozenset()
+        # Words inside literal blocks (code, program output) are not prose, but they are the document's words.
+        self.literal_words = view.literal_words if view is not None else 0
         self._words: list[str] | None = None
         self._lines: list[str] | None = None
 
@@ -204,8 +208,8 @@ class _Rule:
 _RULES: list[_Rule] = [
     _Rule("too_short_chars", "min_chars", "min", lambda d, s: len(d.raw)),
     _Rule("too_long_chars", "max_chars", "max", lambda d, s: len(d.raw)),
-    _Rule("too_few_words", "min_words", "min", lambda d, s: len(d.words)),
-    _Rule("too_many_words", "max_words", "max", lambda d, s: len(d.words)),
+    _Rule("too_few_words", "min_words", "min", lambda d, s: len(d.words) + d.literal_words),
+    _Rule("too_many_words", "max_words", "max", lambda d, s: len(d.words) + d.literal_words),
     _Rule("mean_word_length_low", "min_mean_word_length", "min", lambda d, s: _mean_word_length(d),
           lambda d, s: _explain_lengths(d, s, longest=False)),
     _Rule("mean_word_length_high", "max_mean_word_length", "max", lambda d, s: _mean_word_length(d),

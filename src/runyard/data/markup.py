@@ -1,5 +1,11 @@
-"""Table and heading lines of technical text (reStructuredText, Markdown), recognised so that quality
-filters measure the prose and not the markup around it.
+"""Table, heading and literal-block lines of technical text (reStructuredText, Markdown), recognised so
+that quality filters measure the prose and not the markup around it.
+
+Literal blocks are where the markup says the text is literal: Markdown fences (``` and ~~~), reST literal
+blocks (the indented block after a paragraph ending in `::`) and code directives (`.. code-block::`,
+`.. code::`, `.. sourcecode::`, `.. parsed-literal::`, `.. doctest::`, `.. testcode::`). They are taken
+out of the prose view whole: a `...` in a program's output or a `#` comment is not symbol spam, and
+`}` on every other line is not repetition.
 
 Documentation repeats its markup by design: a grid table's borders are the same line over and over,
 a reST title sits between two rows of `#####`, a Markdown table has a `| --- | --- |` separator. Read
@@ -41,6 +47,7 @@ class ProseView:
     body: str
     titles: frozenset[str] = frozenset()
     markup_lines: Counter = field(default_factory=Counter)  # kind -> lines recognised
+    literal_words: int = 0  # whitespace-separated words inside the literal blocks taken out
 
     @property
     def lines_recognised(self) -> int:
@@ -79,10 +86,87 @@ def heading_title(line: str) -> str | None:
     return title
 
 
+_FENCE = re.compile(r" {0,3}(`{3,}|~{3,})")
+_CODE_DIRECTIVE = re.compile(r"([ \t]*)\.\.[ \t]+(?:code-block|code|sourcecode|parsed-literal|doctest|testcode)::")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip(" \t"))
+
+
+def _indented_block_end(lines: list[str], start: int, indent: int) -> int:
+    """The index after the block of lines from `start` that are blank or indented deeper than `indent`,
+    trailing blank lines left out."""
+    end = last = start
+    while end < len(lines) and (not lines[end].strip() or _indent(lines[end]) > indent):
+        end += 1
+        if lines[end - 1].strip():
+            last = end
+    return last
+
+
+def literal_blocks(text: str) -> list[tuple[int, int]]:
+    """Line ranges [start, end) of `text.split("\n")` that the markup marks literal: a Markdown fence with
+    its fence lines (an unclosed fence runs to the end), a reST code directive with its options and
+    content, the indented block after a paragraph line ending in `::` (that line stays: it is prose)."""
+    if "```" not in text and "~~~" not in text and "::" not in text:
+        return []
+    lines = text.split("\n")
+    blocks: list[tuple[int, int]] = []
+    i = 0
+    while i < len(lines):
+        line = lines[i]
+        fence = _FENCE.match(line)
+        if fence and not (fence.group(1)[0] == "`" and "`" in line[fence.end():]):
+            mark = fence.group(1)
+            close = re.compile(r" {0,3}" + re.escape(mark[0]) + "{" + str(len(mark)) + r",}[ \t]*$")
+            end = next((j + 1 for j in range(i + 1, len(lines)) if close.match(lines[j])), len(lines))
+            blocks.append((i, end))
+            i = end
+            continue
+        directive = _CODE_DIRECTIVE.match(line)
+        if directive:
+            end = _indented_block_end(lines, i + 1, len(directive.group(1).expandtabs()))
+            blocks.append((i, end))
+            i = max(end, i + 1)
+            continue
+        stripped = line.rstrip()
+        if stripped.endswith("::") and not stripped.lstrip().startswith(".."):
+            j = i + 1
+            if j < len(lines) and not lines[j].strip():  # a literal block follows a blank line
+                end = _indented_block_end(lines, j, _indent(line))
+                if end > j:
+                    blocks.append((i + 1, end))
+                    i = end
+                    continue
+        i += 1
+    return blocks
+
+
 def prose_view(text: str) -> ProseView:
-    """The document as prose: table borders and heading adornments dropped, table rows reduced to their
-    cells' text, Markdown headings to their titles. A line directly above a reST adornment is a title.
-    Other lines are kept as they are."""
+    """The document as prose: literal blocks dropped (see `literal_blocks`), table borders and heading
+    adornments dropped, table rows reduced to their cells' text, Markdown headings to their titles. A line
+    directly above a reST adornment is a title. Other lines are kept as they are."""
+    blocks = literal_blocks(text)
+    if not blocks:
+        return _tables_and_headings(text)
+    lines = text.split("\n")
+    kept: list[str] = []
+    literal_lines = literal_words = 0
+    pos = 0
+    for start, end in blocks:
+        kept += lines[pos:start] + [""]  # a blank line where the block was keeps the paragraphs apart
+        literal_lines += end - start
+        literal_words += sum(len(ln.split()) for ln in lines[start:end])
+        pos = end
+    kept += lines[pos:]
+    view = _tables_and_headings("\n".join(kept))
+    view.markup_lines["literal_block"] += literal_lines
+    view.literal_words = literal_words
+    return view
+
+
+def _tables_and_headings(text: str) -> ProseView:
     text_parts: list[str] = []
     body_parts: list[str] = []
     titles: set[str] = set()

@@ -127,8 +127,11 @@ def _pii_markdown(stats: dict[str, Any]) -> list[str]:
         lines += ["", f"### Before and after: {kind}", ""]
         for s in samples:
             lines.append(f"- `{_snippet(s['before'])}`  \n  → `{_snippet(s['after'])}`")
+            if s.get("replaced"):  # samples written before the list existed have none
+                lines.append("  (" + "; ".join(f"`{_snippet(r)}`" for r in s["replaced"]) + ")")
     if stats.get("pii_samples"):
-        lines += ["", "The samples show the original text: keep this report as private as the data."]
+        lines += ["", "The samples show the original text and each replacement in it: keep this report as "
+                  "private as the data."]
     return lines
 
 

@@ -85,9 +85,10 @@ class NormalizeSpec(_Strict):
 class FilterSpec(_Strict):
     """Quality filters. Each is off when its bound is null. The defaults only drop empty documents and
     degenerate ones (nearly all lines the same), so source code passes; prose corpora should set the
-    Gopher-style bounds (e.g. min_words 50, max_symbol_word_ratio 0.1, max_non_alpha_word_fraction 0.2).
-    Table and heading lines of technical text are recognised first (markup_aware), so tables and
-    `#####` headings do not count as repetition or symbols. Each removal is counted under its rule, with
+    Gopher-style bounds; each field below names the one value recommended for prose and documentation
+    (min_words 50, max_symbol_word_ratio 0.1, max_non_alpha_word_fraction 0.3, max_top_ngram_fraction 0.2).
+    Table, heading and literal-block lines of technical text are recognised first (markup_aware), so tables,
+    `#####` headings and code or program output do not count as repetition or symbols. Each removal is counted under its rule, with
     samples naming the measured value and what tripped it."""
 
     enabled: bool = Field(default=True, description="apply the quality filters at all")
@@ -96,11 +97,12 @@ class FilterSpec(_Strict):
         description="recognise table lines (reST grid and simple tables, Markdown tables) and heading lines "
         "(Markdown `#` headings at a line's start, reST over/underlines such as `=====`): every rule but the "
         "character counts reads the text without their markup (table cells and titles still count as words), "
-        "and a repeated heading title is not repetition",
+        "and a repeated heading title is not repetition; literal blocks (Markdown ``` and ~~~ fences, reST `::` "
+        "blocks, `.. code-block::`/`.. code::` directives) are left out of every rule but the character and word counts",
     )
     min_chars: int | None = Field(default=1, ge=0, description="remove documents shorter than this many characters")
     max_chars: int | None = Field(default=None, ge=1, description="remove documents longer than this many characters")
-    min_words: int | None = Field(default=None, ge=0, description="remove documents with fewer whitespace-separated words")
+    min_words: int | None = Field(default=None, ge=0, description="remove documents with fewer whitespace-separated words (prose: 50)")
     max_words: int | None = Field(default=None, ge=1, description="remove documents with more whitespace-separated words")
     min_mean_word_length: float | None = Field(
         default=None, ge=0, description="remove documents whose mean word length (characters) is below this"
@@ -109,10 +111,11 @@ class FilterSpec(_Strict):
         default=None, gt=0, description="remove documents whose mean word length (characters) is above this"
     )
     max_symbol_word_ratio: float | None = Field(
-        default=None, ge=0, description="bound on ('#' characters + ellipses) per word, outside table and heading markup"
+        default=None, ge=0, description="bound on ('#' characters + ellipses) per word, outside table, heading and literal-block markup "
+        "(prose: 0.1)"
     )
     max_non_alpha_word_fraction: float | None = Field(
-        default=None, ge=0, le=1, description="bound on the fraction of words with no alphabetic character"
+        default=None, ge=0, le=1, description="bound on the fraction of words with no alphabetic character (prose and documentation: 0.3)"
     )
     max_duplicate_line_fraction: float | None = Field(
         default=0.9,
@@ -130,7 +133,7 @@ class FilterSpec(_Strict):
         ge=0,
         le=1,
         description="bound on the fraction of word characters covered by the most frequent word n-gram "
-        "(Gopher), outside table and heading markup",
+        "(Gopher), outside table and heading markup (prose: 0.2 with top_ngram_n 2)",
     )
     max_ellipsis_line_fraction: float | None = Field(
         default=None, ge=0, le=1, description="bound on the fraction of lines ending in '...' or '…'"
