@@ -211,6 +211,64 @@ def test_the_lease_memory_limit_holds(sandboxed, provider):
         assert classify_exit(big.returncode, None) == (None, FailureReason.OUT_OF_MEMORY)
 
 
+def test_filling_tmpfs_past_the_memory_limit_is_the_tenants_out_of_memory(sandboxed, provider):
+    # Files in /tmp or /dev/shm are charged to the job's cgroup like its heap; the job's own heap stays small.
+    fill = ("import sys\nwith open(sys.argv[1] + '/fill', 'wb') as f:\n"
+            "    for _ in range(1024): f.write(b'x' * (1 << 20)); f.flush()\nprint('filled')")  # fmt: skip
+    for where in ("/tmp", "/dev/shm"):
+        out = run_job(provider["folder"], fill, where)
+        assert out.returncode != 0 and "filled" not in out.stdout, (where, out.stderr)
+        if "memory 268435456" in out.stderr:  # a cgroup, as above
+            assert out.returncode == EXIT_OUT_OF_MEMORY, (where, out.stderr)
+            assert classify_exit(out.returncode, None) == (None, FailureReason.OUT_OF_MEMORY)
+
+
+# Recorded from a cgroup v2 job killed by the OOM killer after filling /dev/shm (shmem high, anon low).
+EVENTS_BEFORE = "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\noom_group_kill 0\n"
+EVENTS_AFTER = "low 0\nhigh 0\nmax 1187\noom 3\noom_kill 2\noom_group_kill 0\n"
+STAT_SHMEM = "anon 2101248\nfile 266874880\nkernel 1970176\nshmem 266338304\nfile_mapped 0\nfile_dirty 0\n"
+STAT_HEAP = "anon 266592256\nfile 45056\nkernel 1503232\nshmem 0\nfile_mapped 0\n"
+# cgroup v1: the memory controller's memory.oom_control and memory.stat.
+OOM_CONTROL_V1 = "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n"
+STAT_V1 = "cache 266338304\nrss 2101248\nshmem 266338304\ntotal_shmem 266338304\n"
+
+
+def _cgroup(folder: Path, **files: str) -> Path:
+    folder.mkdir(parents=True)
+    for name, text in files.items():
+        (folder / name.replace("_", ".", 1)).write_text(text)
+    return folder
+
+
+@pytest.mark.parametrize("stat", [STAT_SHMEM, STAT_HEAP])
+def test_an_oom_kill_of_the_jobs_cgroup_is_the_tenants_whatever_filled_it(tmp_path, stat):
+    before = _cgroup(tmp_path / "before", memory_events=EVENTS_BEFORE, memory_stat=stat)
+    kills = job_limits.oom_kills([before])
+    (before / "memory.events").write_text(EVENTS_AFTER)
+    why = job_limits.out_of_memory(137, kills, [before])  # SIGKILL: on its own, the provider's (retried)
+    assert why is not None and "exit 137" in why
+    assert ("in tmpfs" in why) == (stat is STAT_SHMEM)
+    assert classify_exit(137, None) == (None, FailureReason.INFRA)  # what the launcher's answer replaces
+    assert classify_exit(EXIT_OUT_OF_MEMORY, None) == (None, FailureReason.OUT_OF_MEMORY)
+    v1 = _cgroup(tmp_path / "v1", memory_oom_control=OOM_CONTROL_V1, memory_stat=STAT_V1)
+    assert "266338304 bytes of it in tmpfs" in (job_limits.out_of_memory(137, 0, [v1]) or "")
+
+
+def test_no_oom_kill_no_out_of_memory(tmp_path):
+    quiet = _cgroup(tmp_path / "quiet", memory_events=EVENTS_AFTER, memory_stat=STAT_SHMEM)
+    assert job_limits.out_of_memory(137, 2, [quiet]) is None  # killed, but not by the OOM killer this time
+    assert job_limits.out_of_memory(0, 0, [quiet]) is None  # a child was killed, the job went on and succeeded
+    assert job_limits.out_of_memory(137, 0, []) is None  # no cgroup: nothing says it was memory
+
+
+def test_the_launcher_steps_out_of_the_jobs_cgroup(tmp_path):
+    parent = tmp_path / "parent"
+    job = _cgroup(parent / "job", cgroup_procs="")
+    (parent / "cgroup.procs").write_text("")
+    job_limits.step_out([job])
+    assert (parent / "cgroup.procs").read_text() == str(os.getpid())
+
+
 def test_the_largest_file_a_job_may_write_is_bounded(sandboxed, provider):
     folder, policy = provider["folder"], provider["policy"]
     policy.max_file_bytes = 1 << 20

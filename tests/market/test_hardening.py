@@ -4,18 +4,23 @@ could never match. Each gets a clear 4xx (never a 500) and changes nothing."""
 
 from __future__ import annotations
 
+import json
+import time
+
 import httpx
 import pytest
 from sqlalchemy.exc import IntegrityError
 
-from runyard.market import identity
+from runyard.market import identity, payloads
 from runyard.market.client import MarketClient, MarketClientError
 from runyard.market.errors import Conflict
+from runyard.market.rails import SIGNATURE_HEADER, signature_header
 from runyard.market.server import ServerThread
-from runyard.market.signing import b64encode
+from runyard.market.signing import b64encode, sign
 from runyard.market.store import Store
 
 from .helpers import (
+    RAIL,
     assert_audit_ok,
     fingerprint,
     listing,
@@ -150,3 +155,84 @@ def test_only_contention_is_retried(tmp_path):
     assert len(calls) == 1
     store.dispose()
 
+
+
+def _with_duplicate(body: dict, key: str, value: object) -> bytes:
+    """`body` as JSON with `key` given a second time (`value`) just after its first appearance."""
+    text = json.dumps(body, separators=(",", ":"))
+    first = f'"{key}":{json.dumps(body[key])}'
+    assert first in text
+    return text.replace(first, f"{first},\"{key}\":{json.dumps(value)}", 1).encode()
+
+
+def test_a_duplicate_key_on_a_signed_usage_report_is_refused(world):
+    t, p = world["t"], world["p"]
+    lease_id = t.place_demand(requirement(), 300)["lease_id"]
+    p.accept_lease(lease_id)
+    p.start_lease(lease_id)
+    lease = p.lease(lease_id)
+    start = lease["started_at"]
+    payload = payloads.usage_record(lease_id, 1, start, start + 60, 60)
+    body = {k: v for k, v in payload.items() if k not in ("type", "lease_id")}
+    body["signature"] = sign(p.private_key, payload)
+    before = fingerprint(world["market"])
+    for key, value in (("device_seconds", 7_200_000), ("seq", 2), ("signature", "forged")):
+        response = _post(world, "p", f"/v1/leases/{lease_id}/usage", _with_duplicate(body, key, value), key)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"] == "invalid_request" and "twice" in response.json()["message"]
+    assert fingerprint(world["market"]) == before
+    assert p.usage(lease_id)["records"] == []
+
+
+def test_a_duplicate_key_on_a_signed_rail_event_is_refused(world):
+    lab = world["t"].me()["id"]
+    event = {"id": "evt-dup", "type": "deposit.succeeded", "account_id": lab, "amount": 1, "currency": "USD"}
+    before = fingerprint(world["market"])
+    for key, value in (("amount", 100_000), ("account_id", lab + 1), ("id", "evt-other")):
+        raw = _with_duplicate(event, key, value)
+        headers = {SIGNATURE_HEADER: signature_header(RAIL.secret, raw, int(time.time())),
+                   "Content-Type": "application/json"}  # fmt: skip
+        response = httpx.post(world["url"] + "/v1/rails/test/events", content=raw, headers=headers)
+        assert response.status_code == 422, response.text
+        assert response.json()["error"] == "invalid_request" and "twice" in response.json()["message"]
+    assert fingerprint(world["market"]) == before
+    # The same event without the duplicate, signed the same way, is applied (so the refusal was the key).
+    raw = json.dumps(event).encode()
+    headers = {SIGNATURE_HEADER: signature_header(RAIL.secret, raw, int(time.time())), "Content-Type": "application/json"}
+    assert httpx.post(world["url"] + "/v1/rails/test/events", content=raw, headers=headers).status_code == 200
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"evidence": "caf\xe9"}',  # Latin-1, not UTF-8
+        b"\xff\xfe{\x00}\x00",  # UTF-16 with a byte-order mark
+        b'\xef\xbb\xbf{"evidence": "x"}',  # UTF-8 with a byte-order mark
+        b'{"evidence": "x"',  # unparseable
+        b"[" * 30_000 + b"]" * 30_000,  # nested beyond the parser's depth
+    ],
+)
+@pytest.mark.parametrize("content_type", ["application/json", None, "text/plain"])
+def test_bodies_that_are_not_strict_json_get_422_in_the_envelope(world, raw, content_type):
+    before = fingerprint(world["market"])
+    headers = {"Authorization": f"Bearer {world['t'].token}"}
+    if content_type:
+        headers["Content-Type"] = content_type
+    for path in ("/v1/accounts/me/verification", "/v1/rails/test/events", "/v1/accounts"):
+        response = httpx.post(world["url"] + path, content=raw, headers=headers)
+        assert response.status_code == 422, (path, response.text)
+        out = response.json()
+        assert set(out) <= {"error", "message", "detail"} and "detail" not in out or isinstance(out["detail"], dict)
+        assert out["error"] == "invalid_request" and out["message"], out
+    assert fingerprint(world["market"]) == before
+
+
+def test_the_openapi_document_lists_422_for_every_post_with_a_body(world):
+    document = httpx.get(world["url"] + "/openapi.json").json()
+    posts = [(path, spec["post"]) for path, spec in document["paths"].items() if "post" in spec]
+    with_body = [(path, op) for path, op in posts if "requestBody" in op]
+    assert len(with_body) >= 20
+    for path, op in with_body:
+        answer = op["responses"]["422"]
+        assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorOut"}, path
+        assert "strict UTF-8 JSON" in answer["description"], path

@@ -244,3 +244,20 @@ def test_provider_contests_a_partial_acknowledgement(world):
     assert (done["state"], done["paid_provider"], done["refunded"]) == ("settled", 3600, 3600)
     kinds = [t["to_state"] for t in world.log("dispute", dispute["id"])]
     assert kinds == ["open", "rejected"]
+
+
+def test_usage_sequence_numbers_are_consecutive(world):
+    w = world
+    lease = w.running_lease()
+    start = lease["started_at"]
+    w.market.advance_clock(600, w.ops.actor)
+    w.report(lease, 1, start, start + 60, 60)
+    for seq, needle in ((3, "skips seq 2"), (7, "skips seq 2"), (1, "not above")):
+        body = UsageIn(seq=seq, interval_start=start + 60, interval_end=start + 120, device_seconds=60,
+                       signature=sign(w.keys["p"], usage_record(lease["id"], seq, start + 60, start + 120, 60)))
+        with pytest.raises(Conflict) as err:
+            usage.report(w.market, w.who("p"), lease["id"], body, f"gap-{seq}")
+        assert err.value.code == "usage_rejected" and needle in err.value.message, err.value.message
+        assert err.value.detail == {"expected_seq": 2}
+    w.report(lease, 2, start + 60, start + 120, 60)
+    assert [r["seq"] for r in usage.lease_usage(w.market, w.who("t"), lease["id"])["records"]] == [1, 2]

@@ -9,6 +9,8 @@ Applied by the sandbox launcher to itself just before it starts the job (childre
   / `memory.limit_in_bytes` and `pids.max`. Where no cgroup can be made (an unprivileged provider
   without a delegated cgroup; under Slurm, whose own cgroup already confines the job),
   RLIMIT_DATA bounds each process's data instead: a weaker, per-process bound.
+  The launcher steps out of the cgroup once the job has started (`step_out`), and a job the
+  OOM killer ended is the tenant's (`out_of_memory`), its heap and its tmpfs files alike.
 - RLIMIT_FSIZE (largest file), RLIMIT_CORE = 0 (no core dumps of a stranger's memory),
   RLIMIT_NOFILE.
 
@@ -117,6 +119,40 @@ def oom_kills(cgroups: list[Path]) -> int:
                 if key == "oom_kill" and value.strip().isdigit():
                     kills += int(value)
     return kills
+
+
+def tmpfs_bytes(cgroups: list[Path]) -> int:
+    """Bytes of tmpfs and shared memory (the sandbox's /tmp and /dev/shm) charged to these cgroups:
+    `shmem` in memory.stat (v2; v1 `total_shmem` or `shmem`)."""
+    found = 0
+    for path in cgroups:
+        stat = dict(line.partition(" ")[::2] for line in read_setting(path / "memory.stat").splitlines())
+        value = stat.get("shmem", stat.get("total_shmem", "0")).strip()
+        found += int(value) if value.isdigit() else 0
+    return found
+
+
+def out_of_memory(code: int, kills_before: int, cgroups: list[Path]) -> str | None:
+    """Why an attempt that ended with `code` ended for memory, or None: the kernel's OOM killer
+    killed a process of the job's cgroups (their `oom_kill` count rose past `kills_before`).
+    Whatever filled the memory, the job's heap or files in its tmpfs /tmp and /dev/shm (shmem is
+    charged to the cgroup like the heap), it is the job's own doing: the tenant's failure, never
+    the provider's (a SIGKILL alone, exit 137, would read as the provider's and be retried)."""
+    if code == 0 or oom_kills(cgroups) <= kills_before:
+        return None
+    shmem = tmpfs_bytes(cgroups)
+    held = f", {shmem} bytes of it in tmpfs (/tmp, /dev/shm)" if shmem else ""
+    return f"the job went past its memory limit{held} and the kernel killed it (exit {code})"
+
+
+def step_out(cgroups: list[Path]) -> None:
+    """Move this process (the launcher) back to each cgroup's parent, leaving its children in:
+    the OOM killer then picks only the job's processes, and the launcher lives to say why the job
+    ended (a job holding its memory in tmpfs has a small heap, so the launcher would be the
+    largest process in the cgroup)."""
+    for path in cgroups:
+        with contextlib.suppress(OSError):
+            (path.parent / "cgroup.procs").write_text(str(os.getpid()))
 
 
 def leave_cgroups(cgroups: list[Path]) -> None:

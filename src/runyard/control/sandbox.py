@@ -304,15 +304,16 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
         os.close(write_fd)
         # bwrap names its sandbox's first process, which leads the session the job's processes are in.
         target = int(_read_info(read_fd).get("child-pid", proc.pid))
+    job_limits.step_out(limits.cgroups)  # the job's processes stay in its cgroups; the launcher leaves
     forwarder.found(target)
     code = proc.wait()
-    killed_for_memory = job_limits.oom_kills(limits.cgroups) > oom_kills_before
-    job_limits.leave_cgroups(limits.cgroups)
     code = 128 - code if code < 0 else code
-    if code != 0 and killed_for_memory:
+    why = job_limits.out_of_memory(code, oom_kills_before, limits.cgroups)
+    job_limits.leave_cgroups(limits.cgroups)
+    if why is not None:
         # A SIGKILL alone reads as the provider's fault (retried); the cgroup says it was the job's.
-        print(f"runyard sandbox: the job went past its memory limit ({policy.memory_bytes} bytes) and the "
-              f"kernel killed it (exit {code}); ask the lease for more memory", file=sys.stderr, flush=True)
+        print(f"runyard sandbox: {why.replace('memory limit', f'memory limit ({policy.memory_bytes} bytes)', 1)}; "
+              "ask the lease for more memory", file=sys.stderr, flush=True)
         return EXIT_OUT_OF_MEMORY
     return code
 

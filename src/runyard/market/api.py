@@ -8,8 +8,9 @@ another tenant's demands, leases or statement (they answer 404, as if they did n
 provider sees only its own listings and leases, and /v1/admin/* is for verified operators. Every
 money-moving request needs an `Idempotency-Key` header. Errors are JSON: {"error": code, "message":
 text, "detail": {...}}; a 4xx changed nothing. Bodies above `max_body_bytes` are refused with 413
-before they are read in full; a JSON body holding NaN, Infinity or a number too large for a double
-is refused with 422 before anything reads it.
+before they are read in full; a body that is not strict JSON (not UTF-8, unparseable, a key twice
+in one object, NaN, Infinity or a number too large for a double) is refused with 422 in the error
+envelope before anything reads it (`parse_body`).
 
 (No `from __future__ import annotations` here: FastAPI resolves the endpoints' annotations.)
 """
@@ -117,7 +118,8 @@ HANDLERS: dict[str, Handler] = {
 ERROR_TEXT = {
     401: "no valid credentials", 403: "the caller may not do this", 404: "no such thing (or not the caller's)",
     409: "conflicts with the current state (or a reused idempotency key)", 413: "request body too large",
-    422: "the request is malformed or names impossible values", 503: "the store stayed busy; retry with the same key",
+    422: "the request is malformed (a body that is not strict UTF-8 JSON: unparseable, a key twice, NaN) "
+         "or names impossible values", 503: "the store stayed busy; retry with the same key",
 }  # fmt: skip
 
 
@@ -132,10 +134,40 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key[:40]!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def parse_body(raw: bytes) -> Any:
+    """A request body as strict JSON, or BadRequest (422): UTF-8 only (no BOM, no other encoding),
+    no object with a key twice, no NaN or Infinity, no number beyond a double's range. The one
+    place request bodies are parsed (`BodyLimit` runs it on every non-empty body before any route
+    or rail sees it); what it accepts parses to the same value in any JSON parser, so the market,
+    a rail and their logs cannot read one signed body two ways. Signatures are still checked over
+    `raw` itself."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not UTF-8 (byte {exc.start})") from None
+    try:
+        return json.loads(
+            text, object_pairs_hook=_no_duplicates, parse_constant=_reject_non_finite, parse_float=_finite_float
+        )
+    except RecursionError:
+        raise BadRequest("the JSON body nests too deeply") from None
+    except ValueError as exc:
+        raise BadRequest(f"the body is not strict JSON: {str(exc)[:200]}") from None
+
+
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming;
-    `route_limits` gives some paths their own limit), and JSON bodies that hold NaN, Infinity or
-    numbers beyond a double's range."""
+    `route_limits` gives some paths their own limit), and bodies that are not strict JSON
+    (`parse_body`), with 422 in the error envelope."""
 
     def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
         self.app, self.default_limit, self.route_limits = app, limit, route_limits or {}
@@ -159,12 +191,11 @@ class BodyLimit:
                 return await _error(send, PayloadTooLarge(f"request body exceeds {limit} bytes"))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if body and b"json" in headers.get(b"content-type", b""):
+        if body:
             try:
-                json.loads(body, parse_constant=_reject_non_finite, parse_float=_finite_float)
-            except ValueError as exc:
-                if "number" in str(exc):
-                    return await _error(send, BadRequest(f"the JSON body holds a non-finite number: {exc}"))
+                parse_body(body)
+            except BadRequest as exc:
+                return await _error(send, exc)
         replayed = False
 
         async def replay():  # type: ignore[no-untyped-def]

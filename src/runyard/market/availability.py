@@ -2,7 +2,7 @@
 probe results, notice, the endpoint, and the periods as they stand.
 
 An availability record is the usage record of a standing lease. It is accepted only if its
-signature verifies (payloads.availability_record), its sequence number is above every earlier one,
+signature verifies (payloads.availability_record), its sequence number is the last one plus 1 (`check_seq`),
 its interval lies inside one billing period of the lease (never across a period's close), has ended,
 does not overlap the previous record, arrives before that period's reports close (its end plus the
 dispute window), and its counts could all be true (available seconds within the interval, healthy
@@ -33,6 +33,7 @@ from runyard.market.states.period import SETTLED as PERIOD_SETTLED
 from runyard.market.states.record import RECORD, REPORTED
 from runyard.market.usage_rules import (
     USAGE_STATES,
+    check_seq,
     dispute_window,
     lease_for,
     mismatch,
@@ -72,8 +73,7 @@ def report_availability(market: Market, principal: Principal, lease_id: int, bod
         _standing(lease, "an availability record")
         if lease["state"] not in USAGE_STATES:
             raise UsageRejected(f"lease {lease_id} is {lease['state']}; availability is reported once it has started")
-        if body.seq <= lease["last_seq"]:
-            raise UsageRejected(f"seq {body.seq} is not above the last accepted seq {lease['last_seq']} (replay?)")
+        check_seq(lease, body.seq)
         period = _period_open_for_reports(conn, lease, body.interval_start, body.interval_end, now,
                                           "the availability record's interval")
         if lease["last_interval_end"] is not None and body.interval_start < lease["last_interval_end"]:

@@ -2,7 +2,7 @@
 acknowledgements, and a lease's usage as a whole.
 
 A record is accepted only if its signature verifies against the provider's registered key over the
-canonical payload (payloads.usage_record), its sequence number is above every earlier one, its
+canonical payload (payloads.usage_record), its sequence number is the last one plus 1 (`check_seq`), its
 interval lies inside the lease's window, does not overlap the previous record and has already
 ended, and it claims no more device-seconds than the lease's devices could give. A standing lease
 reports availability instead (`availability`); disputes of either kind are in `disputes`.
@@ -24,6 +24,7 @@ from runyard.market.states import SYSTEM, record_initial, transition
 from runyard.market.states.record import ACKNOWLEDGED, PART_ACKNOWLEDGED, RECORD, REPORTED
 from runyard.market.usage_rules import (
     USAGE_STATES,
+    check_seq,
     disputable_record,
     dispute_window,
     lease_for,
@@ -50,10 +51,7 @@ def report(market: Market, principal: Principal, lease_id: int, body: UsageIn, k
             raise UsageRejected(
                 f"lease {lease_id} is {lease['state']}; usage is reported only once it has started"
             )
-        if body.seq <= lease["last_seq"]:
-            raise UsageRejected(
-                f"seq {body.seq} is not above the last accepted seq {lease['last_seq']} (replay?)"
-            )
+        check_seq(lease, body.seq)
         if body.interval_start < lease["started_at"] or body.interval_end > lease["window_end"]:
             raise UsageRejected(
                 f"interval [{body.interval_start}, {body.interval_end}) lies outside the lease window "

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from sqlalchemy import Connection, select
 
-from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound
+from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound, UsageRejected
 from runyard.market.rows import lock_lease
 from runyard.market.schema import disputes, usage_records
 from runyard.market.service import Market, Principal, audit
@@ -23,6 +23,19 @@ def lease_for(conn: Connection, lease_id: int, principal: Principal, side: str) 
     if principal.role != "operator" and lease[f"{side}_id"] != principal.id:
         raise Forbidden(f"only the lease's {side} may do this")
     return lease
+
+
+def check_seq(lease: dict, seq: int) -> None:
+    """A record's `seq` is the lease's last accepted one plus 1 (1 for the first): a replay (at or
+    below it) or a gap (a number skipped) is refused with 409 `usage_rejected` naming the seq
+    expected, so a provider and the market never disagree about which records there are."""
+    expected = lease["last_seq"] + 1
+    if seq < expected:
+        raise UsageRejected(f"seq {seq} is not above the last accepted seq {lease['last_seq']} (replay?); "
+                            f"the next record is seq {expected}", expected_seq=expected)
+    if seq > expected:
+        raise UsageRejected(f"seq {seq} skips seq {expected}: sequence numbers are consecutive; "
+                            f"the next record is seq {expected}", expected_seq=expected)
 
 
 def record_for(conn: Connection, record_id: int, principal: Principal, side: str) -> dict:
