@@ -13,8 +13,9 @@ An export is what the ecosystem loads (`transformers.AutoModelForCausalLM.from_p
 
 `runyard generate`, `runyard serve` and the drift reference all load this one directory.
 
-The directory is written beside its destination under a temporary name, fsynced, then renamed into
-place, so a crash leaves either the old export or the new one, never a mix. Loading checks every
+The directory is written beside its destination under a temporary name, every file of it (the drift
+reference included), fsynced, then renamed into place, so a crash leaves either the old export or the
+new one, never a mix or a part; runyard.json lists every file, and readers refuse an export missing one. Loading checks every
 file's checksum, then the family checks its files against the config before building the model.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ def export_model(
     chat_template: str | None = None,
     generation_config: dict[str, Any] | None = None,
     source_config: dict[str, Any] | None = None,
+    extra_files: Callable[[Path], list[str]] | None = None,
 ) -> Path:
     """Write `out_dir` as a Hugging Face model directory with runyard.json beside it, atomically.
     An existing `out_dir` is replaced only once the new export is complete. Returns `out_dir`.
@@ -69,7 +72,9 @@ def export_model(
     chat_template.jinja, as transformers 5 writes it. `generation_config`: a model directory's
     generation_config.json to carry over; None writes one from the tokenizer's special tokens.
     `source_config`: the config.json the weights came in with, whose architecture and fields the
-    export keeps (model/hf/config.py's `hf_config`)."""
+    export keeps (model/hf/config.py's `hf_config`). `extra_files(directory)` writes files of the
+    caller's into the export before it is renamed into place (the drift reference) and returns their
+    names, which runyard.json lists and readers check like every other file."""
     out_dir, tokenizer_path = Path(out_dir), Path(tokenizer_path)
     kind = get_family(family)
     if not tokenizer_path.is_file():
@@ -106,6 +111,8 @@ def export_model(
         if chat_template is not None:
             (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
             names.append(CHAT_TEMPLATE_FILE)
+        if extra_files is not None:
+            names += [name for name in extra_files(tmp) if name not in names]
         provenance = {
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_VERSION,
