@@ -130,6 +130,16 @@ def test_tampered_weights_fail_the_checksum(exported):
         load_export(exported)
 
 
+def test_a_truncated_file_is_refused_by_its_recorded_size(exported):
+    path = exported / "model.safetensors"
+    size = path.stat().st_size
+    assert read_export_config(exported)["sizes"]["model.safetensors"] == size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ExportError, match=rf"model\.safetensors fails its checksum: it has {size - 100} bytes"):
+        load_export(exported)
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
 def test_tampered_json_files_fail_the_checksum(exported, name):
     path = exported / name

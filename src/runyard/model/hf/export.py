@@ -9,7 +9,7 @@ An export is what the ecosystem loads (`transformers.AutoModelForCausalLM.from_p
   `AutoTokenizer` reads it (so tokenizer_config.json holds none);
 - `generation_config.json` (the end-of-sequence id generation stops at);
 - `runyard.json`: runyard's provenance beside them: format version, the model family and its config,
-  the sha256 of every other file, and the caller's `extra` (run name, spec hash...).
+  the sha256 and size of every other file, and the caller's `extra` (run name, spec hash...).
 
 `runyard generate`, `runyard serve` and the drift reference all load this one directory.
 
@@ -119,6 +119,7 @@ def export_model(
             "family": kind.name,
             "model": kind.config_to_dict(cfg),
             "files": {name: sha256_file(tmp / name) for name in names},
+            "sizes": {name: (tmp / name).stat().st_size for name in names},
             "extra": extra_config or {},
         }
         try:
@@ -223,12 +224,13 @@ def verify_export(export_dir: Path) -> dict[str, Any]:
 
 
 def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, ...] = ()) -> None:
-    """Check every file runyard.json lists against its sha256 (and that `required` ones are listed);
-    ExportError naming the file that is missing, outside the export or modified."""
+    """Check every file runyard.json lists against its size (when it records sizes) and sha256, and that
+    `required` ones are listed; ExportError naming the file that is missing, outside the export or modified."""
     record = export_dir / PROVENANCE_FILE
     checksums = config.get("files")
     if not isinstance(checksums, dict):
         raise ExportError(f"{record} has no 'files' checksum table")
+    sizes = config.get("sizes") if isinstance(config.get("sizes"), dict) else {}  # exports before sizes: none
     for name in required:
         if name not in checksums:
             raise ExportError(f"{record} records no checksum for {name}")
@@ -237,7 +239,11 @@ def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, 
             raise ExportError(f"{record} names {name!r}, not a file of the export")
         path = export_dir / name
         if not path.is_file():
-            raise ExportError(f"{path} is missing from the export")
+            raise ExportError(f"{path} is missing from the export (its {PROVENANCE_FILE} lists it)")
+        size = sizes.get(name)
+        if isinstance(size, int) and path.stat().st_size != size:
+            raise ExportError(f"{path} fails its checksum: it has {path.stat().st_size} bytes, {PROVENANCE_FILE} "
+                              f"records {size}: the file was truncated or modified")
         actual = sha256_file(path)
         if actual != expected:
             raise ExportError(
