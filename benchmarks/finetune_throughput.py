@@ -28,6 +28,7 @@ Run: python benchmarks/finetune_throughput.py [--record]   (needs the `bench` ex
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import subprocess
@@ -37,10 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from datasets import Dataset  # the bench extra's peers: datasets, transformers, trl
 from tokenizers import Tokenizer
-from transformers import PreTrainedTokenizerFast
-from trl import SFTConfig, SFTTrainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as tt  # noqa: E402
@@ -125,6 +123,8 @@ def runyard_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
 
 def trl_dataset(prepared, ids: list[int]):
     """The samples `ids`, in order, as trl's pre-tokenized prompt/completion rows."""
+    from datasets import Dataset  # the bench extra's peers (datasets, transformers, trl) load only to run
+
     store = prepared.stores("train")[0]
     rows = []
     for i in ids:
@@ -134,6 +134,9 @@ def trl_dataset(prepared, ids: list[int]):
 
 
 def trl_trainer(hf: torch.nn.Module, dataset, args: argparse.Namespace, out: Path, tokenizer_path: Path):
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
     config = SFTConfig(
         output_dir=str(out), per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
@@ -214,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory_only:
         print(json.dumps({"peak_rss_growth_bytes": peak_memory(args, args.memory_only)}))
         return 0
+    missing = [name for name in ("datasets", "transformers", "trl") if importlib.util.find_spec(name) is None]
+    if missing:
+        print(f"finetune_throughput needs the bench extra (pip install 'runyard[bench]'); missing: {', '.join(missing)}",
+              file=sys.stderr)
+        return 2
     report = Report("finetune_throughput", args, packages=["transformers", "trl"])
     with tempfile.TemporaryDirectory(prefix="runyard-ft-bench-") as tmp:
         work = Path(args.workdir or tmp)

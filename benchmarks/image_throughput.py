@@ -34,10 +34,9 @@ from harness import Report, add_common_args, interleaved, paired_ratio  # noqa: 
 
 from runyard.data.image_loader import ImageLoader, image_eval_sample  # noqa: E402
 from runyard.data.image_prep import prepare_images  # noqa: E402
-from runyard.evaluate.heldout import evaluation_seeds  # noqa: E402
 from runyard.model import get_family  # noqa: E402
 from runyard.spec.job import parse_spec, resolved_stage  # noqa: E402
-from runyard.spec.seeds import derive_seed  # noqa: E402
+from runyard.spec.seeds import derive_seed, evaluation_seeds  # noqa: E402
 from runyard.train import batches, parallel  # noqa: E402
 from runyard.train.loop import train_stage  # noqa: E402
 from runyard.train.rng import seed_everything  # noqa: E402

@@ -293,3 +293,25 @@ def test_the_dataset_is_the_in_memory_pipelines(tmp_path: Path):
 def part_order(path: Path) -> str:
     """The order of a dataset's parts: by the first file each read (parts hold consecutive files)."""
     return json.loads((path / "meta.json").read_text())["files"][0]["path"]
+
+
+def test_the_held_out_documents_are_listed_beside_the_report(tmp_path: Path):
+    """data/held_out.txt names each held-out document with its bytes and tokens, in the split's order,
+    the figures those of the documents themselves (tokens without the end-of-document token)."""
+    corpus = write_corpus(tmp_path / "corpus", n_docs=60)
+    spec = spec_for(str(corpus / "*.txt"), shard_tokens=1024, heldout_fraction=0.3)
+    prepared = prepare_data(spec, seed=5, report_dir=tmp_path / "report", cache_dir=tmp_path / "c", progress=False)
+    listed = (tmp_path / "report" / "held_out.txt").read_text().splitlines()
+    assert listed[0].startswith("# the held-out documents") and listed[1] == "# bytes\ttokens\tsource"
+    rows = [line.split("\t") for line in listed[2:]]
+    assert [source for _, _, source in rows] == heldout_ids(prepared)
+    assert len(rows) == prepared.stats["split"]["heldout"]["documents"] >= 5
+    tok = load_tokenizer(prepared.tokenizer_path)
+    for nbytes, tokens, source in rows:
+        text = Path(source).read_text()
+        assert int(nbytes) == len(text.encode())
+        assert int(tokens) == len(tok.encode(text).ids)
+    assert sum(int(b) for b, _, _ in rows) == prepared.stats["split"]["heldout"]["bytes"]
+    assert sum(int(t) + 1 for _, t, _ in rows) == prepared.stats["split"]["heldout"]["tokens"]
+    # The cache holds it too (a hydrated or reused dataset lists the same documents).
+    assert (prepared.dataset_dir / "held_out.txt").read_text() == "\n".join(listed) + "\n"

@@ -49,8 +49,13 @@ def test_run_directory_is_complete(reference):
         "stages/main/metrics.jsonl", "stages/main/gates.json",
         "eval/report.md", "eval/report.json", "eval/loss.png", "eval/lr.png",
         "export/model.safetensors", "export/tokenizer.json", "export/config.json", "export/drift_reference.json",
+        "data/held_out.txt",
     ]:
         assert (run_dir / rel).is_file(), rel
+    # The drift reference was written before the export's rename, and its runyard.json lists it.
+    listed = json.loads((run_dir / "export" / "runyard.json").read_text())["files"]
+    assert {"drift_reference.json", "drift_sample.safetensors"} <= set(listed)
+    assert sorted(p.name for p in (run_dir / "export").iterdir()) == sorted([*listed, "runyard.json"])
     manifest = json.loads((run_dir / "manifest.json").read_text())
     for key in ("spec_sha256", "seeds", "code", "packages", "hardware", "command_line", "started_at", "finished_at", "data"):
         assert manifest.get(key) is not None, key

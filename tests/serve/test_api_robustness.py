@@ -38,6 +38,11 @@ HOSTILE = [
     (b'{"prompt": "x", "echo": true}', 400, "echo"),
     (b'{"prompt": "x", "frobnicate": 1}', 400, "frobnicate"),
     (b'{"max_tokens": 3}', 400, "prompt"),
+    # JSON's \\u escapes can spell a lone UTF-16 surrogate, which is not Unicode text.
+    (b'{"prompt": "\\ud800abc"}', 400, "prompt"),
+    (b'{"prompt": ["ok", "x\\udfff"]}', 400, "prompt[1]"),
+    (b'{"prompt": "x", "stop": ["\\ud800"]}', 400, "stop[0]"),
+    (b'{"prompt": "x", "\\ud800": 1}', 400, "'\\ud800'"),
 ]
 
 
@@ -67,6 +72,36 @@ def test_chat_hostile_input(live):
     ):
         r = live.http.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
+def test_strings_that_are_not_unicode_are_a_400_naming_the_field(live):
+    for raw, param in (
+        (b'{"messages": [{"role": "user", "content": "\\ud800abc"}]}', "messages[0].content"),
+        (b'{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\\udc00"}]}',
+         "messages[1].content"),
+    ):
+        r = live.http.post("/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == param and "not valid Unicode" in r.json()["error"]["message"]
+    # A surrogate pair is one character outside the basic plane, and is fine.
+    r = live.http.post("/v1/completions", content=b'{"prompt": "\\ud83d\\ude00 ", "max_tokens": 2}',
+                       headers={"Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+
+
+def test_a_json_body_with_another_content_type_is_a_415(live):
+    body = json.dumps({"prompt": "x", "max_tokens": 2}).encode()
+    for content_type in ("text/plain", "application/x-www-form-urlencoded"):
+        r = live.http.post("/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert r.status_code == 415, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and "application/json" in error["message"]
+    chat = json.dumps({"messages": [{"role": "user", "content": "x"}]}).encode()
+    r = live.http.post("/v1/chat/completions", content=chat, headers={"Content-Type": "text/plain"})
+    assert r.status_code == 415 and "error" in r.json()
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        r = live.http.post("/v1/completions", content=body, headers={"Content-Type": content_type})
+        assert r.status_code == 200, (content_type, r.text)
 
 
 def test_oversized_bodies_and_unknown_routes(live):

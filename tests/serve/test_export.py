@@ -130,6 +130,16 @@ def test_tampered_weights_fail_the_checksum(exported):
         load_export(exported)
 
 
+def test_a_truncated_file_is_refused_by_its_recorded_size(exported):
+    path = exported / "model.safetensors"
+    size = path.stat().st_size
+    assert read_export_config(exported)["sizes"]["model.safetensors"] == size
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ExportError, match=rf"model\.safetensors fails its checksum: it has {size - 100} bytes"):
+        load_export(exported)
+
+
 @pytest.mark.parametrize("name", ["tokenizer.json", "config.json"])
 def test_tampered_json_files_fail_the_checksum(exported, name):
     path = exported / name
@@ -184,3 +194,32 @@ def test_unserialisable_extra_config_is_refused_cleanly(tmp_path, tokenizer, tok
     with pytest.raises(ExportError, match="JSON-serialisable"):
         export_model(model, model.cfg, tokenizer_path, tmp_path / "export", extra_config={"when": object()})
     assert os.listdir(tmp_path) == []
+
+
+def test_the_drift_reference_is_part_of_the_export_and_a_missing_file_is_refused(tmp_path, tokenizer, tokenizer_path,
+                                                                                 make_model):
+    """Files the caller adds (the run's drift reference) are written before the rename and listed in
+    runyard.json; an export missing any listed file is refused naming it."""
+    import numpy as np
+
+    from runyard.serve.drift import DRIFT_FILES, REFERENCE_FILE, SAMPLE_FILE, DriftReference
+
+    model = make_model(tokenizer)
+    reference = DriftReference(np.arange(model.cfg.vocab_size), chunks=np.zeros((4, 8), dtype=np.int64))
+    seen = {}
+
+    def drift(directory):
+        seen["dir"] = directory
+        assert directory.name != "export"  # written into the temporary directory, before the rename
+        reference.save(directory)
+        return [n for n in DRIFT_FILES if (directory / n).is_file()]
+
+    out = export_model(model, model.cfg, tokenizer_path, tmp_path / "export", extra_files=drift)
+    assert not seen["dir"].exists()
+    listed = read_export_config(out)["files"]
+    assert REFERENCE_FILE in listed and SAMPLE_FILE in listed
+    load_export(out)
+    assert DriftReference.load(out) is not None
+    (out / SAMPLE_FILE).unlink()
+    with pytest.raises(ExportError, match=SAMPLE_FILE):
+        load_export(out)

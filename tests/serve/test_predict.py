@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import shutil
 
 import httpx
@@ -116,6 +117,12 @@ def test_a_missing_mistyped_or_unknown_feature_is_a_422_naming_it(table_server):
         assert error["problems"][0]["feature"] == param.split(".")[-1]
     assert table_server.post("/v1/predict", json={"rows": []}).status_code == 422
     assert table_server.post("/v1/predict", content=b"{not json").status_code == 422
+    # A string that is not Unicode (a lone surrogate) is a 400 naming it; a JSON body sent as text/plain is a 415.
+    raw = b'{"rows": [{"age": 30, "city": "ly\\ud800on", "income": 51.0}]}'
+    bad = table_server.post("/v1/predict", content=raw, headers={"Content-Type": "application/json"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "rows[0].city", bad.text
+    plain = table_server.post("/v1/predict", content=json.dumps({"rows": [good]}), headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
     # Null where the policy keeps missing values (income: native) is fine; an unseen city is answered and reported.
     ok = table_server.post("/v1/predict", json={"rows": [{**good, "income": None}, {**good, "city": "brest"}]})
     assert ok.status_code == 200 and ok.json()["unseen_categories"] == [{"row": 1, "feature": "city", "value": "brest"}]

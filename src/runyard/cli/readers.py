@@ -1,5 +1,6 @@
-"""What the reading verbs (generate, serve, show) share: where a run's export is, and a word on stderr
-when a writer still holds the run (readers read only committed results)."""
+"""What the reading verbs (generate, serve, show, and the market's deploy) share: where a run's export
+is, and a word on stderr when a writer still holds the run (readers read only committed results).
+Needs no torch: the market's verbs import it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from runyard.system import rundir
 
 
 def export_dir_of(path: Path) -> Path:
-    """A run directory's export/, or `path` itself when it is an export directory."""
+    """A run directory's export/, or `path` itself when it is an export directory (see
+    cli/run_progress.py's `finished_export` for the reading verbs, which refuse an unfinished run)."""
     return path / "export" if (path / "export").is_dir() else path
 
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.logging import RichHandler
 
-from runyard.cli.readers import export_dir_of, say_if_live
+from runyard.cli.readers import say_if_live
+from runyard.cli.run_progress import describe_stage, finished_export, stage_progress
 from runyard.errors import RunyardError, SpecError
 from runyard.model.hf.export import export_eos_ids, load_export
 from runyard.reproduce.manifest import read_manifest
@@ -20,7 +21,6 @@ from runyard.run.execute import SPEC_FILE, default_run_dir, execute_run
 from runyard.serve.engine import Generator
 from runyard.spec.job import load_spec
 from runyard.system import rundir
-from runyard.train.gates import read_gates
 from runyard.train.launch import launch, run_worker, under_launcher
 
 ONE_WRITER = (
@@ -232,7 +232,7 @@ def cmd_generate(args) -> int:
     if problems:
         raise SpecError("generate command line", problems)
     say_if_live(args.run_dir)
-    export_dir = export_dir_of(args.run_dir)
+    export_dir = finished_export(args.run_dir)
     model, _cfg, tokenizer = load_export(export_dir)
     text = Generator(model, tokenizer, eos_ids=export_eos_ids(export_dir, tokenizer)).generate(
         args.prompt, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed
@@ -249,10 +249,7 @@ def cmd_show(args) -> int:
     spec = load_spec(run_dir / SPEC_FILE)
     say_if_live(run_dir)
     manifest = read_manifest(run_dir)
-    stages = []
-    for s in spec.stages:
-        record = read_gates(run_dir / "stages" / s.name)
-        stages.append({"name": s.name, "gates": None if record is None else ("passed" if record["passed"] else "failed")})
+    stages = stage_progress(run_dir, spec)
     report_path = run_dir / "eval" / "report.json"
     report = json.loads(report_path.read_text()) if report_path.is_file() else None
     summary = {
@@ -278,7 +275,7 @@ def cmd_show(args) -> int:
     for key, value in summary.items():
         if key == "stages":
             for s in value:
-                print(f"  stage {s['name']}: {s['gates'] or 'not run'}")
+                print(f"  stage {s['name']}: {describe_stage(s)}")
         else:
             print(f"{key}: {value}")
     return 0

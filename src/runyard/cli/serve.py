@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from runyard.cli.readers import export_dir_of, say_if_live
+from runyard.cli.readers import say_if_live
+from runyard.cli.run_progress import finished_export
 from runyard.serve.predict import serve_predictor
 from runyard.serve.predict_export import is_predict_export
 from runyard.serve.server import ServeOptions, serve_export
@@ -81,12 +82,12 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     say_if_live(args.run_dir)
-    export_dir = export_dir_of(args.run_dir)
+    export_dir = finished_export(args.run_dir)
     if is_predict_export(export_dir):  # a table or image model: POST /v1/predict (serve/predict.py)
         serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device)
         return 0
     serve_export(
-        export_dir_of(args.run_dir),
+        export_dir,
         ServeOptions(
             host=args.host,
             port=args.port,

@@ -22,7 +22,7 @@ from runyard.system.files import atomic_write_text, fsync_dir, fsync_file
 # What a tenant gets of a run directory: everything but checkpoints, logs and scratch -- and with it
 # what reproducing the run takes: the spec, the manifest (seeds, data fingerprints, hardware), the
 # environment lock (env/) and the metrics, so `runyard compare` can hold two deliveries side by side.
-RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "data/report.*",
+RESULT_PATTERNS = ("eval/**/*", "export/**/*", "spec.yaml", "manifest.json", "data/report.*", "data/held_out.txt",
                    "stages/*/gates.json", "stages/*/metrics.jsonl", "env/requirements.txt", "env/environment.json")
 DELIVERY_MARKER = ".runyard-delivery.json"
 

@@ -24,9 +24,10 @@ from typing import Any
 import numpy as np
 
 from runyard.data.budget import MemoryBudget, release_freed_memory
-from runyard.data.corpus import Corpus, corpus_stats, split_corpus, training_texts
+from runyard.data.corpus import Corpus, corpus_stats, held_out_documents, split_corpus, training_texts
 from runyard.data.dedup_external import exact_dedup, near_dedup
 from runyard.data.progress import progress_bars
+from runyard.data.shards import document_lengths
 from runyard.data.split import SPLIT_METHOD
 from runyard.data.tokenize import assemble_splits
 from runyard.data.tokenizer import EOS_TOKEN, eos_id, eos_token_beside, load_tokenizer, train_bpe
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 
 COUNTS_FILE = "train_token_counts.npy"
 HELDOUT_IDS_FILE = "heldout_ids.jsonl"
+HELD_OUT_LIST = "held_out.txt"  # copied beside the data report (a run's data/held_out.txt)
 
 
 def _merge_counters(metas: list[dict[str, Any]], spec: DataSpec) -> dict[str, Any]:
@@ -188,6 +190,7 @@ def build_dataset(
     buf = io.BytesIO()
     np.save(buf, counts, allow_pickle=False)
     atomic_write_bytes(dataset_dir / COUNTS_FILE, buf.getvalue())
+    write_held_out_list(corpus, dataset_dir, spec, seed)
     timings["assemble_s"] = time.perf_counter() - t
     cpu["assemble"] = time.process_time() - c
     cpu.update({f"{step}_tasks": v for step, v in executor.task_cpu_s.items()})
@@ -205,7 +208,7 @@ def build_dataset(
         # Files beside the shards that the indexes do not list, for publish/hydrate to copy and verify.
         "files": {
             name: {"sha256": sha256_file(dataset_dir / name), "bytes": (dataset_dir / name).stat().st_size}
-            for name in (COUNTS_FILE, HELDOUT_IDS_FILE)
+            for name in (COUNTS_FILE, HELDOUT_IDS_FILE, HELD_OUT_LIST)
         },
         "stats": stats,
         "input_fingerprints": {
@@ -215,6 +218,28 @@ def build_dataset(
     }
     atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
     shutil.rmtree(work, ignore_errors=True)
+
+
+def write_held_out_list(corpus: Corpus, dataset_dir: Path, spec: DataSpec, seed: int) -> None:
+    """`held_out.txt`: each held-out document, one a line in document order: its bytes, its tokens (its
+    end-of-document token not counted) and its source path or id (`path#L12` for a JSONL line, `path#3`
+    for a Parquet row), tab-separated; an id holding a tab or a line break is written as a JSON string."""
+    lengths = document_lengths(dataset_dir / "heldout.json")
+    lines = [
+        f"# the held-out documents: never trained on, scored by the held-out evaluation "
+        f"(data.heldout_fraction {spec.heldout_fraction}, split seed {seed}, {len(lengths)} documents)",
+        "# bytes\ttokens\tsource",
+    ]
+    n = 0
+    for doc_id, nbytes in held_out_documents(corpus):
+        if n == len(lengths):
+            break
+        shown = json.dumps(doc_id) if any(c in doc_id for c in "\t\n\r") else doc_id
+        lines.append(f"{nbytes}\t{int(lengths[n]) - 1}\t{shown}")
+        n += 1
+    if n != len(lengths) or n != sum(1 for _ in held_out_documents(corpus)):
+        raise DataError(f"the held-out split's shards hold {len(lengths)} documents; the flags disagree")
+    atomic_write_bytes(dataset_dir / HELD_OUT_LIST, ("\n".join(lines) + "\n").encode())
 
 
 def _chunk_list(output: Path) -> list[str]:

@@ -145,6 +145,19 @@ class _Tally:
         self.chars += int(chars[mask].sum())
 
 
+def held_out_documents(corpus: Corpus) -> Iterator[tuple[str, int]]:
+    """(id, bytes) of each held-out document, in document order (the order of the held-out shards)."""
+    for p, part in enumerate(corpus.parts):
+        flags = corpus.flags_of(p, 0, part.n_docs)
+        wanted = (flags & (REMOVED | HELDOUT)) == HELDOUT
+        if not wanted.any():
+            continue
+        nbytes = part.nbytes()
+        for i, (doc_id, w) in enumerate(zip(part.ids(), wanted, strict=True)):
+            if w:
+                yield doc_id, int(nbytes[i])
+
+
 def corpus_stats(corpus: Corpus) -> dict[str, Any]:
     """Documents, bytes and characters after filtering, after exact and near dedup, and per split; the
     histogram of kept documents' lengths in characters (30 log-spaced bins up to the longest)."""

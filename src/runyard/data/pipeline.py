@@ -36,7 +36,7 @@ import numpy as np
 
 from runyard.data import residency
 from runyard.data.budget import PROCESS_BASE, MemoryBudget
-from runyard.data.build import build_dataset
+from runyard.data.build import HELD_OUT_LIST, build_dataset
 from runyard.data.clean import part_key, reusable_part
 from runyard.data.errors import InputChanged
 from runyard.data.executors import ExecutorChoice, make_executor
@@ -57,6 +57,7 @@ from runyard.data.tokenizer import TOKENIZER_CONFIG_FILE
 from runyard.data.work_units import Task
 from runyard.errors import DataError
 from runyard.spec.data import DataSpec
+from runyard.system.files import atomic_write_bytes
 from runyard.system.locking import LockHolder, ProcessLock
 
 log = logging.getLogger(__name__)
@@ -351,6 +352,9 @@ def prepare_data(
     (prepared.dataset_dir / ".last_used").touch()  # for least-recently-used eviction
     if report_dir is not None:
         write_report(Path(report_dir), prepared.stats)
+        held_out = prepared.dataset_dir / HELD_OUT_LIST
+        if held_out.exists():  # a dataset prepared before the list was written has only the ids' digest
+            atomic_write_bytes(Path(report_dir) / HELD_OUT_LIST, held_out.read_bytes())
     return prepared
 
 

@@ -222,6 +222,21 @@ def shard_doc_starts(index_path: Path, entry: dict[str, Any]) -> np.ndarray | No
     return None
 
 
+def document_lengths(index_path: Path) -> np.ndarray:
+    """Every document's length in tokens (its end-of-document token included), in the split's order,
+    from the index's shards and their offsets files."""
+    index = load_index(index_path)
+    starts, base = [], 0
+    for entry in index["shards"]:
+        local = shard_doc_starts(index_path, entry)
+        if local is None:
+            raise DataError(f"{index_path} records no document offsets for {entry['file']}")
+        starts.append(local + base)
+        base += int(entry["tokens"])
+    flat = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+    return np.diff(np.append(flat, base)).astype(np.int64)
+
+
 def write_index(
     path: Path,
     shards: list[dict[str, Any]],

@@ -44,7 +44,7 @@ from runyard.plan.weights_in import check_weights_in, stage_start, weights_origi
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
 from runyard.run.preflight import check_run_disk
-from runyard.serve.drift import build_reference
+from runyard.serve.drift import DRIFT_FILES, DriftReference, build_reference
 from runyard.serve.engine import Generator
 from runyard.spec.data import DataSpec
 from runyard.spec.job import JobSpec, dump_spec, load_spec, resolved_stage
@@ -279,7 +279,16 @@ def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: 
     return final_stage_model(spec, stage, prepared, ctx, ref.path, run_dir)
 
 
-def export_run_model(model, config, export_dir: Path, prepared: PreparedData, spec: JobSpec, run_dir: Path) -> Path:
+def drift_files(reference: DriftReference):
+    """The export's writer of the drift reference: saves it into the export being written, returns its files."""
+    def write(directory: Path) -> list[str]:
+        reference.save(directory)
+        return [name for name in DRIFT_FILES if (directory / name).is_file()]
+    return write
+
+
+def export_run_model(model, config, export_dir: Path, prepared: PreparedData, spec: JobSpec, run_dir: Path,
+                     extra_files=None) -> Path:
     """The export: a Hugging Face model directory with runyard.json. The tokenizer files are those of
     the weights the run started from (tokenizer.json, tokenizer_config.json, generation_config.json as
     they came), or the BPE the data stage trained. The chat template is the one the last sft/dpo stage
@@ -306,6 +315,7 @@ def export_run_model(model, config, export_dir: Path, prepared: PreparedData, sp
         generation_config=generation_config,
         chat_template=template,
         source_config=source_config,
+        extra_files=extra_files,
     )
 
 
@@ -331,9 +341,10 @@ def evaluate_and_export(
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})
 
     export_dir = run_dir / "export"
-    export_run_model(model, config, export_dir, prepared, spec, run_dir)
-    # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py).
-    build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift")).save(export_dir)
+    # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py):
+    # written into the export before it is renamed into place, and listed in its runyard.json.
+    reference = build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift"))
+    export_run_model(model, config, export_dir, prepared, spec, run_dir, extra_files=drift_files(reference))
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
     generator = Generator(exported, tokenizer, device=str(device), eos_ids=export_eos_ids(export_dir, tokenizer))
     samples = []

@@ -36,6 +36,7 @@ from runyard.system.files import atomic_write_text
 
 REFERENCE_FILE = "drift_reference.json"
 SAMPLE_FILE = "drift_sample.safetensors"
+DRIFT_FILES = (REFERENCE_FILE, SAMPLE_FILE)  # what `DriftReference.save` writes (the sample when it has one)
 LENGTH_EDGES = [0, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 1 << 62]
 NULL_BATCH_TOKENS = 1 << 20  # tokens gathered at once when drawing null samples
 PSI_FLOOR = 1e-4  # empty buckets count as this share, the usual PSI convention, so it stays finite

@@ -29,7 +29,13 @@ from runyard.serve.chat import chat_prompt, request_messages
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, ModelNotFound, QueueFull
 from runyard.serve.inflight import Choice, Engine, InFlight, by_choice
 from runyard.serve.metrics import ServerMetrics
-from runyard.serve.protocol import ChatCompletionRequest, CompletionRequest, parse_body, validate
+from runyard.serve.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    check_content_type,
+    parse_body,
+    validate,
+)
 from runyard.serve.responses import (
     ChatLogprobs,
     ChunkWriter,
@@ -102,6 +108,7 @@ def create_app(
         return refuse(500, f"internal error: {type(exc).__name__}", "server_error")
 
     async def read_json(request: Request) -> Any:
+        check_content_type(request.headers.get("content-type"))
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
             raise _TooLarge(max_body_bytes)

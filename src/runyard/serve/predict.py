@@ -31,9 +31,11 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runyard.serve.errors import InvalidRequest
 from runyard.serve.feature_drift import FeatureDriftMonitor
 from runyard.serve.predict_export import KIND_TABLE, Predictor, image_drift_features, load_predictor
 from runyard.serve.predict_inputs import InputProblems, image_batch, table_rows
+from runyard.serve.protocol import check_content_type, check_unicode
 from runyard.serve.responses import error_body
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -79,6 +81,7 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
         return _refuse(exc.status_code, str(exc.detail))
 
     async def read_json(request: Request) -> Any:
+        check_content_type(request.headers.get("content-type"))
         declared = request.headers.get("content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > max_body_bytes):
             raise InputProblems(f"the request body exceeds {max_body_bytes} bytes", [], None)
@@ -86,9 +89,11 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
         if len(body) > max_body_bytes:
             raise InputProblems(f"the request body exceeds {max_body_bytes} bytes", [], None)
         try:
-            return json.loads(body)
+            parsed = json.loads(body)
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise InputProblems(f"the request body is not JSON: {exc}", [], None) from None
+        check_unicode(parsed)
+        return parsed
 
     def run_model(body: Any) -> dict[str, Any]:
         if isinstance(body, dict) and body.get("model") not in (None, model_name):
@@ -120,6 +125,9 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
             body = await read_json(request)
             # The model and the drift window are CPU work: off the event loop.
             result = await run_in_threadpool(run_model, body)
+        except InvalidRequest as exc:  # not JSON by its content type (415), or a string that is not Unicode (400)
+            metrics.requests.labels(str(exc.status)).inc()
+            return _refuse(exc.status, exc.message, exc.param)
         except InputProblems as exc:
             status = 413 if "exceeds" in exc.message else (404 if exc.param == "model" else 422)
             metrics.requests.labels(str(status)).inc()

@@ -76,6 +76,7 @@ def export_predictor(model: Any, config: Any, family: str, out_dir: Path, *, kin
         record = {
             "format": EXPORT_FORMAT, "format_version": EXPORT_VERSION, "kind": kind, "task": task, "family": family,
             "model": family_impl.config_to_dict(config), "files": {n: sha256_file(tmp / n) for n in names},
+            "sizes": {n: (tmp / n).stat().st_size for n in names},
             "onnx": onnx.to_dict(), "extra": extra or {},
         }
         install_export(tmp, out_dir, names, json.dumps(record, indent=2, sort_keys=True))

@@ -178,15 +178,76 @@ def _finite_float(text: str) -> float | _NonFinite:
     return value if math.isfinite(value) else _NonFinite(text)
 
 
+class UnsupportedMediaType(InvalidRequest):
+    """A body sent with a content type other than JSON (415, as the market and control plane answer)."""
+
+    status = 415
+
+
+def check_content_type(header: str | None) -> None:
+    """Refuse a body whose declared content type is not JSON (`application/json`, with or without
+    parameters, or a `+json` type); a request that declares none is read as JSON."""
+    if header is None:
+        return
+    media = header.split(";", 1)[0].strip().lower()
+    if media != "application/json" and not (media.startswith("application/") and media.endswith("+json")):
+        shown = ascii(header[:100])
+        raise UnsupportedMediaType(f"request bodies must be JSON, sent with Content-Type: application/json; got {shown}")
+
+
 def parse_body(raw: bytes) -> Any:
-    """The request body as JSON, whatever its content type (so `curl -d` works as printed); a
-    malformed body is an InvalidRequest saying where it breaks."""
+    """The request body as JSON (its content type checked by `check_content_type`); a malformed body,
+    or one holding a string that is not valid Unicode, is an InvalidRequest saying where."""
     try:
-        return json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
+        body = json.loads(raw, parse_constant=_NonFinite, parse_float=_finite_float)
     except UnicodeDecodeError:
         raise InvalidRequest("the request body is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise InvalidRequest(f"the request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}") from None
+    check_unicode(body)
+    return body
+
+
+def _valid_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def invalid_unicode_field(value: Any, path: str = "") -> str | None:
+    """The first place in parsed JSON holding a string that is not valid Unicode (JSON's `\\ud800`
+    escape decodes to a lone UTF-16 surrogate, which no tokenizer or encoder takes), written as OpenAI
+    writes a param (`messages[0].content`); None when every string is valid. A bad key is shown escaped."""
+    if isinstance(value, str):
+        return None if _valid_unicode(value) else (path or "(body)")
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            found = invalid_unicode_field(item, f"{path}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            name = key if _valid_unicode(key) else ascii(key)
+            here = f"{path}.{name}" if path else name
+            if name is not key:
+                return here
+            found = invalid_unicode_field(item, here)
+            if found is not None:
+                return found
+    return None
+
+
+def check_unicode(body: Any) -> None:
+    """Refuse (400 naming the field) a parsed body holding a string that is not valid Unicode."""
+    param = invalid_unicode_field(body)
+    if param is not None:
+        raise InvalidRequest(
+            f"{param}: the string is not valid Unicode (it holds a lone UTF-16 surrogate such as \\ud800); "
+            "send UTF-8 text, or a surrogate pair for characters outside the basic plane",
+            None if param == "(body)" else param,
+        )
 
 
 _TYPE_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "is-instance"}

@@ -9,12 +9,13 @@ An export is what the ecosystem loads (`transformers.AutoModelForCausalLM.from_p
   `AutoTokenizer` reads it (so tokenizer_config.json holds none);
 - `generation_config.json` (the end-of-sequence id generation stops at);
 - `runyard.json`: runyard's provenance beside them: format version, the model family and its config,
-  the sha256 of every other file, and the caller's `extra` (run name, spec hash...).
+  the sha256 and size of every other file, and the caller's `extra` (run name, spec hash...).
 
 `runyard generate`, `runyard serve` and the drift reference all load this one directory.
 
-The directory is written beside its destination under a temporary name, fsynced, then renamed into
-place, so a crash leaves either the old export or the new one, never a mix. Loading checks every
+The directory is written beside its destination under a temporary name, every file of it (the drift
+reference included), fsynced, then renamed into place, so a crash leaves either the old export or the
+new one, never a mix or a part; runyard.json lists every file, and readers refuse an export missing one. Loading checks every
 file's checksum, then the family checks its files against the config before building the model.
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +61,7 @@ def export_model(
     chat_template: str | None = None,
     generation_config: dict[str, Any] | None = None,
     source_config: dict[str, Any] | None = None,
+    extra_files: Callable[[Path], list[str]] | None = None,
 ) -> Path:
     """Write `out_dir` as a Hugging Face model directory with runyard.json beside it, atomically.
     An existing `out_dir` is replaced only once the new export is complete. Returns `out_dir`.
@@ -69,7 +72,9 @@ def export_model(
     chat_template.jinja, as transformers 5 writes it. `generation_config`: a model directory's
     generation_config.json to carry over; None writes one from the tokenizer's special tokens.
     `source_config`: the config.json the weights came in with, whose architecture and fields the
-    export keeps (model/hf/config.py's `hf_config`)."""
+    export keeps (model/hf/config.py's `hf_config`). `extra_files(directory)` writes files of the
+    caller's into the export before it is renamed into place (the drift reference) and returns their
+    names, which runyard.json lists and readers check like every other file."""
     out_dir, tokenizer_path = Path(out_dir), Path(tokenizer_path)
     kind = get_family(family)
     if not tokenizer_path.is_file():
@@ -106,12 +111,15 @@ def export_model(
         if chat_template is not None:
             (tmp / CHAT_TEMPLATE_FILE).write_text(chat_template, encoding="utf-8")
             names.append(CHAT_TEMPLATE_FILE)
+        if extra_files is not None:
+            names += [name for name in extra_files(tmp) if name not in names]
         provenance = {
             "format": EXPORT_FORMAT,
             "format_version": EXPORT_VERSION,
             "family": kind.name,
             "model": kind.config_to_dict(cfg),
             "files": {name: sha256_file(tmp / name) for name in names},
+            "sizes": {name: (tmp / name).stat().st_size for name in names},
             "extra": extra_config or {},
         }
         try:
@@ -216,12 +224,13 @@ def verify_export(export_dir: Path) -> dict[str, Any]:
 
 
 def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, ...] = ()) -> None:
-    """Check every file runyard.json lists against its sha256 (and that `required` ones are listed);
-    ExportError naming the file that is missing, outside the export or modified."""
+    """Check every file runyard.json lists against its size (when it records sizes) and sha256, and that
+    `required` ones are listed; ExportError naming the file that is missing, outside the export or modified."""
     record = export_dir / PROVENANCE_FILE
     checksums = config.get("files")
     if not isinstance(checksums, dict):
         raise ExportError(f"{record} has no 'files' checksum table")
+    sizes = config.get("sizes") if isinstance(config.get("sizes"), dict) else {}  # exports before sizes: none
     for name in required:
         if name not in checksums:
             raise ExportError(f"{record} records no checksum for {name}")
@@ -230,7 +239,11 @@ def verify_files(export_dir: Path, config: dict[str, Any], required: tuple[str, 
             raise ExportError(f"{record} names {name!r}, not a file of the export")
         path = export_dir / name
         if not path.is_file():
-            raise ExportError(f"{path} is missing from the export")
+            raise ExportError(f"{path} is missing from the export (its {PROVENANCE_FILE} lists it)")
+        size = sizes.get(name)
+        if isinstance(size, int) and path.stat().st_size != size:
+            raise ExportError(f"{path} fails its checksum: it has {path.stat().st_size} bytes, {PROVENANCE_FILE} "
+                              f"records {size}: the file was truncated or modified")
         actual = sha256_file(path)
         if actual != expected:
             raise ExportError(
