@@ -28,6 +28,8 @@ from tests import tiers
 # role venvs .ci/floors.sh builds (RUNYARD_ROLE set) a module whose library is absent is not collected;
 # everywhere else (the dev venv, CI's suite) it runs, and a missing library fails it.
 NEEDS_LIBRARY = {
+    "test_chat.py": "transformers",
+    "test_hf_directories.py": "transformers",
     "test_hf_interop.py": "transformers",
     "test_hf_memory.py": "transformers",
     "test_instruct.py": "transformers",
