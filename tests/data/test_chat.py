@@ -21,6 +21,7 @@ from runyard.data.chat import (
     tokenizer_special_tokens,
 )
 from runyard.data.tokenizer import EOS_TOKEN, tokenizer_config_for
+from runyard.errors import DataError
 from runyard.serve.chat import chat_prompt, request_messages
 from runyard.serve.errors import InvalidRequest
 from runyard.serve.protocol import ChatMessage
@@ -264,11 +265,13 @@ def test_a_refusal_names_the_template_file_and_its_message(small_tokenizer, tmp_
         chat_prompt(ChatTemplate("{{ messages[0]['content'] + 1 }}", "x"), [{"role": "user", "content": "a"}])
 
 
-def test_a_refusal_stops_the_data_stage_by_name(tmp_path):
+def test_a_refusal_is_counted_and_a_split_left_empty_says_why(tmp_path):
+    """A conversation the template refuses (raise_exception) is a counted removal, not a crash (runyard plan
+    and run list such records before any work); a split that has nothing left names the refusal."""
     tok = write_tokenizer(tmp_path / "tok.json")
     data = tmp_path / "chats.jsonl"
     data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in [ALTERNATING[:2], CONVERSATION[:3]] * 2))
-    with pytest.raises(ChatTemplateError, match=r"\(spec\) refused the conversation: Conversation roles must alternate"):
+    with pytest.raises(DataError, match=r"the chat template refused \d+ conversation\(s\): Conversation roles must alternate"):
         prepare({"sources": [{"path": str(data)}], "chat_template": MISTRAL.replace("bos_token", "''")}, "sft",
                 tok, 64, tmp_path / "c")
 

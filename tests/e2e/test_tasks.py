@@ -143,6 +143,8 @@ def test_the_cnn_on_two_processes_follows_the_one_process_curve(tmp_path):
     raw["checkpoint"]["interval"] = 6
     raw["eval"]["interval"] = 6
     raw["stages"][0]["gates"] = {"min_loss_drop": None}
+    # 12 steps are not a model fit to ship (runyard run would exit 7): the test is about the curve.
+    raw["eval"]["prediction"] = {**raw["eval"].get("prediction", {}), "min_accuracy": None, "must_beat_baseline": False}
 
     def curve(name: str, batch: int, *nproc: str) -> list[tuple[int, float]]:
         spec = tmp_path / f"{name}.yaml"

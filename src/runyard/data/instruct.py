@@ -321,8 +321,11 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
             responses.append({"prompt": last_user, "response": record.messages[-1]["content"]})
             groups.add(record.group)
         if not chosen:
+            refused = removal_samples.get("template_refused")
+            why_refused = (f"; the chat template refused {removed['template_refused']} conversation(s): "
+                           f"{refused[0]['reason']}" if refused else "")
             raise DataError(f"{where}: no {split} record fits the context of {context_length} tokens "
-                            f"(too_long: {spec.too_long}); counts: {dict(fit_counts)}")
+                            f"(too_long: {spec.too_long}); counts: {dict(fit_counts)}{why_refused}")
         if kind == "sft":
             split_stats[split] = write_store(out, split, chosen)
         else:

@@ -30,7 +30,7 @@ from runyard.model.hf.weights import (
 from runyard.model.transformer import Transformer
 
 
-def check_weights(directory: Path, cfg: ModelConfig) -> dict[str, TensorInfo]:
+def check_weights(directory: Path, cfg: ModelConfig, state: dict[str, torch.Tensor] | None = None) -> dict[str, TensorInfo]:
     """Check, from the safetensors headers alone (no tensor is read), that the weights of `directory` are
     what a model of `cfg` needs: every file readable and whole, every tensor config.json implies there
     with its shape and a dtype runyard loads, none it does not imply (a tied head may be stored).
@@ -46,7 +46,10 @@ def check_weights(directory: Path, cfg: ModelConfig) -> dict[str, TensorInfo]:
     if extra:
         raise ModelDirectoryError(headers[extra[0]].file, f"holds {len(extra)} tensor(s) a model of this "
                                   f"config.json does not have: {extra[:5]}{' ...' if len(extra) > 5 else ''}")
-    shapes = {name: tuple(tensor.shape) for name, tensor in runyard_to_hf(_meta_state(cfg), cfg).items()}
+    # The shapes come from the model being loaded when there is one: building a model on the meta device
+    # costs ~80 MB of resident memory the first time (torch's meta machinery), which loading must not add.
+    shapes = {name: tuple(tensor.shape) for name, tensor in
+              runyard_to_hf(state if state is not None else _meta_state(cfg), cfg).items()}
     if cfg.tie_embeddings:
         shapes[TIED_HEAD] = (cfg.vocab_size, cfg.d_model)
     for name, info in headers.items():
@@ -66,9 +69,9 @@ def load_weights_into(model: Transformer, directory: Path) -> None:
     once `check_weights` has passed. ModelDirectoryError names the file and the tensor."""
     directory = Path(directory)
     cfg = model.cfg
-    headers = check_weights(directory, cfg)
-    plan = layout(cfg)
     state = model.state_dict()
+    headers = check_weights(directory, cfg, state)
+    plan = layout(cfg)
     for ours, parts in plan.items():
         target, row = state[ours], 0
         for name, rows in parts:
