@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import base64
 import os
+import shutil
 import signal
 import sysconfig
+import tempfile
 from pathlib import Path
 
 import httpx
@@ -55,7 +57,16 @@ def _serving_pids(export_dir: Path) -> list[int]:
     return found
 
 
-def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_path):
+@pytest.fixture
+def short_dir():
+    """A state directory with a short path: a deployment's unix socket lives under it, and a socket path
+    may not pass 100 characters (pytest-xdist's per-worker tmp_path, popen-gwN/..., is too long)."""
+    path = Path(tempfile.mkdtemp(prefix="ry-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_path, short_dir):
     require_sandbox()
     market = Market.open(str(tmp_path / "market.db"), Settings(test_clock=True, dispute_window_s=WINDOW, fee_bps=250),
                          verifier=OperatorVerifier())
@@ -76,7 +87,7 @@ def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_pat
                                                        "credits": CREDITS, "notice_s": 0})
         ops.credit("lab", 2_000_000, "test funds")
         deliveries = tmp_path / "deliveries"
-        plane = ControlPlane(tmp_path / "control", server.url, tmp_path / "farm.json", "--cpu-slots", "2",
+        plane = ControlPlane(short_dir / "control", server.url, tmp_path / "farm.json", "--cpu-slots", "2",
                              "--usage-interval", "1", "--probe-interval", "0.5", "--deliveries-root",
                              str(deliveries), "--allow-data-network", "127.0.0.0/8")
         try:
@@ -125,7 +136,7 @@ def test_train_through_a_block_lease_then_serve_through_a_standing_lease(tmp_pat
             control = plane.client()
             (job,) = control.jobs(lease=str(lease_id))
             assert job["argv"][1:3] == ["-m", "runyard.control.sandbox"]  # served inside the sandbox
-            folder = tmp_path / "control" / "agent" / f"lease-{lease_id}"
+            folder = short_dir / "control" / "agent" / f"lease-{lease_id}"
             (pid,) = until(lambda: _serving_pids(folder / "export"))
             before = max((r["seq"] for r in lab.usage(lease_id)["records"]), default=0)
             os.kill(pid, signal.SIGKILL)
