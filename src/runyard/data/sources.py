@@ -43,6 +43,7 @@ import zstandard
 from runyard.data.errors import DocumentTooLarge, InputChanged
 from runyard.errors import DataError
 from runyard.spec.data import SourceSpec
+from runyard.spec.job import reference_hint
 
 READ_BLOCK = 1 << 20
 # A file modified this close to when it was read may change again within the same timestamp tick:
@@ -128,6 +129,27 @@ def list_source_files(source: SourceSpec, index: int) -> list[InputFile]:
     files.sort(key=lambda f: f.path)
     return files
 
+
+
+def files_or_problem(source: SourceSpec, index: int, where: str) -> tuple[list[InputFile], tuple[str, str, str] | None]:
+    """The source's files, or the spec problem (field path `where`, the path, what was expected) that says
+    why there are none: unreadable, matching nothing (with what it expanded to), or all excluded. The one
+    check `runyard plan` and `run` make of every source before any work (top-level data and stages')."""
+    try:
+        found = list_source_files(source, index)
+    except (DataError, OSError, ValueError) as exc:
+        return [], (where, source.path, f"a readable path, glob or URL ({exc}) {reference_hint(where)}")
+    if found:
+        return found, None
+    expanded = expand_path_template(source.path)
+    unfiltered = list_source_files(source.model_copy(update={"exclude": []}), index) if source.exclude else []
+    if unfiltered:
+        why = (f"files to read: it matches {len(unfiltered)} but {where.rsplit('.', 1)[0]}.exclude "
+               f"{source.exclude} leaves none")
+    else:
+        relative = "" if os.path.isabs(expanded) or "://" in expanded else f", relative to {os.getcwd()}"
+        why = f"a path or glob that matches files: it matched none (expanded to {expanded!r}{relative})"
+    return [], (where, source.path, f"{why} {reference_hint(where)}")
 
 def list_input_files(sources: list[SourceSpec]) -> list[InputFile]:
     """Every file of every source; raises DataError naming the source that matched nothing."""

@@ -9,11 +9,11 @@ from pathlib import Path
 
 from runyard.data.chat import ChatTemplate, choose_template
 from runyard.data.instruct_check import RecordScan, check_records
-from runyard.data.sources import list_source_files
+from runyard.data.sources import files_or_problem
 from runyard.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, eos_token_beside
 from runyard.errors import DataError, SpecError
 from runyard.plan.weights_in import weights_tokenizer_dir
-from runyard.spec.job import JobSpec, reference_hint
+from runyard.spec.job import JobSpec
 
 
 def stage_template(spec: JobSpec, stage) -> ChatTemplate | None:
@@ -40,14 +40,9 @@ def check_records_in(spec: JobSpec) -> dict[str, RecordScan]:
             continue
         for i, source in enumerate(stage.data.sources):
             where = f"stages[{index}].data.sources[{i}].path"
-            try:
-                found = list_source_files(source, i)
-            except (DataError, OSError, ValueError) as exc:
-                missing.append((where, source.path, f"a readable path, glob or URL ({exc}) {reference_hint(where)}"))
-                continue
-            if not found:
-                missing.append((where, source.path, f"a path or glob that matches files: it matched none "
-                                f"{reference_hint(where)}"))
+            problem = files_or_problem(source, i, where)[1]
+            if problem is not None:
+                missing.append(problem)
     if missing:
         raise SpecError("stages[].data.sources", missing)
     for index, stage in enumerate(spec.stages):

@@ -8,7 +8,6 @@ knows whether the dataset is already prepared).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,8 +15,8 @@ from pathlib import Path
 from runyard.data.footprint import data_need
 from runyard.data.pipeline import resolve_cache_dir
 from runyard.data.sklearn_sets import LOADERS as BUNDLED_SETS
-from runyard.data.sources import InputFile, expand_path_template, list_source_files
-from runyard.errors import DataError, SpecError
+from runyard.data.sources import InputFile, files_or_problem
+from runyard.errors import SpecError
 from runyard.plan.disk import run_dir_needs
 from runyard.spec.data import DataSpec
 from runyard.spec.job import JobSpec, reference_hint, spec_warnings
@@ -84,32 +83,15 @@ def resolve_sources(spec: DataSpec) -> tuple[list[InputFile], list[SourceListing
             else:
                 listings.append(SourceListing(i, f"sklearn:{source.path}", 0, 0))
             continue
-        try:
-            found = list_source_files(source, i)
-        except (DataError, OSError, ValueError) as exc:
-            problems.append((where, source.path, f"a readable path, glob or URL ({exc}) {reference_hint(where)}"))
-            continue
-        if not found:
-            problems.append((where, source.path, _no_match(source, i) + f" {reference_hint(where)}"))
+        found, problem = files_or_problem(source, i, where)
+        if problem is not None:
+            problems.append(problem)
             continue
         files += found
         listings.append(SourceListing(i, source.path, len(found), sum(f.size for f in found)))
     if problems:
         raise SpecError("data.sources", problems)
     return files, listings
-
-
-def _no_match(source, index: int) -> str:
-    expanded = expand_path_template(source.path)
-    if source.exclude:
-        unfiltered = list_source_files(source.model_copy(update={"exclude": []}), index)
-        if unfiltered:
-            return (
-                f"files to read: it matches {len(unfiltered)} but data.sources[{index}].exclude "
-                f"{source.exclude} leaves none"
-            )
-    relative = "" if os.path.isabs(expanded) or "://" in expanded else f", relative to {Path.cwd()}"
-    return f"a path or glob that matches files: it matched none (expanded to {expanded!r}{relative})"
 
 
 def _stages_done(spec: JobSpec, run_dir: Path) -> set[str]:
