@@ -329,12 +329,13 @@ def test_nothing_outlives_a_killed_launcher(sandboxed, provider):
         time.sleep(0.05)
     # The killed launcher could not leave its cgroups; the agent removes them when the lease ends (a
     # cgroup still counting an exiting process is busy for a moment: the agent's sweep comes back to it).
+    name = job_limits.cgroup_name(folder.root, 7, 3)
     deadline = time.monotonic() + 30
-    while list(Path("/sys/fs/cgroup").glob("*/runyard-lease-7-3")):
+    while list(Path("/sys/fs/cgroup").glob(f"*/{name}")):
         assert time.monotonic() < deadline, "the killed launcher's cgroups were never removable"
-        job_limits.remove_stale(job_limits.cgroup_name(7, 3))
+        job_limits.remove_stale(name)
         time.sleep(0.1)
-    assert job_limits.remove_stale(job_limits.cgroup_name(7, 3)) == 0
+    assert job_limits.remove_stale(name) == 0
 
 
 def test_unconfined_mode_keeps_the_environment_clean_but_not_the_files(provider):

@@ -330,7 +330,7 @@ class MarketAgent:
         record["finished"], record["finished_at"] = True, time.time()
         self.save_record(record)
         for job_id in record["job_ids"]:
-            job_limits.remove_stale(job_limits.cgroup_name(record["lease_id"], job_id))
+            job_limits.remove_stale(job_limits.cgroup_name(record["folder"], record["lease_id"], job_id))
 
     def stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:

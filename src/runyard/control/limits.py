@@ -20,6 +20,7 @@ Applied by the sandbox launcher to itself just before it starts the job (childre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import resource
 from dataclasses import dataclass, field
@@ -177,6 +178,9 @@ def remove_stale(name: str) -> int:
     return removed
 
 
-def cgroup_name(lease_id: int, job_id: int | str) -> str:
-    """The cgroup a lease's job runs in (one name for all its attempts)."""
-    return f"runyard-lease-{lease_id}-{job_id}"
+def cgroup_name(lease_folder: str | Path, lease_id: int, job_id: int | str) -> str:
+    """The cgroup a lease's job runs in (one name for all its attempts). The lease folder's hash is in
+    it: two agents (or two markets) on one host may both have a lease 7 with a job 1, and a shared
+    cgroup would charge one job's memory to the other and OOM-kill it."""
+    folder = hashlib.sha256(str(Path(lease_folder).resolve()).encode()).hexdigest()[:10]
+    return f"runyard-lease-{lease_id}-{job_id}-{folder}"

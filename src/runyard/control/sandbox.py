@@ -279,7 +279,8 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     env = sandbox_env(policy, dict(os.environ), python)
     devices = allocated_devices(os.environ)
     limits = job_limits.Limits(memory_bytes=policy.memory_bytes, max_file_bytes=policy.max_file_bytes)
-    job_limits.apply(limits, devices, job_limits.cgroup_name(policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x")))
+    cgroup = job_limits.cgroup_name(policy.root, policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x"))
+    job_limits.apply(limits, devices, cgroup)
     print(f"runyard sandbox: lease {policy.lease_id}, "
           f"{'UNCONFINED' if policy.unconfined else 'bubblewrap'}; limits: {'; '.join(limits.applied)}",
           file=sys.stderr, flush=True)
