@@ -34,6 +34,12 @@ class SpecError(RunyardError):
         super().__init__("\n".join(lines))
 
 
+class SpecChanged(RunyardError):
+    """An edited spec would change work a run directory has already done (runyard.run.continuation)."""
+
+    exit_code = EXIT_BAD_SPEC
+
+
 class DataError(RunyardError):
     """The data stage cannot go on: empty corpus, unreadable source, a checksum mismatch..."""
 

@@ -173,6 +173,49 @@ def test_failed_gate_stops_the_run_before_later_stages(write_spec, tmp_path):
     again = runyard("resume", str(run_dir), "--no-progress")
     assert again.returncode == EXIT_GATE_FAILED and not (run_dir / "stages/full").exists()
 
+    # The gate judged again without training: with the stored spec it fails, with a loosened one it passes.
+    smoke = run_dir / "stages/smoke"
+    trained = {p.relative_to(smoke): p.read_bytes() for p in smoke.rglob("*") if p.is_file() and p.name != "gates.json"}
+    loose = write_spec({"train": {"steps": 8}, "stages": [{"name": "smoke", "gates": {"max_heldout_loss": 50.0}},
+                                                          {"name": "full", "gates": {"min_loss_drop": None}}]},
+                       name="loose.yaml")
+    judged = runyard("gates", str(run_dir))
+    assert judged.returncode == EXIT_GATE_FAILED and "stage smoke: failed" in judged.stdout, judged.stdout
+    judged = runyard("gates", str(run_dir), "--spec", str(loose), "--json")
+    assert judged.returncode == 0, judged.stdout + judged.stderr
+    verdict = json.loads(judged.stdout)["stages"]
+    assert verdict[0]["state"] == "passed" and verdict[0]["recorded"] is False
+    assert verdict[1]["state"] == "not finished"
+    assert json.loads((smoke / "gates.json").read_text())["passed"] is False  # `gates` writes nothing
+
+    # A change to what the smoke stage trained on is refused, naming the field and the way forward.
+    steps = write_spec({"train": {"steps": 8}, "stages": [{"name": "smoke", "train": {"steps": 6},
+                                                           "gates": {"max_heldout_loss": 50.0}}, {"name": "full"}]},
+                       name="steps.yaml")
+    refused = runyard("run", str(steps), "--run-dir", str(run_dir), "--no-progress")
+    assert refused.returncode == 2, refused.stderr
+    said = " ".join(refused.stderr.split())
+    assert "stages[0].train.steps: (absent) -> 6" in said and "--restart-from smoke" in said, said
+
+    # Run with the loosened spec: smoke is judged again and passes, untouched; the next stage trains.
+    proc = runyard("run", str(loose), "--run-dir", str(run_dir), "--no-progress")
+    assert proc.returncode == 0, proc.stderr
+    assert {p.relative_to(smoke): p.read_bytes() for p in smoke.rglob("*")
+            if p.is_file() and p.name != "gates.json"} == trained
+    assert json.loads((smoke / "gates.json").read_text())["passed"] is True
+    assert (run_dir / "stages/full/gates.json").is_file() and (run_dir / "export/runyard.json").is_file()
+    changes = json.loads((run_dir / "manifest.json").read_text())["spec_changes"]
+    assert changes[-1]["changes"] == ["stages[0].gates.max_heldout_loss: 0.001 -> 50.0",
+                                      "stages[1].gates.min_loss_drop: 0.1 -> null"]
+
+    # --restart-from says it deliberately: the full stage and the export move aside, and are made again.
+    proc = runyard("run", str(loose), "--run-dir", str(run_dir), "--no-progress", "--restart-from", "full")
+    assert proc.returncode == 0, proc.stderr
+    assert (run_dir / "superseded/1/stages/full/gates.json").is_file()
+    assert (run_dir / "superseded/1/export/runyard.json").is_file()
+    assert (run_dir / "stages/full/gates.json").is_file() and (run_dir / "export/runyard.json").is_file()
+    assert (run_dir / "stages/smoke/gates.json").is_file() and not (run_dir / "superseded/1/stages/smoke").exists()
+
 
 def test_spec_that_does_not_fit_its_data_is_refused_before_training(write_spec, tmp_path):
     spec = write_spec({"model": {"vocab_size": 300, "context_length": 1_000_000}})

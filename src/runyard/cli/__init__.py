@@ -23,6 +23,10 @@ VERBS: dict[str, tuple[str, str | None, str]] = {
     "resume": ("runyard.cli.run", None, "continue a stopped run from its last good checkpoint"),
     "generate": ("runyard.cli.run", None, "sample a completion from a run's exported model"),
     "show": ("runyard.cli.run", None, "summarise a run directory"),
+    "gates": (
+        "runyard.cli.gates", None,
+        "judge a run's stages again with its spec's gates (or an edited spec's), without training",
+    ),
     "plan": (
         "runyard.cli.plan", None,
         "size a spec: time, memory, hardware, energy, cost, requirement; training vs inference",

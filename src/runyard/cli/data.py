@@ -13,6 +13,7 @@ from runyard.data.hydrate import find_fingerprint, hydrate_dataset, publish_data
 from runyard.data.pipeline import prepare_data
 from runyard.data.report import markdown_report
 from runyard.spec.job import load_spec
+from runyard.system.progress import NO_PROGRESS_HELP
 
 
 def register(subparsers) -> None:
@@ -33,7 +34,7 @@ def register(subparsers) -> None:
         default=None,
         help="data cache (default: data.cache_dir, $RUNYARD_CACHE_DIR or ~/.cache/runyard/data)",
     )
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     p.add_argument(
         "--executor",
         choices=["local", "slurm", "ray"],
@@ -75,7 +76,7 @@ def register(subparsers) -> None:
         "--max-cache-gb", type=float, default=None, help="evict least recently used datasets above this"
     )
     h.add_argument("--threads", type=int, default=4, help="parallel copies (default 4)")
-    h.add_argument("--no-progress", action="store_true", help="no progress bars")
+    h.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     h.set_defaults(handler=_hydrate)
 
 

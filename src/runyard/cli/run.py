@@ -17,10 +17,12 @@ from runyard.cli.run_progress import describe_stage, finished_export, stage_prog
 from runyard.errors import RunyardError, SpecError
 from runyard.model.hf.export import export_eos_ids, load_export
 from runyard.reproduce.manifest import read_manifest
-from runyard.run.execute import SPEC_FILE, default_run_dir, execute_run
+from runyard.run.continuation import SPEC_FILE, open_run_dir
+from runyard.run.execute import default_run_dir, execute_run
 from runyard.serve.engine import Generator
 from runyard.spec.job import load_spec
 from runyard.system import rundir
+from runyard.system.progress import NO_PROGRESS_HELP
 from runyard.train.launch import launch, run_worker, under_launcher
 
 ONE_WRITER = (
@@ -46,6 +48,14 @@ def _add_launch_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-restarts", type=int, default=0, help="restart the workers up to K times after a worker dies, resuming from the last good checkpoint")
 
 
+def _add_restart_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--restart-from", metavar="STAGE", default=None,
+                   help="train STAGE and every later stage again: their checkpoints, the export and evaluation "
+                   "(and the data report, when the data changed) move to RUN_DIR/superseded/N/, nothing is "
+                   "deleted. Needed when an edited spec changes work already done; under the control plane "
+                   "it is carried out once per job, not again on a restarted attempt")
+
+
 def register(verbs: argparse._SubParsersAction) -> None:
     for verb, evaluate, help_text, description in (
         (
@@ -58,7 +68,10 @@ def register(verbs: argparse._SubParsersAction) -> None:
             "and fit to ship, 1 an error, 2 the spec, its data or its initial weights were rejected before any "
             "work, 3 a stage's gates failed, 4 stopped by a signal after a checkpoint (resume continues it), 5 "
             "killed for going past its memory limit, 7 finished and exported but not fit to ship (the reasons "
-            "are printed and in eval/report.md).",
+            "are printed and in eval/report.md). An edited spec continues an existing run directory when no "
+            "work done depends on what changed (gates, the verdict's bounds, prompts, a stage not trained "
+            "yet): stages are judged again from their records (`runyard gates` shows the verdict without "
+            "training); a change to work done is refused, naming each field, unless --restart-from says so.",
         ),
         (
             "train",
@@ -72,7 +85,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         p.add_argument("spec", type=Path, help="job spec (YAML)")
         p.add_argument("--run-dir", type=Path, default=None, help=RUN_DIR_HELP)
         p.add_argument("--stage", default=None, help=f"{verb} only this stage (earlier stages must have passed)")
-        p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+        p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+        _add_restart_option(p)
         _add_launch_options(p)
         p.set_defaults(handler=cmd_run, evaluate=evaluate)
 
@@ -85,7 +99,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
         "when the finished run is not fit to ship." + ONE_WRITER,
     )
     p.add_argument("run_dir", type=Path, help="the run directory")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars (logs only)")
+    p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
+    _add_restart_option(p)
     _add_launch_options(p)
     p.set_defaults(handler=cmd_resume, evaluate=True, stage=None)
 
@@ -118,11 +133,30 @@ def _setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
 
 
+def _launching(args, spec) -> bool:
+    """Whether this command starts workers via torchrun (more than one asked for, and not a worker yet)."""
+    nproc = args.nproc if args.nproc is not None else spec.resources.nproc
+    return not under_launcher() and (nproc > 1 or args.nnodes > 1 or args.max_restarts > 0)
+
+
+def _restart_in_launcher(args, spec, run_dir: Path) -> str | None:
+    """The --restart-from that execute_run is to carry out. Under torchrun the launcher carries it out
+    itself, before its workers start, so that workers restarted by --max-restarts never move their own
+    work aside again."""
+    if not args.restart_from or not _launching(args, spec):
+        return args.restart_from
+    if args.node_rank != 0:  # node 0's launcher holds the run directory
+        return None
+    with rundir.writing(run_dir):
+        open_run_dir(spec, run_dir, args.restart_from)
+    return None
+
+
 def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = None) -> int | None:
     """When more than one worker is asked for and we are not a worker yet, start them via torchrun."""
 
     nproc = args.nproc if args.nproc is not None else spec.resources.nproc
-    if under_launcher() or (nproc <= 1 and args.nnodes <= 1 and args.max_restarts == 0):
+    if not _launching(args, spec):
         return None
     return launch(
         worker_argv,
@@ -144,6 +178,7 @@ def cmd_run(args) -> int:
         worker_argv += ["--stage", args.stage]
     if args.no_progress:
         worker_argv.append("--no-progress")
+    restart_from = _restart_in_launcher(args, spec, run_dir)
     launched = _maybe_launch(args, spec, worker_argv, run_dir)
     if launched is not None:
         return launched
@@ -152,7 +187,7 @@ def cmd_run(args) -> int:
     def work() -> int:
         summary = execute_run(
             spec, run_dir, argv=sys.argv, only_stage=args.stage, show_progress=not args.no_progress,
-            evaluate=args.evaluate,
+            evaluate=args.evaluate, restart_from=restart_from,
         )
         _print_summary(summary)
         not_fit = summary.not_fit()
@@ -170,13 +205,15 @@ def cmd_resume(args) -> int:
         raise RunyardError(f"{args.run_dir} is not a run directory: it has no {SPEC_FILE}")
     spec = load_spec(spec_path)
     worker_argv = ["resume", str(args.run_dir)] + (["--no-progress"] if args.no_progress else [])
+    restart_from = _restart_in_launcher(args, spec, args.run_dir)
     launched = _maybe_launch(args, spec, worker_argv, args.run_dir)
     if launched is not None:
         return launched
     _setup_logging()
 
     def work() -> int:
-        summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress)
+        summary = execute_run(spec, args.run_dir, argv=sys.argv, show_progress=not args.no_progress,
+                              restart_from=restart_from)
         _print_summary(summary)
         not_fit = summary.not_fit()
         if not_fit is not None:

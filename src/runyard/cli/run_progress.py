@@ -10,7 +10,7 @@ from typing import Any
 from runyard.cli.readers import export_dir_of
 from runyard.errors import RunyardError
 from runyard.model.hf.export import PROVENANCE_FILE
-from runyard.run.execute import SPEC_FILE
+from runyard.run.continuation import SPEC_FILE
 from runyard.spec.job import JobSpec, load_spec, resolved_stage
 from runyard.train.checkpoint.store import list_checkpoints
 from runyard.train.gates import read_gates

@@ -26,7 +26,6 @@ import numpy as np
 from runyard.data.budget import MemoryBudget, release_freed_memory
 from runyard.data.corpus import Corpus, corpus_stats, held_out_documents, split_corpus, training_texts
 from runyard.data.dedup_external import exact_dedup, near_dedup
-from runyard.data.progress import progress_bars
 from runyard.data.shards import document_lengths
 from runyard.data.split import SPLIT_METHOD
 from runyard.data.tokenize import assemble_splits
@@ -36,6 +35,7 @@ from runyard.errors import DataError
 from runyard.spec.data import DataSpec
 from runyard.system.diskspace import writing
 from runyard.system.files import atomic_write_bytes, atomic_write_json, sha256_file
+from runyard.system.progress import progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +75,7 @@ def end_of_document_token(spec: DataSpec) -> str:
     return eos_token_beside(spec.tokenizer.path) if spec.tokenizer.path else EOS_TOKEN
 
 
-def _tokenizer(spec: DataSpec, corpus: Corpus, dataset_dir: Path, budget: MemoryBudget, progress: bool):
+def _tokenizer(spec: DataSpec, corpus: Corpus, dataset_dir: Path, budget: MemoryBudget, progress: bool | None):
     tok_path = dataset_dir / "tokenizer.json"
     if spec.tokenizer.path:
         eos_token = end_of_document_token(spec)
@@ -112,7 +112,7 @@ def build_dataset(
     budget: MemoryBudget,
     executor,
     task_budget: tuple[int, int],
-    progress: bool,
+    progress: bool | None,
     timings: dict[str, float],
 ) -> None:
     """Write the dataset of `fp` into `dataset_dir` (see the module doc)."""

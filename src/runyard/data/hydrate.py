@@ -34,12 +34,12 @@ from runyard.data.pipeline import (
     load_prepared,
     resolve_cache_dir,
 )
-from runyard.data.progress import progress_bars
 from runyard.data.shards import HEADER, ShardCorrupt
 from runyard.data.sources import list_input_files
 from runyard.errors import DataError
 from runyard.spec.data import DataSpec
 from runyard.system.files import atomic_write_bytes, sha256_file
+from runyard.system.progress import progress_bars
 
 META_FILES = ("tokenizer.json", "split.json", "train.json", "heldout.json")
 COPY_BLOCK = 1 << 22
@@ -173,7 +173,7 @@ def hydrate_dataset(
     cache_dir: Path | None = None,
     max_cache_bytes: int | None = None,
     threads: int = 4,
-    progress: bool = True,
+    progress: bool | None = True,
 ) -> HydrateResult:
     """Copy dataset `fingerprint` from the store into the local cache (see the module doc)."""
     url, _ = _store_region(spec, store_url)

@@ -42,7 +42,6 @@ from runyard.data.errors import InputChanged
 from runyard.data.executors import ExecutorChoice, make_executor
 from runyard.data.footprint import check_cache_space
 from runyard.data.partstore import PartReader
-from runyard.data.progress import progress_bars
 from runyard.data.report import write_report
 from runyard.data.shards import load_index, open_shard
 from runyard.data.sources import (
@@ -59,6 +58,7 @@ from runyard.errors import DataError
 from runyard.spec.data import DataSpec
 from runyard.system.files import atomic_write_bytes
 from runyard.system.locking import LockHolder, ProcessLock
+from runyard.system.progress import progress_bars
 
 log = logging.getLogger(__name__)
 
@@ -337,11 +337,12 @@ def prepare_data(
     seed: int,
     report_dir: Path | None,
     cache_dir: Path | None = None,
-    progress: bool = True,
+    progress: bool | None = True,
     executor: ExecutorChoice | None = None,
 ) -> PreparedData:
     """Run (or reuse) the data stage for `data_spec`; write the data report to `report_dir` if given.
-    `executor` says where the clean and tokenize tasks run (default: local worker processes)."""
+    `executor` says where the clean and tokenize tasks run (default: local worker processes). `progress`:
+    True bars on a terminal, False log lines only, None silent (runyard.system.progress)."""
     root = resolve_cache_dir(data_spec, cache_dir)
     residency.check_cache(data_spec, root)
     plan = _Plan(data_spec, seed, root, executor)
@@ -358,7 +359,7 @@ def prepare_data(
     return prepared
 
 
-def _prepare(plan: _Plan, progress: bool) -> PreparedData:
+def _prepare(plan: _Plan, progress: bool | None) -> PreparedData:
     spec = plan.spec
     remove_stale_writes(plan.clean_dir)
     check_cache_space(spec, plan.files, plan.root)
@@ -387,7 +388,7 @@ def _prepare(plan: _Plan, progress: bool) -> PreparedData:
     return prepared
 
 
-def _clean(plan: _Plan, progress: bool) -> list[dict[str, Any]]:
+def _clean(plan: _Plan, progress: bool | None) -> list[dict[str, Any]]:
     """Run the clean task of every part not reusable; returns every part's meta, in order."""
     spec_json = plan.spec.model_dump(mode="json")
     tasks = []

@@ -43,15 +43,17 @@ from runyard.plan.runlife import run_lifetime
 from runyard.plan.weights_in import check_weights_in, stage_start, weights_origin, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
+from runyard.run.continuation import open_run_dir
 from runyard.run.preflight import check_run_disk
 from runyard.serve.drift import DRIFT_FILES, DriftReference, build_reference
 from runyard.serve.engine import Generator
 from runyard.spec.data import DataSpec
-from runyard.spec.job import JobSpec, dump_spec, load_spec, resolved_stage
+from runyard.spec.job import JobSpec, resolved_stage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
 from runyard.system import rundir
 from runyard.system.cpus import ThreadChoice, choose_threads, local_processes
-from runyard.system.files import atomic_write_text, sha256_file
+from runyard.system.files import sha256_file
+from runyard.system.progress import phase
 from runyard.train import parallel
 from runyard.train.finetune_metrics import read_record as read_finetune_record
 from runyard.train.gates import (
@@ -63,13 +65,11 @@ from runyard.train.gates import (
 )
 from runyard.train.loop import StageResult, evaluate_loss, final_stage_model, train_stage
 from runyard.train.metrics import MetricsLog
+from runyard.train.rejudge import needs_rejudging, rejudge
 from runyard.train.signals import StopRequest, stop_on_signals
 from runyard.train.stage_result import StageResultMissing, final_checkpoint, stage_dir
 
 log = logging.getLogger(__name__)
-
-SPEC_FILE = "spec.yaml"
-
 
 @dataclass
 class RunSummary:
@@ -106,21 +106,6 @@ def _final_checkpoint_intact(sdir: Path, steps: int, ctx: parallel.DistContext) 
             log.warning("%s: retraining the stage from its last good checkpoint to step %d, so that what "
                         "comes after it starts from its real result", problem, steps)
     return parallel.broadcast_object(problem, ctx) is None
-
-
-def open_run_dir(spec: JobSpec, run_dir: Path) -> None:
-    """Create the run directory, or check that an existing one belongs to this very spec."""
-    spec_path = run_dir / SPEC_FILE
-    if spec_path.is_file():
-        existing = load_spec(spec_path)
-        if existing.fingerprint() != spec.fingerprint():
-            raise SpecError(
-                str(spec_path),
-                [("(whole spec)", spec.name, f"the spec stored in {run_dir}; this run directory was made by a "
-                  "different spec: pick another --run-dir or remove it")],
-            )
-        return
-    atomic_write_text(spec_path, dump_spec(spec))
 
 
 def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None:
@@ -190,7 +175,7 @@ def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progre
         )
     parallel.barrier(ctx)
     if prepared is None:
-        prepared = prepare_data(data_spec, seed=spec.seed, report_dir=None, progress=False)
+        prepared = prepare_data(data_spec, seed=spec.seed, report_dir=None, progress=None)  # rank 0 reports
     return prepared
 
 
@@ -245,6 +230,8 @@ def run_stages(
         sdir = stage_dir(run_dir, name)
         stage = resolved_stage(spec, name)
         record = read_gates(sdir)
+        if record is not None and needs_rejudging(record, stage.gates):
+            record = _rejudged(stage, sdir, record, ctx)
         if record is not None and not record["passed"]:
             raise GateFailed(f"stage {name} failed its gates earlier: {format_failures(record)}")
         restore = record is not None and not _final_checkpoint_intact(sdir, stage.train.steps, ctx)
@@ -260,7 +247,7 @@ def run_stages(
                 before = read_finetune_record(sdir).get("before", {}).get("metrics", {})
                 results = evaluate_recorded_gates(stage.gates, rows, last.checkpoint, last.checkpointed_module,
                                                   heldout_start=before.get("heldout_loss"))
-                record = write_gates(sdir, name, results)
+                record = write_gates(sdir, name, results, stage.gates)
             record = parallel.broadcast_object(record, ctx)  # every rank stops, or goes on, together
             if not record["passed"]:
                 raise GateFailed(f"stage {name} failed its gates: {format_failures(record)}; later stages not started")
@@ -268,6 +255,17 @@ def run_stages(
         if name == only_stage:
             break
     return summaries, last
+
+
+def _rejudged(stage, sdir: Path, record: dict, ctx: parallel.DistContext) -> dict:
+    """A finished stage's verdict under the gates of the spec now (edited since it was judged)."""
+    if ctx.is_main:
+        earlier = record["passed"]
+        record = write_gates(sdir, stage.name, rejudge(stage.gates, sdir, stage.train.steps, record), stage.gates)
+        if record["passed"] != earlier:
+            log.info("stage %s judged again with the spec's gates: %s", stage.name,
+                     "passed" if record["passed"] else f"failed ({format_failures(record)})")
+    return parallel.broadcast_object(record, ctx)
 
 
 def load_final_stage(spec: JobSpec, run_dir: Path, prepared: PreparedData, ctx: parallel.DistContext):
@@ -333,8 +331,9 @@ def evaluate_and_export(
     seeds = evaluation_seeds(spec.seed)
     held = eval_sample(prepared.heldout_index, seq, batch, spec.eval.final_batches * batch, seeds["eval.final_heldout"])
     train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
-    heldout_loss = evaluate_loss(model, held.batches, device, precision)
-    train_loss = evaluate_loss(model, train_sample.batches, device, precision)
+    with phase("final evaluation", info=f"{held.sequences} held-out and {train_sample.sequences} train sequences"):
+        heldout_loss = evaluate_loss(model, held.batches, device, precision)
+        train_loss = evaluate_loss(model, train_sample.batches, device, precision)
     counts = train_token_counts(prepared)  # counted while the data stage tokenized the training split
     unigram = unigram_loss(counts, [y for _, y in held.batches])
     metrics = summarise(heldout_loss, train_loss, unigram, held.tokens,
@@ -343,17 +342,19 @@ def evaluate_and_export(
     export_dir = run_dir / "export"
     # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py):
     # written into the export before it is renamed into place, and listed in its runyard.json.
-    reference = build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift"))
-    export_run_model(model, config, export_dir, prepared, spec, run_dir, extra_files=drift_files(reference))
+    with phase("export", info=str(export_dir)):
+        reference = build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift"))
+        export_run_model(model, config, export_dir, prepared, spec, run_dir, extra_files=drift_files(reference))
     exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
     generator = Generator(exported, tokenizer, device=str(device), eos_ids=export_eos_ids(export_dir, tokenizer))
     samples = []
-    for i, prompt in enumerate(spec.eval.prompts):
-        completion = generator.generate(
-            prompt, max_tokens=spec.eval.sample_tokens, temperature=spec.eval.temperature,
-            top_k=spec.eval.top_k, seed=derive_seed(spec.seed, "sample", i),
-        )
-        samples.append({"prompt": prompt, "completion": completion})
+    with phase("samples", info=f"{len(spec.eval.prompts)} prompts from the export"):
+        for i, prompt in enumerate(spec.eval.prompts):
+            completion = generator.generate(
+                prompt, max_tokens=spec.eval.sample_tokens, temperature=spec.eval.temperature,
+                top_k=spec.eval.top_k, seed=derive_seed(spec.seed, "sample", i),
+            )
+            samples.append({"prompt": prompt, "completion": completion})
 
     stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
     finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
@@ -375,8 +376,10 @@ def execute_run(
     only_stage: str | None = None,
     show_progress: bool = True,
     evaluate: bool = True,
+    restart_from: str | None = None,
 ) -> RunSummary:
-    """Run (or continue) the whole spine for `spec` in `run_dir`; `evaluate=False` stops after training."""
+    """Run (or continue) the whole spine for `spec` in `run_dir`; `evaluate=False` stops after training.
+    `restart_from`: train that stage and every later one again (runyard.run.continuation)."""
     names = [s.name for s in spec.stages]
     if only_stage is not None and only_stage not in names:
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
@@ -385,15 +388,15 @@ def execute_run(
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):
-            return _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate)
+            return _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from)
     finally:
         parallel.teardown()
 
 
-def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate) -> RunSummary:
+def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from) -> RunSummary:
     threads = _configure_threads(spec)
     if ctx.is_main:
-        open_run_dir(spec, run_dir)
+        open_run_dir(spec, run_dir, restart_from)
         record_session(run_dir, spec, argv)
         mf.update_manifest(run_dir, threads=threads.to_dict())
         mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`

@@ -44,6 +44,7 @@ from runyard.spec.checks import IMAGE_TASK
 from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage, with_family
 from runyard.spec.predictive import PredictionEvalSpec
 from runyard.spec.seeds import derive_seed
+from runyard.system.progress import phase
 from runyard.train import batches, checkpoint, parallel
 from runyard.train.gates import (
     evaluate_recorded_gates,
@@ -221,9 +222,11 @@ def _table_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedTable, last:
     kinds = [f.kind for f in prepared.schema.features]
     reference = FeatureReference.build(prepared.train.x, prepared.schema.names, kinds,
                                        [len(f.categories) for f in prepared.schema.features], seeds["drift"])
-    export_predictor(last.model, last.config, last.family, run_dir / "export", kind=KIND_TABLE, task=spec.task,
-                     schema=prepared.schema.to_dict(), reference=reference, check_x=prepared.test.x, expected=output,
-                     extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
+    with phase("export", info="model, feature schema and ONNX"):
+        export_predictor(last.model, last.config, last.family, run_dir / "export", kind=KIND_TABLE, task=spec.task,
+                         schema=prepared.schema.to_dict(), reference=reference, check_x=prepared.test.x,
+                         expected=output,
+                         extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
     mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=verdict.fit_to_ship)
     out.prediction, out.fit_to_ship, out.evaluated = result.to_dict(), verdict.fit_to_ship, True
     out.reasons = list(verdict.reasons)
@@ -334,9 +337,10 @@ def _image_evaluate(spec: JobSpec, run_dir: Path, prepared: PreparedImages, mode
     images = spec.data.images
     schema = {"kind": KIND_IMAGE, "shape": list(prepared.shape), "classes": prepared.class_names,
               "resize": images.resize if images else None, "pixel_range": [0.0, 1.0]}
-    export_predictor(model, config, out.family, run_dir / "export", kind=KIND_IMAGE, task=spec.task, schema=schema,
-                     reference=reference, check_x=np.asarray(test_x), expected=output,
-                     extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
+    with phase("export", info="model, image schema and ONNX"):
+        export_predictor(model, config, out.family, run_dir / "export", kind=KIND_IMAGE, task=spec.task,
+                         schema=schema, reference=reference, check_x=np.asarray(test_x), expected=output,
+                         extra={"run_name": spec.name, "spec_sha256": spec.fingerprint(), "metrics": result.metrics})
     mf.update_manifest(run_dir, finished_at=mf.now_iso(), fit_to_ship=verdict.fit_to_ship)
     out.prediction, out.fit_to_ship, out.evaluated = result.to_dict(), verdict.fit_to_ship, True
     out.reasons = list(verdict.reasons)

@@ -183,12 +183,16 @@ def evaluate_recorded_gates(
                           (held[0] if held else None))
 
 
-def write_gates(stage_dir: Path, stage: str, results: list[GateResult]) -> dict:
+def write_gates(stage_dir: Path, stage: str, results: list[GateResult], gates: GateSpec | None = None) -> dict:
+    """Record the stage's gate results; `gates`, the spec they were judged by (a later session with other
+    gates judges the stage again from its records: runyard.train.rejudge)."""
     record = {
         "stage": stage,
         "passed": all(r.passed for r in results),
         "gates": [asdict(r) for r in results],
     }
+    if gates is not None:
+        record["judged_by"] = gates.model_dump(mode="json")
     stage_dir.mkdir(parents=True, exist_ok=True)
     # fsynced: a later session skips a stage whose gates.json says it passed, so it must never be torn.
     atomic_write_json(stage_dir / GATES_FILE, record)

@@ -335,7 +335,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
         return any_stop
 
     setup.module.train()
-    with StepProgress(f"stage {stage.name}", total_steps, start=step, enabled=show_progress and ctx.is_main) as bar:
+    with StepProgress(f"stage {stage.name}", total_steps, start=step, progress=show_progress if ctx.is_main else None) as bar:
         interval_start = time.perf_counter()
         while step < total_steps:
             lr = lr_at(step, stage.optim.lr, stage.schedule, total_steps)
