@@ -97,6 +97,11 @@ def test_removals_are_counted(tok, tmp_path):
     assert dropped.stats["removed"]["empty_response"] == 1
     assert dropped.stats["dedup"]["exact_removed"] == 1
     assert dropped.stats["removed"]["too_long_dropped"] == 10
+    # every removal kind comes with samples: what was too long, and by how much
+    samples = dropped.stats["removal_samples"]
+    assert {"empty_response", "too_long_dropped"} <= set(samples)
+    assert all(s["reason"].endswith("tokens, the context holds 65") and int(s["reason"].split()[0]) > 65
+               for s in samples["too_long_dropped"])
     kept = prepare({**data, "too_long": "truncate"}, "sft", tok, 64, tmp_path / "c2")
     assert "too_long_dropped" not in kept.stats["removed"]
     split = kept.stats["split"]

@@ -299,11 +299,13 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
             if is_held != (split == "heldout"):
                 continue
             try:
-                a, why_a = _fit(_encode(tok, template, record.messages), limit, spec.too_long)
+                encoded_a, encoded_b = _encode(tok, template, record.messages), None
+                a, why_a = _fit(encoded_a, limit, spec.too_long)
                 b, why_b = None, None
                 if record.rejected is not None:
                     alt = record.messages[:-1] + [{"role": "assistant", "content": record.rejected}]
-                    b, why_b = _fit(_encode(tok, template, alt), limit, spec.too_long)
+                    encoded_b = _encode(tok, template, alt)
+                    b, why_b = _fit(encoded_b, limit, spec.too_long)
             except ChatTemplateRefused as exc:  # raise_exception: the template's own reason, counted
                 removed["template_refused"] += 1
                 removal_samples.setdefault("template_refused", []).append({"id": record.id, "reason": exc.reason})
@@ -312,7 +314,12 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
             for why in {why_a, why_b} - {None}:
                 fit_counts[why] += 1
             if dropped:
-                removed[why_a if a is None else why_b] += 1
+                why, encoded = (why_a, encoded_a) if a is None else (why_b, encoded_b)
+                removed[why] += 1
+                # a sample of every removal kind, so the report shows what was too long and by how much
+                removal_samples.setdefault(why, []).append(
+                    {"id": record.id, "reason": f"{len(encoded[0])} tokens, the context holds {limit}"
+                     if why.startswith("too_long") else "no assistant token is supervised"})
                 continue
             chosen.append(a)
             if b is not None:
