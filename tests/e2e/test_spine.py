@@ -67,6 +67,10 @@ def test_run_directory_is_complete(reference):
     # the difference between CPUs (~0.01 nats when this run trained on the stdlib and barely learned).
     assert m["heldout_loss"] < (2 / 3) * m["unigram_loss"], f"the model must beat a context-free baseline: {m}"
     assert "held-out perplexity" in stdout and "unigram" in stdout
+    # --no-progress, output to a pipe: no bars, but every long phase says when it starts and ends
+    for line in ("stage main: started of 60", "stage main: done 60 in", "tokenize: done", "final evaluation: done",
+                 "export: done", "samples: done"):
+        assert line in stdout, f"{line!r} not logged:\n{stdout}"
     gates = json.loads((run_dir / "stages/main/gates.json").read_text())
     assert gates["passed"] and {g["name"] for g in gates["gates"]} >= {"finite", "loss_drop", "checkpoint_roundtrip"}
     assert [s for s, _ in losses(run_dir)] == list(range(1, STEPS + 1))

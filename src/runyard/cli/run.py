@@ -22,7 +22,7 @@ from runyard.run.execute import default_run_dir, execute_run
 from runyard.serve.engine import Generator
 from runyard.spec.job import load_spec
 from runyard.system import rundir
-from runyard.system.progress import NO_PROGRESS_HELP
+from runyard.system.progress import NO_PROGRESS_HELP, on_terminal
 from runyard.train.launch import launch, run_worker, under_launcher
 
 ONE_WRITER = (
@@ -129,8 +129,15 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 
 def _setup_logging() -> None:
-
-    logging.basicConfig(level=logging.INFO, format="%(message)s", handlers=[RichHandler(show_path=False)])
+    """Rich's handler on a terminal; plain one-line records elsewhere (a log file must not wrap a line
+    at 80 columns, and each record keeps its time and level for grep)."""
+    if on_terminal():
+        handler: logging.Handler = RichHandler(show_path=False)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+    logging.basicConfig(level=logging.INFO, handlers=[handler])
 
 
 def _launching(args, spec) -> bool:
