@@ -39,10 +39,12 @@ atomically), so a restarted daemon neither accepts twice nor reports the same us
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -55,6 +57,7 @@ from runyard.control import limits as job_limits
 from runyard.control.agent_standing import ENDED, Deployments
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
 from runyard.control.disk_quota import DiskShort, check_floor
+from runyard.control.disk_quota import release as release_disk
 from runyard.control.jobs import add_jobs, requests_for_spec
 from runyard.control.lease_env import check_lock
 from runyard.control.lease_job import (
@@ -349,11 +352,14 @@ class MarketAgent:
             return str(job.detail)
 
     def finish_lease(self, record: dict) -> None:
-        """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
+        """The lease is over for this agent: its record says so, its jobs' cgroups are gone and its work
+        folder's own filesystem (a disk quota) is unmounted (its image stays until the folder goes)."""
         record["finished"], record["finished_at"] = True, time.time()
         self.save_record(record)
         for job_id in record["job_ids"]:
             job_limits.remove_stale(job_limits.cgroup_name(record["folder"], record["lease_id"], job_id))
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # no mount outlives its lease
+            release_disk(record["folder"], remove_image=False)
 
     def stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:

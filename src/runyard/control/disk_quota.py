@@ -8,8 +8,8 @@ Two ways to hold a job to it, chosen by the launcher at each attempt (`enforce`)
   of inodes, loop-mounted on `work/`. A write past it fails with ENOSPC: no overshoot at all. The
   image takes the provider's disk only as the job writes (never more than the quota), so a
   provider with many leases does not reserve every quota up front; the floor is watched instead. The image sits beside the lease folder (`lease-<id>.disk`, outside what the
-  sandbox shows) and stays mounted until the lease's folder is removed (`release`), so the agent
-  can deliver the run's results after the job ended. The quota's bytes include ext4's own
+  sandbox shows) and stays mounted until the lease is over (its results delivered); the image
+  stays, with the run directory in it, until the lease's folder is removed (`release`). The quota's bytes include ext4's own
   overhead (its journal and inode tables: a few percent).
 - watchdog: elsewhere (an unprivileged provider, no loop devices) a thread of the launcher totals
   the work folder's bytes (allocated blocks) and files every `interval_s`, and kills the job's
@@ -104,14 +104,17 @@ def mount(root: str | Path, quota: DiskQuota) -> str:
     return f"disk quota {quota.describe()} (ext4 image {image_path(root)} on {work})"
 
 
-def release(root: str | Path) -> None:
-    """Unmount the lease's filesystem (if mounted) and remove its image: the lease's folder is going."""
+def release(root: str | Path, remove_image: bool = True) -> None:
+    """Unmount the lease's filesystem (if mounted: the lease is over, its results delivered) and, with
+    `remove_image` (the lease's folder is going), remove its image."""
     work = Path(root) / "work"
     if os.path.ismount(work):
         try:
             _run(["umount", str(work)])
         except (OSError, subprocess.CalledProcessError):
             _run(["umount", "-l", str(work)])  # still held open: detached now, freed when closed
+    if not remove_image:
+        return
     image_path(root).unlink(missing_ok=True)
     image_path(root).with_suffix(".disk-new").unlink(missing_ok=True)
 
