@@ -39,10 +39,12 @@ atomically), so a restarted daemon neither accepts twice nor reports the same us
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import shutil
+import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
@@ -54,6 +56,8 @@ import yaml
 from runyard.control import limits as job_limits
 from runyard.control.agent_standing import ENDED, Deployments
 from runyard.control.delivery import deliver_results, delivery_target, metrics_digest
+from runyard.control.disk_quota import DiskShort, check_floor
+from runyard.control.disk_quota import release as release_disk
 from runyard.control.jobs import add_jobs, requests_for_spec
 from runyard.control.lease_env import check_lock
 from runyard.control.lease_job import (
@@ -81,6 +85,9 @@ log = logging.getLogger("runyard.control.agent")
 LEASE_PRIORITY = 100  # paid market work goes ahead of the provider's own best-effort jobs
 RETENTION_SWEEP_S = 60.0  # how often finished leases' folders are checked against their retention
 ENV_UNUSED_PRUNE_S = 30 * 86400.0  # a lease job's built environment no job has used this long is removed
+DEFAULT_DISK_PER_DEVICE = 50 << 30
+DEFAULT_DISK_FILES_PER_DEVICE = 1_000_000
+DEFAULT_DISK_FLOOR_BYTES = 5 << 30
 
 
 @dataclass
@@ -91,7 +98,13 @@ class LeaseJobSettings:
     data_networks: list[str] = field(default_factory=list)  # CIDRs data URLs may reach besides public addresses
     max_fetch_bytes: int = 1 << 30  # the most a lease's data URLs may hold in all
     memory_per_device: int | None = None  # default: this machine's memory over its devices
-    max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE)
+    max_file_bytes: int | None = None  # the largest file a lease job may write (RLIMIT_FSIZE); default its disk quota
+    # Each lease's disk quota (its work folder: run directory, HOME, TMPDIR, caches), per device it
+    # holds, and the free space the provider keeps whatever its leases write (runyard.control.disk_quota).
+    disk_per_device: int = DEFAULT_DISK_PER_DEVICE
+    disk_files_per_device: int = DEFAULT_DISK_FILES_PER_DEVICE
+    disk_floor_bytes: int = DEFAULT_DISK_FLOOR_BYTES
+    disk_kernel: bool = True  # a loop-mounted filesystem per lease where the launcher is root; else a watchdog
     pass_env: list[str] = field(default_factory=list)  # daemon variables a lease job may see
     # Deployments (standing leases): where their endpoints listen, the host named in their URLs
     # (default: the one they listen on), and how they are watched.
@@ -102,6 +115,15 @@ class LeaseJobSettings:
     startup_grace_s: float = 300.0  # ... unless its attempt is younger than this (loading its model)
     env_cache: str | None = None  # where environments from jobs' locks are built (default: STATE_DIR/envs)
     keep_finished_s: float = DEFAULT_KEEP_FINISHED_S  # a finished lease's folder stays this long, then goes
+
+    def sandbox_limits(self, devices: int) -> dict[str, Any]:
+        """A lease's limits, as SandboxPolicy fields: memory, the per-file bound (on by default: its
+        disk quota, since no file can be larger than that), the disk quota and the floor."""
+        disk = self.disk_per_device * max(1, devices)
+        return {"memory_bytes": (self.memory_per_device or 0) * devices or None,
+                "max_file_bytes": min(self.max_file_bytes or disk, disk), "disk_bytes": disk,
+                "disk_files": self.disk_files_per_device * max(1, devices),
+                "disk_floor_bytes": self.disk_floor_bytes, "disk_kernel": self.disk_kernel}
 
 
 class MarketAgent:
@@ -192,6 +214,12 @@ class MarketAgent:
             self.client.reject_lease(lease["id"], "capacity_unavailable",
                                      f"{lease['devices']} devices asked, {free} free")
             return
+        limits = self.settings.sandbox_limits(lease["devices"])
+        try:  # the disk must be above the floor (watched again while the job runs)
+            check_floor(self.dir, 0, limits["disk_floor_bytes"])
+        except DiskShort as exc:
+            self.client.reject_lease(lease["id"], "capacity_unavailable", str(exc)[:2000])
+            return
         try:
             found = self._job_of(lease)
             if found is None:
@@ -212,9 +240,7 @@ class MarketAgent:
         SandboxPolicy(lease_id=int(lease["id"]), root=str(folder.root), data_urls=url_files(data_urls),
                       max_fetch_bytes=self.settings.max_fetch_bytes,
                       data_networks=list(self.settings.data_networks),
-                      memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
-                      max_file_bytes=self.settings.max_file_bytes,
-                      pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
+                      **limits, pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
                       env_lock=str(folder.env_lock) if locked else None,
                       env_cache=str(self.env_cache), cwd=str(folder.files)).save(folder.policy)
         requests = requests_for_spec(folder.run_spec, spec, devices=lease["devices"], priority=LEASE_PRIORITY,
@@ -326,11 +352,14 @@ class MarketAgent:
             return str(job.detail)
 
     def finish_lease(self, record: dict) -> None:
-        """The lease is over for this agent: its record says so and its jobs' cgroups are gone."""
+        """The lease is over for this agent: its record says so, its jobs' cgroups are gone and its work
+        folder's own filesystem (a disk quota) is unmounted (its image stays until the folder goes)."""
         record["finished"], record["finished_at"] = True, time.time()
         self.save_record(record)
         for job_id in record["job_ids"]:
             job_limits.remove_stale(job_limits.cgroup_name(record["folder"], record["lease_id"], job_id))
+        with contextlib.suppress(OSError, subprocess.SubprocessError):  # no mount outlives its lease
+            release_disk(record["folder"], remove_image=False)
 
     def stop_jobs(self, record: dict, why: str) -> None:
         for job_id in record["job_ids"]:

@@ -51,7 +51,8 @@ def failed_before_serving(job_state: JobState, failures: list, ever_healthy: boo
     by the machine): it will not serve, and the lease should end now rather than after every retry."""
     if ever_healthy:
         return False
-    tenant_faults = (FailureReason.USER_ERROR, FailureReason.BAD_SPEC, FailureReason.OUT_OF_MEMORY)
+    tenant_faults = (FailureReason.USER_ERROR, FailureReason.BAD_SPEC, FailureReason.OUT_OF_MEMORY,
+                     FailureReason.DISK_QUOTA)
     own = [f for f in failures if f[1] in {str(reason) for reason in tenant_faults}]
     return bool(own) or job_state in (JobState.FAILED, JobState.CANCELLED)
 
@@ -130,8 +131,7 @@ class Deployments:
         gpu = any(d.startswith("cuda") for d in agent.loop.config.inventory)
         SandboxPolicy(lease_id=lease_id, root=str(folder.root), fetch=fetch,
                       max_fetch_bytes=self.settings.max_fetch_bytes, data_networks=list(self.settings.data_networks),
-                      memory_bytes=(self.settings.memory_per_device or 0) * lease["devices"] or None,
-                      max_file_bytes=self.settings.max_file_bytes, pass_env=list(self.settings.pass_env),
+                      **self.settings.sandbox_limits(lease["devices"]), pass_env=list(self.settings.pass_env),
                       unconfined=self.settings.unconfined).save(folder.policy)
         # Unconfined (no sandbox, no network namespace of its own), the server needs a port of this host.
         port = free_port() if self.settings.unconfined else SERVE_PORT

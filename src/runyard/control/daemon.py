@@ -12,6 +12,7 @@ jobs to run unconfined.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import logging
@@ -100,13 +101,25 @@ def check_lease_sandbox(options: DaemonOptions) -> None:
         log.warning("lease jobs run UNCONFINED (--unconfined-lease-jobs): %s", exc)
 
 
+def make_private(state_dir: Path) -> None:
+    """The state directory 0700 and the files the control plane writes there 0600, whatever the umask
+    (the database names jobs, tenants and run directories; the log, what the daemon did for them).
+    The log is opened by `runyard control start` before the daemon runs, so it is fixed here too."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    os.chmod(state_dir, 0o700)
+    for name in ("daemon.log", "control.db", "control.db-wal", "control.db-shm", "daemon.lock"):
+        with contextlib.suppress(FileNotFoundError):
+            os.chmod(state_dir / name, 0o600)
+
+
 def run_daemon(options: DaemonOptions) -> int:
     """Run in the foreground until SIGTERM/SIGINT or POST /shutdown. Jobs keep running after it."""
     if options.host not in LOOPBACK:
         raise ControlError(f"--host {options.host}: the control API listens on loopback only")
     state_dir = Path(options.config.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    make_private(state_dir)
     lock_fh = open(state_dir / "daemon.lock", "a+")  # noqa: SIM115 - held for the daemon's lifetime
+    os.chmod(state_dir / "daemon.lock", 0o600)
     try:
         fcntl.flock(lock_fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -5,14 +5,19 @@ are the provider's disk, not the tenant's. Once the lease has ended and its resu
 (or their delivery failed, which the lease's record says), the folder is kept for a stated time,
 for the tenant to ask about and for a dispute to look at, then removed. The small JSON record of
 the lease stays: it is the agent's memory that the lease was handled, and says when the folder went.
+A work folder that is a filesystem of its own (a disk quota, runyard.control.disk_quota) is unmounted
+and its image removed with it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import subprocess
 from pathlib import Path
 
+from runyard.control.disk_quota import release
 from runyard.system.files import atomic_write_text
 
 DEFAULT_KEEP_FINISHED_S = 7 * 86400.0
@@ -36,6 +41,8 @@ def remove_expired_folders(agent_dir: Path, keep_s: float, now: float) -> list[i
             continue
         folder = Path(str(record.get("folder", ""))).resolve()
         if folder.parent == root and folder.name.startswith("lease-"):
+            with contextlib.suppress(OSError, subprocess.SubprocessError):
+                release(folder)  # its work folder's own filesystem (a disk quota): unmounted, image removed
             shutil.rmtree(folder, ignore_errors=True)
         record["folder_removed_at"] = now
         atomic_write_text(path, json.dumps(record))

@@ -23,6 +23,8 @@ import contextlib
 import hashlib
 import os
 import resource
+import signal
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -157,24 +159,43 @@ def step_out(cgroups: list[Path]) -> None:
 
 
 def leave_cgroups(cgroups: list[Path]) -> None:
-    """Move this process back to each cgroup's parent and remove the (now empty) cgroup."""
+    """Move this process back to each cgroup's parent, end whatever the job left running in it (a
+    child that outlived the job's first process) and remove the cgroup."""
     for path in cgroups:
-        try:
+        with contextlib.suppress(OSError):
             (path.parent / "cgroup.procs").write_text(str(os.getpid()))
+        remove_cgroup(path)
+
+
+def remove_cgroup(path: Path, wait_s: float = 5.0) -> bool:
+    """Kill every process in the cgroup (v2 `cgroup.kill`, else SIGKILL to each of `cgroup.procs`),
+    wait for them to go, and remove it; False when it is still there after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    while path.is_dir():
+        pids = [int(p) for p in read_setting(path / "cgroup.procs").split() if p.isdigit()]
+        if pids and (path / "cgroup.kill").exists():
+            with contextlib.suppress(OSError):
+                (path / "cgroup.kill").write_text("1")
+        for pid in pids:
+            if pid != os.getpid():
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(OSError):
             path.rmdir()
-        except OSError:
-            pass  # a process of the job still lingers in it; the next attempt of the job reuses it
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)  # killed processes leave the cgroup once the kernel has reaped them
+    return True
 
 
 def remove_stale(name: str) -> int:
-    """Remove the (empty) cgroups called `name` beside this process's own: what a launcher killed
-    before it could leave them behind. Returns how many were removed."""
+    """Remove the cgroups called `name` beside this process's own, and any process still in them:
+    what a launcher killed before it could leave them behind. Returns how many were removed."""
     removed = 0
     for own in (own_cgroup(None), own_cgroup("memory"), own_cgroup("pids")):
-        if own is not None and (own / name).is_dir():
-            with contextlib.suppress(OSError):  # still holds a process: left for a later sweep
-                (own / name).rmdir()
-                removed += 1
+        if own is not None and (own / name).is_dir() and remove_cgroup(own / name):
+            removed += 1
     return removed
 
 

@@ -74,6 +74,9 @@ def decide(
     if reason == FailureReason.OUT_OF_MEMORY:
         return RetryDecision(False, 0.0, f"{reason}: the job went past its memory limit and the kernel killed it; "
                                          "not retried (the same limit ends the same way): ask for more memory")
+    if reason == FailureReason.DISK_QUOTA:
+        return RetryDecision(False, 0.0, f"{reason}: the job went past its lease's disk quota and was stopped; "
+                                         "not retried (the same job fills the same quota)")
     budget = policy.infra if reason == FailureReason.INFRA else policy.user_error
     codes = budget.retry_exit_codes
     if reason == FailureReason.USER_ERROR and codes is not None and exit_code not in codes:

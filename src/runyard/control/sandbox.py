@@ -63,9 +63,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import runyard
-from runyard.control import lease_env
+from runyard.control import disk_quota, lease_env
 from runyard.control import limits as job_limits
+from runyard.control.disk_quota import DiskQuota, DiskShort
 from runyard.control.fetch import FetchError, allowed_networks, fetch_all
+from runyard.control.states import EXIT_DISK_QUOTA
 from runyard.errors import EXIT_BAD_SPEC, EXIT_OUT_OF_MEMORY, RunyardError
 from runyard.reproduce.errors import EnvironmentBuildFailed, ReproduceError
 from runyard.system.files import atomic_write_text
@@ -77,6 +79,7 @@ CONTROL_ENV = ("RUNYARD_CONTROL_JOB", "RUNYARD_JOB_ID", "RUNYARD_RESTART_COUNT",
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
 TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps")
+DEFAULT_TMPFS_BYTES = 1 << 30
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
@@ -103,6 +106,22 @@ class SandboxPolicy:
     env_lock: str | None = None
     env_cache: str | None = None
     cwd: str | None = None  # where the job runs (inside the lease folder); default its work folder
+    # The work folder's disk quota (runyard.control.disk_quota): none when disk_bytes is None.
+    disk_bytes: int | None = None
+    disk_files: int = 1_000_000
+    disk_floor_bytes: int = 0  # the provider's free space this lease never takes the disk below
+    disk_kernel: bool = True  # a filesystem of its own where the launcher can make one; False: the watchdog
+    disk_interval_s: float = 1.0  # the watchdog's period
+
+    @property
+    def disk_quota(self) -> DiskQuota | None:
+        return None if self.disk_bytes is None else DiskQuota(self.disk_bytes, self.disk_files, self.disk_floor_bytes)
+
+    @property
+    def tmpfs_bytes(self) -> int:
+        """The size of the sandbox's /tmp and of its /dev/shm (each): its memory limit, which already
+        bounds them together where a cgroup holds the job, else DEFAULT_TMPFS_BYTES."""
+        return self.memory_bytes or DEFAULT_TMPFS_BYTES
 
     @property
     def job_cwd(self) -> Path:
@@ -183,7 +202,11 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
             "--hostname", f"lease-{policy.lease_id}", "--ro-bind", "/usr", "/usr"]
     # /tmp first: whatever lives under /tmp and must be seen (the runtime, when runyard or its venv sit
     # in /tmp; a lease folder, as in tests) is then mounted on top of the empty /tmp, not hidden by it.
-    args += ["--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp"]
+    # Both tmpfs have a size: a job filling them meets ENOSPC, never the provider's memory (where no
+    # cgroup bounds the job's memory, nothing else would).
+    size = str(policy.tmpfs_bytes)
+    args += ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/tmp",
+             "--size", size, "--tmpfs", "/dev/shm"]
     for top in TOP_LINKS:
         if os.path.islink(top):
             args += ["--symlink", os.readlink(top), top]
@@ -204,7 +227,8 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
         for node in (*NVIDIA_CONTROL, *gpus):
             args += ["--dev-bind-try", node, node]
         args += ["--ro-bind", "/sys", "/sys"]
-    args += ["--remount-ro", "/"]  # the sandbox's own root too: nothing writable but work/ and /tmp
+    # The sandbox's own root and /dev's tmpfs too: nothing writable but work/, /tmp and /dev/shm.
+    args += ["--remount-ro", "/", "--remount-ro", "/dev"]
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
     return [*args, "--chdir", str(policy.job_cwd), "--", *command]
@@ -238,10 +262,26 @@ def probe(timeout_s: float = 60.0) -> None:
 # -- the launcher -----------------------------------------------------------------------------------
 
 
-def _fail(policy: SandboxPolicy, reason: str) -> int:
+def _fail(policy: SandboxPolicy, reason: str, code: int = EXIT_BAD_SPEC) -> int:
     print(f"runyard sandbox: {reason}", file=sys.stderr, flush=True)
     atomic_write_text(Path(policy.root) / "failure.json", json.dumps({"reason": reason, "at": time.time()}))
-    return EXIT_BAD_SPEC
+    return code
+
+
+def _hold_disk(policy: SandboxPolicy) -> tuple[str | None, str | None]:
+    """Put the work folder under its quota: (how, for the job's log; None without a quota) and, when
+    the kernel cannot hold it, the reason the watchdog does instead. DiskShort: the floor forbids it."""
+    quota = policy.disk_quota
+    if quota is None:
+        return None, None
+    disk_quota.check_floor(policy.work, 0, quota.floor_bytes)
+    why = disk_quota.kernel_means() if policy.disk_kernel else "the operator chose the watchdog"
+    if why is None:
+        try:
+            return disk_quota.mount(policy.root, quota), None
+        except (OSError, subprocess.SubprocessError) as exc:
+            why = f"no filesystem of its own ({str(exc)[:300]})"  # the watchdog holds the job instead
+    return f"disk quota {quota.describe()} by a watchdog every {policy.disk_interval_s:g}s ({why})", why
 
 
 def _read_info(fd: int) -> dict:
@@ -276,11 +316,17 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
         command = [str(python), *command[1:]] if command and command[0] == sys.executable else command
     if forwarder.pending:  # asked to stop while fetching or building: the job never starts
         return 128 + forwarder.pending[0]
+    try:
+        held, watched = _hold_disk(policy)
+    except DiskShort as exc:  # the provider's own lack of space: its failure (a kill), not the tenant's
+        return _fail(policy, str(exc), 128 + signal.SIGKILL)
     env = sandbox_env(policy, dict(os.environ), python)
     devices = allocated_devices(os.environ)
     limits = job_limits.Limits(memory_bytes=policy.memory_bytes, max_file_bytes=policy.max_file_bytes)
     cgroup = job_limits.cgroup_name(policy.root, policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x"))
     job_limits.apply(limits, devices, cgroup)
+    if held:
+        limits.applied.append(held)
     print(f"runyard sandbox: lease {policy.lease_id}, "
           f"{'UNCONFINED' if policy.unconfined else 'bubblewrap'}; limits: {'; '.join(limits.applied)}",
           file=sys.stderr, flush=True)
@@ -307,16 +353,35 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
         target = int(_read_info(read_fd).get("child-pid", proc.pid))
     job_limits.step_out(limits.cgroups)  # the job's processes stay in its cgroups; the launcher leaves
     forwarder.found(target)
+    watchdog = None
+    if held is not None and policy.disk_quota is not None:  # the floor always; the quota when no filesystem does
+        watchdog = disk_quota.Watchdog(policy.work, policy.disk_quota, lambda: _kill(proc, target),
+                                       policy.disk_interval_s, scan=watched is not None).start()
     code = proc.wait()
     code = 128 - code if code < 0 else code
+    if watchdog is not None:
+        watchdog.stop()
     why = job_limits.out_of_memory(code, oom_kills_before, limits.cgroups)
     job_limits.leave_cgroups(limits.cgroups)
+    if watchdog is not None and watchdog.reason is not None:
+        return _fail(policy, watchdog.reason, EXIT_DISK_QUOTA if watchdog.tenants else 128 + signal.SIGKILL)
+    full = disk_quota.full(policy.work, policy.disk_quota) if code != 0 and held and not watched else None
+    if full is not None and policy.disk_quota is not None:  # ENOSPC from its own filesystem: the tenant's
+        return _fail(policy, full, EXIT_DISK_QUOTA)
     if why is not None:
         # A SIGKILL alone reads as the provider's fault (retried); the cgroup says it was the job's.
         print(f"runyard sandbox: {why.replace('memory limit', f'memory limit ({policy.memory_bytes} bytes)', 1)}; "
               "ask the lease for more memory", file=sys.stderr, flush=True)
         return EXIT_OUT_OF_MEMORY
     return code
+
+
+def _kill(proc: subprocess.Popen, target: int) -> None:
+    """End the job now: its sandbox's processes (their group) and bwrap."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(target, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        proc.kill()
 
 
 def _confined(policy: SandboxPolicy, command: list[str], writable: Path) -> None:

@@ -25,6 +25,10 @@ from runyard.errors import (
     RunyardError,
 )
 
+# The sandbox launcher's own exit code (control plane only; training code never exits 8): the job went
+# past its lease's disk quota (runyard.control.disk_quota). The tenant's, like a heap overrun.
+EXIT_DISK_QUOTA = 8
+
 
 class JobState(StrEnum):
     PENDING = "pending"  # queued; holds no devices
@@ -62,6 +66,7 @@ class FailureReason(StrEnum):
     NO_CAPACITY = "no_capacity"  # asks for more devices than this provider has
     GATE_FAILED = "gate_failed"  # exit 3: a stage's gates failed
     OUT_OF_MEMORY = "out_of_memory"  # exit 5: past its memory limit; the same limit gives the same end
+    DISK_QUOTA = "disk_quota"  # exit 8: a lease job past its disk quota; the same job fills the same quota
     NOT_FIT_TO_SHIP = "not_fit_to_ship"  # exit 7: finished and exported, judged not fit to ship; not infra
     DEPENDENCY_FAILED = "dependency_failed"  # the job it waits on (an earlier stage) did not succeed
 
@@ -114,6 +119,8 @@ def classify_exit(returncode: int | None, signal_number: int | None) -> tuple[Jo
         return None, FailureReason.GATE_FAILED
     if returncode == EXIT_OUT_OF_MEMORY:
         return None, FailureReason.OUT_OF_MEMORY
+    if returncode == EXIT_DISK_QUOTA:
+        return None, FailureReason.DISK_QUOTA
     if returncode == EXIT_NOT_FIT:
         return None, FailureReason.NOT_FIT_TO_SHIP
     if returncode >= 128:  # a shell reporting a child killed by signal (128 + n)

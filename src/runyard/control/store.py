@@ -9,6 +9,7 @@ leaves a state it can reconcile on restart.
 from __future__ import annotations
 
 import json
+import os
 import sqlite3
 import threading
 import time
@@ -168,6 +169,10 @@ class JobStore:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Private whatever the umask: jobs' commands, tenants and run directories are the provider's
+        # business. Made empty and 0600 before SQLite opens it (its -wal/-shm files copy that mode).
+        os.close(os.open(self.path, os.O_CREAT | os.O_RDWR, 0o600))
+        os.chmod(self.path, 0o600)
         self._lock = threading.RLock()
         self._db = sqlite3.connect(self.path, check_same_thread=False, isolation_level=None, timeout=30)
         self._db.row_factory = sqlite3.Row
