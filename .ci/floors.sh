@@ -36,7 +36,7 @@ check_floors "$venv"
 # Model and data (torch, numpy, tokenizers, safetensors, pyarrow, zstandard, fsspec), spec (pydantic,
 # yaml), training checkpoints (torch.distributed.checkpoint), evaluation, and the trainer's role test.
 RUNYARD_ROLE=trainer "$venv/bin/python" -m pytest -q -p no:cacheprovider -m "not slow" -x \
-  tests/test_roles.py tests/test_cli_verbs.py tests/model tests/data tests/test_spec.py tests/train \
+  tests/test_roles.py tests/cli/test_verbs.py tests/model tests/data tests/spec/test_job.py tests/train \
   tests/evaluate
 
 echo "-- the server roles: pip install 'runyard[market,control,serve]', at the floors"

@@ -30,6 +30,7 @@ from tests import tiers
 NEEDS_LIBRARY = {
     "test_chat.py": "transformers",
     "test_hf_directories.py": "transformers",
+    "test_hf_export.py": "transformers",
     "test_hf_interop.py": "transformers",
     "test_hf_memory.py": "transformers",
     "test_instruct.py": "transformers",

@@ -1,7 +1,9 @@
 """The documentation's examples are real: every `runyard ...` command shown in a shell block of README.md or
 a docs/ page parses with runyard's own argparse parser (a renamed verb or flag fails here, naming the page,
-the line and the command), every repository path a shown command names exists, and every relative link
-between the pages points at a file. Nothing is executed and nothing is fetched."""
+the line and the command), every YAML spec example validates with runyard's own spec loader (a renamed or
+misplaced field fails here, naming the page, the line and the field), every repository path a shown command
+names exists, and every relative link between the pages points at a file. Nothing is executed and nothing
+is fetched."""
 
 from __future__ import annotations
 
@@ -14,12 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from runyard.cli import build_parser
+from runyard.errors import SpecError
+from runyard.spec.job import parse_spec
+from runyard.spec.templates import TEMPLATES
 
 REPO = Path(__file__).resolve().parents[1]
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 SHELL_LANGUAGES = {"bash", "sh", "shell", "console", "shell-session"}
+SPEC_LANGUAGES = {"yaml", "yml"}
+# A YAML example naming these is a whole spec and is validated as it stands; any other is a part of one.
+WHOLE_SPEC_KEYS = {"name", "data"}
 FENCE = re.compile(r"^\s*(```+|~~~+)\s*([\w+-]*)")
 ENV_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 OPERATORS = {"&&", "||", ";", "|", "&", "(", ")"}
@@ -138,6 +147,52 @@ def shown_commands() -> list[Command]:
     return commands
 
 
+@dataclass(frozen=True)
+class SpecExample:
+    page: Path
+    line: int
+    raw: dict
+
+    def where(self) -> str:
+        return f"{self.page.relative_to(REPO)}:{self.line}"
+
+
+def spec_examples() -> list[SpecExample]:
+    """Every YAML block of README.md and docs/*.md that holds a mapping (a block of comments alone, such as
+    the schema modeline, holds nothing to check)."""
+    examples = []
+    for page in PAGES:
+        for language, first, lines in code_blocks(page):
+            if language not in SPEC_LANGUAGES:
+                continue
+            raw = yaml.safe_load("\n".join(lines))
+            if raw is None:
+                continue
+            assert isinstance(raw, dict), f"{page.relative_to(REPO)}:{first}: a YAML example that is not a mapping"
+            examples.append(SpecExample(page, first, raw))
+    return examples
+
+
+def merged(base: dict, part: dict) -> dict:
+    """`part` laid over `base`: mappings merge key by key, anything else (a list of stages, a value) replaces."""
+    out = dict(base)
+    for key, value in part.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def spec_problem(raw: dict, where: str) -> str | None:
+    """None when runyard's spec loader accepts the example, else its SpecError (each field, value and what
+    was expected). A part of a spec is laid over the `runyard spec init` template of its task (the
+    language model's when it names none), so it is checked in a whole spec, cross-field checks included."""
+    whole = raw if raw.keys() >= WHOLE_SPEC_KEYS else merged(TEMPLATES[raw.get("task", "language_model")]("docs"), raw)
+    try:
+        parse_spec(whole, where)
+    except SpecError as exc:
+        return str(exc)
+    return None
+
+
 def refuse_abbreviations(parser: argparse.ArgumentParser) -> None:
     """argparse accepts any unambiguous prefix of a flag (`--max-restart`); the pages must spell flags whole,
     so a flag renamed to a longer name still fails here."""
@@ -165,6 +220,7 @@ def parse_error(args: list[str]) -> str | None:
     return None
 
 
+SPEC_EXAMPLES = spec_examples()
 COMMANDS = shown_commands()
 RUNYARD_COMMANDS = [c for c in COMMANDS if runyard_args(list(c.words)) is not None]
 
@@ -189,6 +245,32 @@ def test_the_pages_show_runyard_commands():
 def test_each_runyard_command_parses_with_the_real_parser(command):
     error = parse_error(runyard_args(list(command.words)))
     assert error is None, f"{command.where()}\n  runyard's parser refuses it: {error}"
+
+
+def test_the_pages_show_spec_examples():
+    assert len(SPEC_EXAMPLES) >= 2, [e.where() for e in SPEC_EXAMPLES]
+
+
+@pytest.mark.parametrize("example", SPEC_EXAMPLES, ids=lambda e: f"{e.page.name}:{e.line}")
+def test_each_spec_example_validates_with_the_real_spec_loader(example):
+    problem = spec_problem(example.raw, example.where())
+    assert problem is None, f"{example.where()}: the spec example is refused by runyard's spec loader:\n{problem}"
+
+
+@pytest.mark.parametrize(
+    "text, wrong",
+    [
+        ("stages:\n  - name: sft\n    kind: sft\n    sft: {task_metrik: exact_match}\n", "stages[0].sft.task_metrik"),
+        ("model:\n  init: {from: huggingface, path: models/x}\n", "model.init"),
+        ("stages:\n  - name: a\n    model: {init: {from: stage, name: b}}\n  - name: b\n", "stages[0].model.init.name"),
+        ("name: whole\ndata: {sources: [{path: a.txt}]}\nmodel: {d_modle: 64}\n", "model.d_modle"),
+    ],
+    ids=["renamed-key", "value-out-of-choices", "cross-field", "whole-spec"],
+)
+def test_a_drifted_spec_example_is_caught(text, wrong):
+    """A renamed key, a value out of its choices, a cross-field mistake (a stage that starts from a later
+    one), and in a whole spec a misspelt field: each is refused, naming the field."""
+    assert wrong in (spec_problem(yaml.safe_load(text), "docs/example.md:1") or "")
 
 
 def test_each_repository_path_a_command_names_exists():

@@ -16,7 +16,7 @@ from runyard.control.states import FailureReason, JobState, classify_exit
 from runyard.control.store import Job
 from runyard.errors import EXIT_OUT_OF_MEMORY
 from runyard.system.slurm import parse_sacct, parse_scontrol
-from tests.test_slurm_commands import FakeSlurm
+from tests.system.test_slurm import FakeSlurm
 
 from .helpers import job
 

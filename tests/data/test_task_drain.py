@@ -1,4 +1,4 @@
-"""Array tasks that drain a task list (tasks.py `--drain`, how the Slurm executor runs a long list on
+"""Array tasks that drain a task list (work_units.py `--drain`, how the Slurm executor runs a long list on
 data.workers array tasks): each task is run by whoever claims it first, a failing task is reported in
 its own log while the others go on, and a claimed or finished task is never run again."""
 

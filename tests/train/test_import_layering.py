@@ -1,6 +1,6 @@
 """The import graph of the whole of src/runyard, read from the source: no file circle, no folder-level
-cycle, the layer order DESIGN.md states, a market that never imports torch, and no function-level import
-where one would hide a circle.
+cycle, the layer order DESIGN.md states (and the few lower parts a part must still not use: FORBIDDEN), a
+market that never imports torch, and no function-level import where one would hide a circle.
 
 The graph is read from the source, so a circle shows up here even where the interpreter happens to get
 through it in one import order. Every import counts (one inside a function too: it is the circle it
@@ -38,6 +38,11 @@ LAYERS = [
     ["system", "errors", "runyard"],
 ]
 RANK = {folder: len(LAYERS) - i for i, layer in enumerate(LAYERS) for folder in layer}
+# Lower layers a part must not import all the same, and why.
+FORBIDDEN = {
+    ("train", "plan"): "training runs what the plan decided and reads the spec and the model registry "
+                       "(a stage's model: model/stage_model.py), never the planner",
+}
 # What the market may import at all: it runs on hosts without torch (`pip install runyard[market]`).
 MARKET_MAY_IMPORT = {"market", "system", "errors", "runyard"}
 # Files that must not import inside functions (optional extras would be the one exception).
@@ -245,6 +250,16 @@ def test_layer_order():
         "\n".join(f"  {imp}" for imp in upward)
 
 
+def forbidden_imports(imports) -> list[str]:
+    return [f"  {imp}: {FORBIDDEN[top_folder(imp.importer), top_folder(imp.imported)]}" for imp in imports
+            if (top_folder(imp.importer), top_folder(imp.imported)) in FORBIDDEN]
+
+
+def test_no_forbidden_imports():
+    bad = forbidden_imports(ALL_IMPORTS)
+    assert not bad, "imports a lower layer that this part must not use:\n" + "\n".join(bad)
+
+
 def test_market_imports_neither_torch_nor_the_trainer():
     bad = [f"{imp}" for imp in ALL_IMPORTS
            if top_folder(imp.importer) == "market" and top_folder(imp.imported) not in MARKET_MAY_IMPORT]
@@ -263,6 +278,9 @@ def test_the_checks_see_a_planted_cycle_and_an_upward_import():
     assert find_cycles(planted) == [["a", "b", "c", "a"]]
     assert any(imp.importer == "runyard.cli" or imp.importer.startswith("runyard.cli.") for imp in ALL_IMPORTS)
     assert RANK["cli"] > RANK["train"] > RANK["plan"] > RANK["model"] > RANK["spec"] > RANK["system"]
+    planted_import = Import("runyard.train.loop", "runyard.plan.sizing", SRC / "train" / "loop.py", 1, False)
+    assert forbidden_imports([planted_import]) == [
+        f"  {planted_import}: {FORBIDDEN['train', 'plan']}"]
 
 
 def test_train_loop_checkpoints_through_the_interface():

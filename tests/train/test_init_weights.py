@@ -17,8 +17,9 @@ from runyard.data.shards import ShardWriter, write_index
 from runyard.errors import EXIT_BAD_SPEC, SpecError
 from runyard.model import hf
 from runyard.model.hf.export import export_model
+from runyard.model.stage_model import stage_config
 from runyard.model.transformer import Transformer
-from runyard.plan.weights_in import check_weights_in, stage_config, weights_tokenizer_dir
+from runyard.plan.weights_in import check_weights_in, weights_tokenizer_dir
 from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import checkpoint, parallel
 from runyard.train.init_weights import InitialWeightsMismatch, load_state_checked

@@ -157,7 +157,7 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     if unnamed and choice.family is None:
         raise FamilyUnavailable(f"nothing to plan: {choice.why}")
     if unnamed:
-        # What the run does with model.family left out: the data's recommendation trains (run_predictive).
+        # What the run does with model.family left out: the data's recommendation trains (run/predictive.py).
         spec = with_family(spec, choice.family)
     elif choice.family is not None and any(resolved_stage(spec, s.name).model.family != choice.family
                                            for s in spec.stages):

@@ -70,7 +70,7 @@ class DataFacts:
 
     def config_facts(self, task: str) -> dict[str, Any]:
         """Keyword arguments a family's `config_from_spec` takes from the data (what train/batches.py and
-        run_predictive read from the prepared data), here from what was counted before preparing it."""
+        run/predictive.py read from the prepared data), here from what was counted before preparing it."""
         out: dict[str, Any] = {}
         for key in ("vocab_size", "features", "classes", "rows"):
             if getattr(self, key) is not None:

@@ -23,9 +23,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from runyard.market.requirement import Interconnect, Requirement
+from runyard.model import stage_model
 from runyard.model.compute import checkpointed_indices
 from runyard.model.registry import DEFAULT_FAMILY, ModelFamily, Sizing, get_family
-from runyard.plan import weights_in
 from runyard.plan.devices import GPU_RESERVED_BYTES, UTILISATION, device
 from runyard.plan.recommend import DATA_KINDS, Hardware, training_hardware
 from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage
@@ -87,8 +87,8 @@ def flops_per_token(cfg: Any, family: str = DEFAULT_FAMILY) -> float:
 
 def stage_config(spec: JobSpec, stage: ResolvedStage, data_facts: dict[str, Any]) -> tuple[ModelFamily, Any]:
     """The stage's family and resolved config: its model section with what the data tells, or the shape of
-    the weights it starts from (`model.init`, plan/weights_in.py)."""
-    return get_family(stage.model.family), weights_in.stage_config(spec, stage.name, **data_facts)
+    the weights it starts from (`model.init`, model/stage_model.py)."""
+    return get_family(stage.model.family), stage_model.stage_config(spec, stage.name, **data_facts)
 
 
 def training_units(spec: JobSpec, stage: ResolvedStage, family: ModelFamily, config: Any,

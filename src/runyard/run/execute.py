@@ -36,11 +36,12 @@ from runyard.evaluate.report import finetune_verdict, verdict, write_report
 from runyard.model.hf.config import CONFIG_FILE, read_json
 from runyard.model.hf.export import GENERATION_CONFIG_FILE, export_eos_ids, load_export
 from runyard.model.hf.export import export_model as write_export
+from runyard.model.stage_model import stage_start, weights_origin
 from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.records_in import check_records_in
 from runyard.plan.runlife import run_lifetime
-from runyard.plan.weights_in import check_weights_in, stage_start, weights_origin, weights_tokenizer_dir
+from runyard.plan.weights_in import check_weights_in, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
 from runyard.run.continuation import open_run_dir

@@ -1,6 +1,6 @@
 """The `data.table` and `data.images` sections of a job spec: how the tabular and image tasks read, clean
-and split their data. spec/data.py embeds them in `DataSpec`; spec.py checks that a spec's task and its
-sections agree.
+and split their data. spec/data.py embeds them in `DataSpec`; spec/checks.py checks that a spec's task and
+its sections agree.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 failed write on a full disk (ENOSPC, EDQUOT, or a library's own wording of them) into a `DiskFull`
 error that says what was being written, where, how much it needed and how much was free.
 
-Standard library only: `fsutil` (imported everywhere, without torch) uses it.
+Standard library only: system/files.py (imported everywhere, without torch) uses it.
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ def writing(run_dir: Path, rank: int = 0) -> Iterator[ProcessLock | None]:
 
 
 def _is_interrupted_temp(name: str) -> bool:
-    # fsutil's `.NAME.tmp-PID`, checkpoints' `.tmp-step_...-TOKEN`, the export's `.export.tmp-XXXX`.
+    # system/files.py's `.NAME.tmp-PID`, checkpoints' `.tmp-step_...-TOKEN`, the export's `.export.tmp-XXXX`.
     return name.startswith(".") and (".tmp-" in name or name.startswith(".tmp-"))
 
 

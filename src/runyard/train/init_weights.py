@@ -1,6 +1,6 @@
 """Loading a stage's initial weights (`model.init`) into the model the loop just built.
 
-Where they come from is plan/weights_in.py's answer: an earlier stage's final checkpoint (verified), a
+Where they come from is model/stage_model.py's answer: an earlier stage's final checkpoint (verified), a
 runyard export (its checksums verified first) or a Hugging Face model directory (read tensor by tensor
 through safetensors, model/hf/weights.py). The loop calls this whenever it builds a stage's model (a
 fresh start and a resume alike: a LoRA stage's checkpoint holds only adapters over these weights, and a
@@ -18,7 +18,7 @@ import torch
 from runyard.errors import RunyardError
 from runyard.model.hf.export import verify_export
 from runyard.model.registry import get_family
-from runyard.plan.weights_in import stage_config, stage_start
+from runyard.model.stage_model import stage_config, stage_start
 from runyard.spec.job import JobSpec, resolved_stage
 from runyard.spec.seeds import derive_seed
 from runyard.train import checkpoint

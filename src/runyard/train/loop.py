@@ -35,7 +35,7 @@ from runyard.data.pipeline import PreparedData
 from runyard.errors import Preempted, RunyardError
 from runyard.model.compute import autocast_for
 from runyard.model.registry import get_family
-from runyard.plan.weights_in import stage_config
+from runyard.model.stage_model import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
 from runyard.train import batches, checkpoint, finetune_eval, layout, parallel, tensor_parallel

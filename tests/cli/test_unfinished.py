@@ -13,7 +13,7 @@ import pytest
 from runyard.cli import main
 from runyard.train.gates import GATES_FILE
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stdlib-code.yaml"  # stages smoke (40 steps), full
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "stdlib-code.yaml"  # stages smoke (40 steps), full
 
 
 def partly_trained(tmp_path: Path) -> Path:

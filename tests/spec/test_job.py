@@ -12,7 +12,7 @@ import yaml
 from runyard.errors import EXIT_BAD_SPEC, SpecError
 from runyard.spec.job import dump_spec, load_spec, parse_spec, resolved_stage, spec_warnings
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "stdlib-code.yaml"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "stdlib-code.yaml"
 
 
 def base() -> dict:

@@ -28,7 +28,7 @@ from runyard.spec.reference import (
 )
 from runyard.spec.templates import TEMPLATES, render_template
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 EXAMPLES = sorted(p for p in (ROOT / "examples").rglob("*.yaml"))
 REGENERATE = "the spec changed: regenerate with `runyard spec reference --write-docs docs` and commit"

@@ -19,7 +19,7 @@ import yaml
 from runyard import cli
 from runyard.cli import spec as spec_cli
 from runyard.errors import DiskFull, InsufficientDiskSpace
-from runyard.system import files as fsutil
+from runyard.system import files
 from runyard.system.diskspace import (
     DiskNeed,
     check_disk,
@@ -29,7 +29,7 @@ from runyard.system.diskspace import (
     writing,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _can_mount() -> bool:
@@ -96,9 +96,9 @@ def test_atomic_write_translates_enospc_and_leaves_no_temp_file(tmp_path, monkey
         def write(self, data):
             raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(fsutil.os, "fdopen", lambda fd, mode: FullFile(real_fdopen(fd, mode)))
+    monkeypatch.setattr(files.os, "fdopen", lambda fd, mode: FullFile(real_fdopen(fd, mode)))
     with pytest.raises(DiskFull) as info:
-        fsutil.atomic_write_bytes(tmp_path / "report.json", b"x" * 5000)
+        files.atomic_write_bytes(tmp_path / "report.json", b"x" * 5000)
     text = str(info.value)
     assert str(tmp_path / "report.json") in text and "needed 4.9 KiB" in text and "free" in text
     assert list(tmp_path.iterdir()) == []
@@ -118,7 +118,7 @@ def test_cli_reports_an_untranslated_enospc_plainly(monkeypatch, capsys):
     def full_disk(args):
         raise OSError(errno.ENOSPC, "No space left on device", "/data/out.bin")
 
-    monkeypatch.setattr(spec_cli, "cmd_init", full_disk)  # a verb whose write fails outside fsutil
+    monkeypatch.setattr(spec_cli, "cmd_init", full_disk)  # a verb whose write fails outside system/files.py
     assert cli.main(["spec", "init"]) == 1
     err = capsys.readouterr().err
     assert "no space left on the device writing /data/out.bin" in err and "free on" in err
@@ -134,7 +134,7 @@ def test_cli_reports_an_untranslated_enospc_plainly(monkeypatch, capsys):
     [("atomic", "big.bin"), ("checkpoint", "checkpoint step_00000007"), ("export", "the export")],
 )
 def test_full_filesystem_write_is_a_clear_error_and_leaves_nothing_half_written(tmp_path, kind, what):
-    proc = in_tmpfs(tmp_path / "mnt", "2m", sys.executable, str(ROOT / "tests" / "disk_probe.py"), kind,
+    proc = in_tmpfs(tmp_path / "mnt", "2m", sys.executable, str(ROOT / "tests" / "system" / "disk_probe.py"), kind,
                     str(tmp_path / "mnt"), str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Writes that run out of space, run inside a small tmpfs by tests/test_diskspace.py (in its own mount
+"""Writes that run out of space, run inside a small tmpfs by tests/system/test_diskspace.py (in its own mount
 namespace, so the filesystem disappears with the process). Prints one JSON line: what was raised and
 what was left behind."""
 
