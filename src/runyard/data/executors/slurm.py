@@ -6,7 +6,7 @@ control plane's backend, `reproduce`) speaks it too; submitit would add a depend
 task functions onto shared storage for nothing.
 
 - One array per step, one CPU and `--mem` = data.memory_limit per array task. With data.workers W set,
-  the array has at most W tasks (`--array=0-N%W`) and each drains the step's task list (tasks.py
+  the array has at most W tasks (`--array=0-N%W`) and each drains the step's task list (work_units.py
   `--drain`: a task is claimed by an exclusive create on shared storage): one interpreter start per
   array task rather than per task, and whichever array task is free takes the next task. Without W,
   one array task per task (as many at once as the cluster gives). Arrays larger than the cluster's
