@@ -26,7 +26,8 @@ LAYERS = [
     ["__main__"],
     ["cli"],
     ["run"],
-    ["train", "serve", "evaluate"],
+    # tracking mirrors what train and evaluate write into the run directory; run starts it.
+    ["train", "serve", "evaluate", "tracking"],
     # The control plane runs jobs as `runyard` processes and never imports the trainer; serving's
     # retrainer submits through its client.
     ["control"],

@@ -21,6 +21,7 @@ from runyard.run.continuation import SPEC_FILE, open_run_dir
 from runyard.run.execute import default_run_dir, execute_run
 from runyard.serve.engine import Generator
 from runyard.spec.job import load_spec
+from runyard.spec.tracking import TRACKING_FLAG_HELP, with_tracking_flags
 from runyard.system import rundir
 from runyard.system.progress import NO_PROGRESS_HELP, on_terminal
 from runyard.train.launch import launch, run_worker, under_launcher
@@ -56,6 +57,18 @@ def _add_restart_option(p: argparse.ArgumentParser) -> None:
                    "it is carried out once per job, not again on a restarted attempt")
 
 
+def _add_tracking_option(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tracking", action="append", default=None, metavar="mlflow[=URI]|tensorboard",
+                   help=TRACKING_FLAG_HELP)
+
+
+def _tracked(spec, flags: list[str] | None):
+    """The spec with --tracking applied (workers under torchrun are handed the same flags)."""
+    if not flags:
+        return spec
+    return spec.model_copy(update={"tracking": with_tracking_flags(spec.tracking, flags)})
+
+
 def register(verbs: argparse._SubParsersAction) -> None:
     for verb, evaluate, help_text, description in (
         (
@@ -87,6 +100,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
         p.add_argument("--stage", default=None, help=f"{verb} only this stage (earlier stages must have passed)")
         p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
         _add_restart_option(p)
+        _add_tracking_option(p)
         _add_launch_options(p)
         p.set_defaults(handler=cmd_run, evaluate=evaluate)
 
@@ -101,6 +115,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.add_argument("run_dir", type=Path, help="the run directory")
     p.add_argument("--no-progress", action="store_true", help=NO_PROGRESS_HELP)
     _add_restart_option(p)
+    _add_tracking_option(p)
     _add_launch_options(p)
     p.set_defaults(handler=cmd_resume, evaluate=True, stage=None)
 
@@ -178,9 +193,10 @@ def _maybe_launch(args, spec, worker_argv: list[str], run_dir: Path | None = Non
 
 def cmd_run(args) -> int:
 
-    spec = load_spec(args.spec)
+    spec = _tracked(load_spec(args.spec), args.tracking)
     run_dir = args.run_dir or default_run_dir(spec)
     worker_argv = [args.verb, str(args.spec), "--run-dir", str(run_dir)]
+    worker_argv += [f"--tracking={flag}" for flag in args.tracking or []]
     if args.stage:
         worker_argv += ["--stage", args.stage]
     if args.no_progress:
@@ -210,8 +226,9 @@ def cmd_resume(args) -> int:
     spec_path = args.run_dir / SPEC_FILE
     if not spec_path.is_file():
         raise RunyardError(f"{args.run_dir} is not a run directory: it has no {SPEC_FILE}")
-    spec = load_spec(spec_path)
+    spec = _tracked(load_spec(spec_path), args.tracking)
     worker_argv = ["resume", str(args.run_dir)] + (["--no-progress"] if args.no_progress else [])
+    worker_argv += [f"--tracking={flag}" for flag in args.tracking or []]
     restart_from = _restart_in_launcher(args, spec, args.run_dir)
     launched = _maybe_launch(args, spec, worker_argv, args.run_dir)
     if launched is not None:

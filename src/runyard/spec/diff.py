@@ -28,7 +28,7 @@ JUDGEMENT_PATHS = (
     "eval.final_batches", "eval.max_heldout_perplexity", "eval.max_gap", "eval.must_beat_unigram",
     "eval.unigram_margin", "eval.min_response_loss_drop", "eval.min_task_score", "eval.min_reward_accuracy",
     "eval.min_reward_margin", "eval.stall_fraction", "eval.prompts", "eval.sample_tokens", "eval.temperature",
-    "eval.top_k", "eval.prediction",
+    "eval.top_k", "eval.prediction", "tracking",
 )
 # Top-level sections that stages inherit (and may override): a change to one matters only where a
 # stage's resolved value changed.

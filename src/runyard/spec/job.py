@@ -42,6 +42,7 @@ from runyard.spec.sections import (
     TrainSpec,
     _Strict,
 )
+from runyard.spec.tracking import TrackingSpec
 
 __all__ = [
     "CheckpointSpec",
@@ -123,6 +124,7 @@ class JobSpec(_Strict):
         description="expected serving traffic; when given, the plan and the evaluation report weigh training "
         "against the cumulative cost of inference",
     )
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec, description="MLflow and TensorBoard mirrors of the run")
 
     @field_validator("name")
     @classmethod
@@ -155,7 +157,8 @@ class JobSpec(_Strict):
 
     def fingerprint(self) -> str:
         """sha256 of the resolved spec: two runs with equal fingerprints ask for the same work."""
-        canonical = json.dumps(self.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
+        # Tracking changes where the run is watched, never the work: left out.
+        canonical = json.dumps(self.model_dump(mode="json", exclude={"tracking"}), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()
 
 

@@ -1,0 +1,131 @@
+"""The run's mirrors in MLflow and TensorBoard, read back with their own readers: a real SQLite MLflow store
+in the run directory (MLflow's client), TensorBoard event files (tensorboard's EventAccumulator), a
+server that cannot be reached, and a resume that goes on logging into the same MLflow run."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from pathlib import Path
+
+import pytest
+
+from runyard.errors import SpecError
+from runyard.spec.job import parse_spec
+from runyard.spec.tracking import TrackingSpec, with_tracking_flags
+from runyard.tracking.mirror import tracked_run_id
+from runyard.tracking.sinks import default_mlflow_uri
+from tests.e2e.conftest import TINY_SPEC, merge, runyard, write_spec  # noqa: F401  (write_spec: a fixture)
+
+mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the tracking extra: pip install 'runyard[tracking]'")
+event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+# Two short stages, so that a resume has a stage left to train and the stage boundary is visible.
+TWO_STAGES = {"train": {"steps": 8}, "stages": [{"name": "first", "gates": {"min_loss_drop": 0.0}},
+                                                {"name": "second", "gates": {"min_loss_drop": 0.0}}]}
+
+
+def rows(run_dir: Path, stage: str) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stages" / stage / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tracked_run(tmp_path_factory):
+    """A run stopped after its first stage (`--stage first`), then resumed to the end with no flag: the
+    tracking section the first command line added is in the run's spec.yaml."""
+    base = tmp_path_factory.mktemp("tracked")
+    spec = base / "spec.yaml"
+    spec.write_text(__import__("yaml").safe_dump(merge(TINY_SPEC, TWO_STAGES)))
+    run_dir = base / "run"
+    runyard("run", str(spec), "--run-dir", str(run_dir), "--stage", "first", "--no-progress",
+            "--tracking", "mlflow", "--tracking", "tensorboard", check=True)
+    first_id = tracked_run_id(run_dir)
+    first_history = len(mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0]).get_metric_history(first_id, "first/loss"))
+    runyard("resume", str(run_dir), "--no-progress", check=True)
+    return run_dir, first_id, first_history
+
+
+def test_resume_continues_the_same_mlflow_run(tracked_run):
+    run_dir, first_id, first_history = tracked_run
+    assert first_id is not None and tracked_run_id(run_dir) == first_id
+    assert first_history == len(rows(run_dir, "first"))  # the first session sent its stage before it ended
+    client = mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0])
+    experiment = client.get_experiment_by_name("runyard")
+    assert [r.info.run_id for r in client.search_runs([experiment.experiment_id])] == [first_id]
+    run = client.get_run(first_id)
+    assert run.info.status == "FINISHED" and run.info.run_name == "tiny"
+
+
+def test_mlflow_holds_params_metrics_by_step_artefacts_and_fingerprints(tracked_run):
+    run_dir, run_id, _ = tracked_run
+    client = mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0])
+    run = client.get_run(run_id)
+    params = run.data.params
+    assert params["model.d_model"] == "32" and params["train.steps"] == "8" and params["seed"] == "7"
+    assert params["stages.1.name"] == "second" and not any(k.startswith("tracking") for k in params)
+    for stage in ("first", "second"):
+        written = rows(run_dir, stage)
+        for figure in ("loss", "lr", "grad_norm", "tokens_per_s"):
+            history = sorted(client.get_metric_history(run_id, f"{stage}/{figure}"), key=lambda m: m.step)
+            assert [(m.step, m.value) for m in history] == [(r["step"], r[figure]) for r in written], (stage, figure)
+        held = client.get_metric_history(run_id, f"{stage}/heldout_loss")
+        assert sorted((m.step, m.value) for m in held) == [(r["step"], r["heldout_loss"]) for r in written if "heldout_loss" in r]
+        assert run.data.metrics[f"{stage}/gates/passed"] == 1.0
+        assert run.data.tags[f"runyard.stage.{stage}.gates"] == "passed"
+    # The stage boundary: the second stage's steps continue after the first's on one axis.
+    assert run.data.tags["runyard.stage.first.step_offset"] == "0"
+    assert run.data.tags["runyard.stage.second.step_offset"] == "8"
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    report = json.loads((run_dir / "eval" / "report.json").read_text())
+    assert run.data.tags["runyard.spec_sha256"] == manifest["spec_sha256"]
+    assert run.data.tags["runyard.export.data_fingerprint"] == manifest["data"]["fingerprint"]
+    assert run.data.metrics["eval/metrics/heldout_loss"] == report["metrics"]["heldout_loss"]
+    assert run.data.metrics["data/read/documents_read"] > 0
+    artefacts = {a.path for folder in ("", "eval", "export", "data") for a in client.list_artifacts(run_id, folder or None)}
+    assert {"eval/report.md", "eval/report.json", "eval/loss.png", "export/model.safetensors", "export/runyard.json",
+            "export/config.json", "data/report.json", "spec.yaml", "export_signature.json"} <= artefacts
+    version = client.get_model_version("tiny", "1")
+    assert version.run_id == run_id and version.tags["runyard.export.spec_sha256"] == manifest["spec_sha256"]
+
+
+def test_tensorboard_events_hold_the_same_scalars(tracked_run):
+    run_dir, _, _ = tracked_run
+    events = event_accumulator.EventAccumulator(str(run_dir / "tracking" / "tensorboard"), size_guidance={"scalars": 0})
+    events.Reload()
+    for stage in ("first", "second"):
+        written = rows(run_dir, stage)
+        scalars = events.Scalars(f"{stage}/loss")
+        assert [s.step for s in scalars] == [r["step"] for r in written]  # once each: the resume sent no row twice
+        assert [s.value for s in scalars] == pytest.approx([r["loss"] for r in written], rel=1e-6)
+    assert "eval/metrics/heldout_loss" in events.Tags()["scalars"]
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed when the socket is: nothing listens there
+
+
+def test_an_unreachable_tracking_server_neither_fails_nor_stalls_the_run(write_spec, tmp_path):  # noqa: F811
+    spec = write_spec({"train": {"steps": 4}, "tracking": {"interval_s": 0.5, "flush_timeout_s": 20}})
+    run_dir, uri = tmp_path / "run", f"http://127.0.0.1:{closed_port()}"
+    started = time.monotonic()
+    proc = runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", "--tracking", f"mlflow={uri}")
+    took = time.monotonic() - started
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    said = " ".join((proc.stdout + proc.stderr).split())
+    assert f"tracking: MLflow at {uri} failed" in said and "next `runyard resume`" in said
+    assert (run_dir / "export" / "runyard.json").is_file() and len(rows(run_dir, "main")) == 4
+    assert took < 240  # the end of the session waits flush_timeout_s at most, not MLflow's own retries
+
+
+def test_tracking_flags_and_section():
+    assert with_tracking_flags(TrackingSpec(), ["mlflow=http://h:5000", "tensorboard"]).model_dump() == {
+        **TrackingSpec().model_dump(), "tensorboard": True,
+        "mlflow": {"uri": "http://h:5000", "experiment": "runyard", "log_export": True, "registered_model": None}}
+    with pytest.raises(SpecError, match="mlflow, mlflow=URI or tensorboard"):
+        with_tracking_flags(TrackingSpec(), ["wandb"])
+    plain, tracked = parse_spec(TINY_SPEC), parse_spec(merge(TINY_SPEC, {"tracking": {"mlflow": True}}))
+    assert tracked.tracking.mlflow is not None and tracked.tracking.enabled and not plain.tracking.enabled
+    assert tracked.fingerprint() == plain.fingerprint()  # where a run is watched is not what it computes
