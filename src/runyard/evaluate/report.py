@@ -75,7 +75,10 @@ def finetune_verdict(stage: str, kind: str, record: dict, thresholds: EvalSpec,
     if kind == "sft":
         drop = thresholds.min_response_loss_drop
         a, b = after.get("heldout_loss"), before.get("heldout_loss")
-        if drop is not None and a is not None and b is not None:
+        if drop is not None and (a is None or b is None):
+            reasons.append(_missing_figure(stage, "held-out response loss" + (" before training" if b is None else ""),
+                                           "eval.min_response_loss_drop"))
+        elif drop is not None:
             needed = b * (1 - drop)
             line = (f"stage {stage}'s held-out response loss {a:.4f} is {compared(a, b)} its initial weights' "
                     f"{b:.4f}; fit to ship needs it {'lower' if drop == 0 else f'at least {drop:.0%} lower'} "
@@ -97,16 +100,32 @@ def finetune_verdict(stage: str, kind: str, record: dict, thresholds: EvalSpec,
     else:
         accuracy, margin = after.get("heldout_reward_accuracy"), after.get("heldout_reward_margin")
         if thresholds.min_reward_accuracy is not None:
-            line = (f"stage {stage}'s held-out reward accuracy {accuracy:.3f} (initial weights "
-                    f"{before.get('heldout_reward_accuracy', float('nan')):.3f}) against the bound "
-                    f"{thresholds.min_reward_accuracy} (eval.min_reward_accuracy)")
-            (passed if accuracy is not None and accuracy >= thresholds.min_reward_accuracy else reasons).append(line)
+            if accuracy is None:
+                reasons.append(_missing_figure(stage, "held-out reward accuracy", "eval.min_reward_accuracy"))
+            else:
+                line = (f"stage {stage}'s held-out reward accuracy {accuracy:.3f} (initial weights "
+                        f"{_figure(before.get('heldout_reward_accuracy'), '.3f')}) against the bound "
+                        f"{thresholds.min_reward_accuracy} (eval.min_reward_accuracy)")
+                (passed if accuracy >= thresholds.min_reward_accuracy else reasons).append(line)
         if thresholds.min_reward_margin is not None:
-            line = (f"stage {stage}'s held-out mean reward margin {margin:.4f} against the bound "
-                    f"{thresholds.min_reward_margin}: fit to ship needs it above (eval.min_reward_margin)")
-            (passed if margin is not None and margin > thresholds.min_reward_margin else reasons).append(line)
+            if margin is None:
+                reasons.append(_missing_figure(stage, "held-out mean reward margin", "eval.min_reward_margin"))
+            else:
+                line = (f"stage {stage}'s held-out mean reward margin {margin:.4f} against the bound "
+                        f"{thresholds.min_reward_margin}: fit to ship needs it above (eval.min_reward_margin)")
+                (passed if margin > thresholds.min_reward_margin else reasons).append(line)
     flags = stalled_heldout(stage_metrics or {}, thresholds.stall_fraction)
     return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed, flags=flags)
+
+
+def _missing_figure(stage: str, figure: str, bound: str) -> str:
+    """A bound the spec sets whose figure the stage did not record: not fit, and said so (never a crash)."""
+    return (f"stage {stage} recorded no {figure} (stages/{stage}/finetune.json), so {bound} cannot be judged; "
+            "fit to ship needs the figure")
+
+
+def _figure(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def stalled_heldout(stage_metrics: dict[str, list[dict]], stall_fraction: float | None) -> list[str]:
