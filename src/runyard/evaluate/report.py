@@ -195,16 +195,19 @@ def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Pat
 def write_report(
     out_dir: Path,
     run_name: str,
-    metrics: HeldoutMetrics,
+    metrics: HeldoutMetrics | None,
     result: Verdict,
     samples: list[dict],
     stage_metrics: dict[str, list[dict]],
     stage_summaries: list[dict],
     finetune: dict[str, dict] | None = None,
     lifetime: Lifetime | None = None,
+    notes: list[str] | None = None,
 ) -> dict:
     """Write report.json, report.md and the curves. `finetune` holds each sft/dpo stage's before/after
-    record (train/finetune_metrics.py), shown side by side."""
+    record (train/finetune_metrics.py), shown side by side. `metrics` is None for a run without top-level
+    data (no pretraining split to score); `notes` are further facts for a reader (what the drift reference
+    holds). A sample with `before` was also completed by the weights the last stage began with."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(stage_metrics, out_dir)
     report = {
@@ -213,7 +216,8 @@ def write_report(
         "reasons": result.reasons,
         "passed": result.passed,
         "flags": result.flags,
-        "metrics": asdict(metrics),
+        "metrics": asdict(metrics) if metrics is not None else None,
+        "notes": notes or [],
         "stages": stage_summaries,
         "samples": samples,
         "plots": [p.name for p in plots],
@@ -255,7 +259,19 @@ def _markdown(report: dict) -> str:
     lines += [f"- **flag**: {f}" for f in report.get("flags", [])]
     if report.get("passed") or report.get("flags"):
         lines.append("")
-    lines += [
+    lines += [f"- {note}" for note in report.get("notes") or []]
+    if report.get("notes"):
+        lines.append("")
+    lines += _metric_lines(m) + _stage_and_sample_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _metric_lines(m: dict | None) -> list[str]:
+    """The final evaluation on the top-level split; a run without top-level data says it has none."""
+    if m is None:
+        return ["No top-level data: no pretraining held-out loss or unigram baseline. The verdict is the last "
+                "stage's own held-out figures (below).", ""]
+    return [
         "| metric | value |",
         "| --- | --- |",
         f"| held-out loss | {m['heldout_loss']:.4f} |",
@@ -267,6 +283,11 @@ def _markdown(report: dict) -> str:
         f"| held-out tokens scored | {m['heldout_tokens']:,} |",
         "",
         *_coverage_lines(m.get("coverage") or {}),
+    ]
+
+
+def _stage_and_sample_lines(report: dict) -> list[str]:
+    lines = [
         "## Stages",
         "",
         "| stage | steps | final train loss | held-out loss | tokens/s | gates |",
@@ -286,5 +307,23 @@ def _markdown(report: dict) -> str:
     lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in report["plots"]]
     lines += ["", "## Samples", ""]
     for s in report["samples"]:
-        lines += [f"Prompt `{s['prompt']!r}`:", "", "```", s["prompt"] + s["completion"], "```", ""]
-    return "\n".join(lines) + "\n"
+        lines += _sample_lines(s)
+    return lines
+
+
+def _sample_lines(sample: dict) -> list[str]:
+    """A text prompt with its completion; a chat prompt as the template rendered it, then its completion
+    from the initial weights (when there is one) and from the export."""
+    if isinstance(sample["prompt"], str):
+        shown = [("", sample["prompt"] + sample["completion"])]
+        if "before" in sample:
+            shown = [("Initial weights:", sample["prompt"] + sample["before"]), ("After training:", shown[0][1])]
+        lines = [f"Prompt `{sample['prompt']!r}`:", ""]
+    else:
+        turns = "; ".join(f"{m['role']}: {m['content']!r}" for m in sample["prompt"])
+        lines = [f"Chat prompt ({turns}), rendered with the model's chat template:", "", "```", sample["rendered"], "```", ""]
+        shown = [("Initial weights:", sample["before"])] if "before" in sample else []
+        shown.append(("After training:" if "before" in sample else "Completion:", sample["completion"]))
+    for title, text in shown:
+        lines += ([title, ""] if title else []) + ["```", text, "```", ""]
+    return lines
