@@ -6,17 +6,24 @@ and docstring; response: its body), prepared by runyard's data stage (`python_fu
 chat template) with a BPE trained on the same sources. Both sides train on the same padded batches:
 runyard's length-grouped sample loader draws them; trl gets the same samples in the same order (a
 pre-tokenized dataset with `completion_mask`, `train_sampling_strategy="sequential"`), its collator pads
-each batch to its longest sample on the right, as runyard's does. The loss on both sides covers the
-response tokens only, normalised by the supervised tokens of the step.
+each batch to its longest sample on the right, as runyard's does. Neither side packs or runs padding-free
+(`packing=False`, `padding_free=False` on trl's). The loss on both sides covers the response tokens only,
+normalised by the supervised tokens of the step.
 
 Models: runyard's Transformer, and transformers' LlamaForCausalLM (sdpa attention) with runyard's weights
 copied in (the logits are checked to agree before anything is timed). Both use AdamW (foreach), the same
-learning rate, and clip gradients to norm 1.0.
+learning rate, and clip gradients to norm 1.0. Both run in fp32 without activation recomputation: trl's
+defaults (`gradient_checkpointing=True`, bf16 autocast where the CPU has it) are turned off, since runyard's
+side has neither; a comparison with either on would measure the setting, not the trainer.
 
 - runyard: the step its training loop runs for an sft stage (train/stage_kinds.py's SFTObjective: masked
-  loss summed over each micro-batch, scaled by the step's supervised tokens, backward, clip, AdamW step).
-- trl: `SFTTrainer.train()` for the same steps with logging and saving off (its documented settings for a
-  pre-tokenized prompt/completion dataset: completion_only_loss), timed from the call to its return.
+  loss summed over each micro-batch, scaled by the step's supervised tokens, backward, clip, AdamW step),
+  drawing each batch from its sample loader inside the timed span.
+- trl: `SFTTrainer`, built once, with logging and saving off (its documented settings for a pre-tokenized
+  prompt/completion dataset: completion_only_loss). Each round calls `train()` for the same steps, and a
+  callback times the steps alone, from `on_train_begin` (after trl has built its optimizer, accelerator
+  and loader) to the last `on_step_end`; its loader's fetching and collation fall inside that span, as
+  runyard's do. Each round starts both sides with a fresh AdamW (no state), built outside the timed span.
 
 Figures: tokens/s (input tokens that are not padding) of runyard over trl; the share of padding in the
 batches (length-grouped vs plainly shuffled, against packing); and the peak RSS of a LoRA fine-tune over
@@ -42,7 +49,7 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_throughput as tt  # noqa: E402
-from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
+from harness import Report, Samples, add_common_args, paired_ratio  # noqa: E402
 
 from runyard.data.instruct import prepare_instruct  # noqa: E402
 from runyard.data.samples import Batch, SampleLoader  # noqa: E402
@@ -59,7 +66,13 @@ LR = 3e-4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="The trl peer: SFTTrainer built once, fp32 (bf16=False), gradient_checkpointing=False, no packing "
+        "or padding-free on either side; each round's trl steps are timed by a callback from on_train_begin to the "
+        "last on_step_end (its optimizer, accelerator and loader setup left out), runyard's from its loader to its "
+        "last step. Needs the bench extra (transformers, trl, datasets) to run; --help does not.",
+    )
     p.add_argument("--d-model", type=int, default=256, help="hidden size")
     p.add_argument("--layers", type=int, default=4, help="decoder layers")
     p.add_argument("--heads", type=int, default=4, help="attention heads")
@@ -110,8 +123,9 @@ def draw_batches(prepared, args: argparse.Namespace, n: int, grouping: int = 16)
     return batches, ids
 
 
-def runyard_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Batch]) -> None:
-    """The sft step of runyard's loop (one micro-batch per step, one process)."""
+def runyard_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -> None:
+    """The sft step of runyard's loop (one micro-batch per step, one process) over `batches` (a list, or
+    a generator that draws them from the loader as the loop does)."""
     params = [p for p in model.parameters() if p.requires_grad]
     for b in batches:
         loss = token_loss_sum(model(b.inputs), b.labels) * (1.0 / b.supervised)
@@ -119,6 +133,56 @@ def runyard_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: l
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
+
+
+def runyard_round(model: torch.nn.Module, prepared, args: argparse.Namespace) -> float:
+    """Seconds of one round of runyard's steps: a fresh AdamW built untimed, then the loader (at the same
+    start each round, so the same batches) and `args.steps` steps timed."""
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    t0 = time.perf_counter()
+    loader = SampleLoader(prepared.stores("train"), args.batch, args.seed, prepared.pad_id, length_grouping=16)
+    runyard_steps(model, opt, (loader.next_batch() for _ in range(args.steps)))
+    return time.perf_counter() - t0
+
+
+def step_timer():
+    """A trl callback that times the steps of each `train()` call (from on_train_begin, after trl's setup, to
+    the last on_step_end) and keeps the seconds of the latest call in `.seconds`."""
+    from transformers import TrainerCallback
+
+    class StepTimer(TrainerCallback):
+        seconds = float("nan")
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.seconds = time.perf_counter() - self.t0
+
+    return StepTimer()
+
+
+def trl_round(trainer, timer) -> float:
+    """Seconds of one round of trl's steps (trainer.train(), timed by `timer` over its steps alone)."""
+    timer.seconds = float("nan")
+    trainer.train()
+    if not math.isfinite(timer.seconds):
+        raise RuntimeError("trl's trainer ran no step; the timing callback saw none")
+    return timer.seconds
+
+
+def interleaved_rounds(contenders: dict, repeats: int, warmup: int = 1) -> dict[str, Samples]:
+    """As harness.interleaved, but each contender returns the seconds of its own timed span (setup left out)."""
+    names = list(contenders)
+    for _ in range(warmup):
+        for name in names:
+            contenders[name]()
+    out = {name: Samples() for name in names}
+    for r in range(repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            out[name].values.append(contenders[name]())
+        print(f"round {r + 1}/{repeats}: " + ", ".join(f"{n} {out[n].values[-1]:.3f} s" for n in names), flush=True)
+    return out
 
 
 def trl_dataset(prepared, ids: list[int]):
@@ -133,19 +197,22 @@ def trl_dataset(prepared, ids: list[int]):
     return Dataset.from_list(rows)
 
 
-def trl_trainer(hf: torch.nn.Module, dataset, args: argparse.Namespace, out: Path, tokenizer_path: Path):
+def trl_trainer(hf: torch.nn.Module, dataset, args: argparse.Namespace, out: Path, tokenizer_path: Path, callbacks=()):
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
+    # fp32 without recomputation, no packing, padded batches: what runyard's side does (trl's defaults turn on
+    # gradient checkpointing and bf16 autocast, which would time those settings rather than the trainer).
     config = SFTConfig(
         output_dir=str(out), per_device_train_batch_size=args.batch, max_steps=args.steps, learning_rate=LR,
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
         max_grad_norm=1.0, logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
         train_sampling_strategy="sequential", dataloader_num_workers=0, completion_only_loss=True,
         max_length=None, seed=args.seed, optim="adamw_torch", disable_tqdm=True,
+        gradient_checkpointing=False, bf16=False, fp16=False, packing=False, padding_free=False,
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
-    return SFTTrainer(model=hf, args=config, train_dataset=dataset, processing_class=tokenizer)
+    return SFTTrainer(model=hf, args=config, train_dataset=dataset, processing_class=tokenizer, callbacks=list(callbacks))
 
 
 def peak_memory(args: argparse.Namespace, mode: str) -> int:
@@ -241,19 +308,20 @@ def main(argv: list[str] | None = None) -> int:
         ours.train(), hf.train()
         report.note(f"{len(batches)} batches of {args.batch} samples, {tokens:,} real tokens per round; "
                     f"logits of the two models agree to {diff:.1e}")
-        opt = torch.optim.AdamW(ours.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
-        trainer = trl_trainer(hf, trl_dataset(prepared, ids), args, work / "trl", prepared.tokenizer_path)
+        timer = step_timer()
+        trainer = trl_trainer(hf, trl_dataset(prepared, ids), args, work / "trl", prepared.tokenizer_path, [timer])
         first = next(iter(trainer.get_train_dataloader()))
         # trl's rows are whole samples with labels aligned to them (the model shifts); runyard's are shifted.
         real = torch.arange(batches[0].inputs.shape[1]) < (first["attention_mask"].sum(1, keepdim=True) - 1)
         assert torch.equal(first["input_ids"][:, :-1][real], batches[0].inputs[real]), "trl reads the same batch"
         assert torch.equal(first["labels"][:, 1:], batches[0].labels), "trl supervises the same tokens"
-        timings = interleaved({"runyard": lambda: runyard_steps(ours, opt, batches), "trl": trainer.train},
-                              args.repeats)
+        timings = interleaved_rounds({"runyard": lambda: runyard_round(ours, prepared, args),
+                                      "trl": lambda: trl_round(trainer, timer)}, args.repeats)
         for name, samples in timings.items():
             print(f"{name}: {samples.rate(tokens).spread()} tokens/s", flush=True)
         report.ratio("sft_tokens_per_s_vs_trl", paired_ratio(timings["trl"], timings["runyard"]),
-                     "trl SFTTrainer, same HF Llama-shaped model, same batches, CPU fp32", ">=", 1.0,
+                     "trl SFTTrainer built once, its steps timed (fp32, gradient_checkpointing=False, no packing), "
+                     "same HF Llama-shaped model, same padded batches, CPU", ">=", 1.0,
                      {"tokens_per_round": tokens, "logit_max_abs_diff": diff})
 
         pads = padding_figures(prepared, args)

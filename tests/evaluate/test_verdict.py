@@ -126,3 +126,25 @@ def test_a_dpo_run_is_judged_on_reward_accuracy_and_margin():
     assert not v.fit_to_ship and any("eval.min_reward_accuracy" in r for r in v.reasons)
     assert any("eval.min_reward_margin" in r for r in v.reasons)
     assert not finetune_verdict("dpo", "dpo", {}, EvalSpec()).fit_to_ship  # no figures: not judged fit
+
+
+def test_a_missing_figure_is_a_stated_reason_not_a_crash():
+    from runyard.evaluate.report import finetune_verdict
+
+    # A dpo record without reward accuracy (before and after): the bound cannot be judged, and says so.
+    record = finetune_record({"heldout_reward_margin": 0.0}, {"heldout_reward_margin": 0.3})
+    v = finetune_verdict("prefs", "dpo", record, EvalSpec())
+    assert not v.fit_to_ship
+    assert v.reasons == ["stage prefs recorded no held-out reward accuracy (stages/prefs/finetune.json), so "
+                         "eval.min_reward_accuracy cannot be judged; fit to ship needs the figure"]
+    assert any("eval.min_reward_margin" in p for p in v.passed)
+    # Reward accuracy after but not before: judged, the missing initial figure shown as '-'.
+    v = finetune_verdict("prefs", "dpo", finetune_record({"heldout_reward_margin": 0.0}, {"heldout_reward_accuracy": 0.8,
+                                                                "heldout_reward_margin": 0.3}), EvalSpec())
+    assert v.fit_to_ship and "(initial weights -)" in v.passed[0]
+    # No bound set: a missing figure is not asked for.
+    loose = EvalSpec(min_reward_accuracy=None)
+    assert finetune_verdict("prefs", "dpo", record, loose).fit_to_ship
+    # sft without the response loss after training, under eval.min_response_loss_drop.
+    v = finetune_verdict("chat", "sft", finetune_record({"heldout_loss": 7.6}, {"task_exact": 0.5}), EvalSpec())
+    assert not v.fit_to_ship and "recorded no held-out response loss" in v.reasons[0]

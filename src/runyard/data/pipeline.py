@@ -78,8 +78,8 @@ class PreparedData:
     tokenizer_path: Path
     vocab_size: int
     eos_id: int
-    train_index: Path
-    heldout_index: Path
+    train_index: Path | None  # None: no top-level data (an sft/dpo-only run has the tokenizer alone)
+    heldout_index: Path | None
     fingerprint: str
     stats: dict[str, Any]
     input_fingerprints: dict[str, str]

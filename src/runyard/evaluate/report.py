@@ -75,7 +75,10 @@ def finetune_verdict(stage: str, kind: str, record: dict, thresholds: EvalSpec,
     if kind == "sft":
         drop = thresholds.min_response_loss_drop
         a, b = after.get("heldout_loss"), before.get("heldout_loss")
-        if drop is not None and a is not None and b is not None:
+        if drop is not None and (a is None or b is None):
+            reasons.append(_missing_figure(stage, "held-out response loss" + (" before training" if b is None else ""),
+                                           "eval.min_response_loss_drop"))
+        elif drop is not None:
             needed = b * (1 - drop)
             line = (f"stage {stage}'s held-out response loss {a:.4f} is {compared(a, b)} its initial weights' "
                     f"{b:.4f}; fit to ship needs it {'lower' if drop == 0 else f'at least {drop:.0%} lower'} "
@@ -97,16 +100,32 @@ def finetune_verdict(stage: str, kind: str, record: dict, thresholds: EvalSpec,
     else:
         accuracy, margin = after.get("heldout_reward_accuracy"), after.get("heldout_reward_margin")
         if thresholds.min_reward_accuracy is not None:
-            line = (f"stage {stage}'s held-out reward accuracy {accuracy:.3f} (initial weights "
-                    f"{before.get('heldout_reward_accuracy', float('nan')):.3f}) against the bound "
-                    f"{thresholds.min_reward_accuracy} (eval.min_reward_accuracy)")
-            (passed if accuracy is not None and accuracy >= thresholds.min_reward_accuracy else reasons).append(line)
+            if accuracy is None:
+                reasons.append(_missing_figure(stage, "held-out reward accuracy", "eval.min_reward_accuracy"))
+            else:
+                line = (f"stage {stage}'s held-out reward accuracy {accuracy:.3f} (initial weights "
+                        f"{_figure(before.get('heldout_reward_accuracy'), '.3f')}) against the bound "
+                        f"{thresholds.min_reward_accuracy} (eval.min_reward_accuracy)")
+                (passed if accuracy >= thresholds.min_reward_accuracy else reasons).append(line)
         if thresholds.min_reward_margin is not None:
-            line = (f"stage {stage}'s held-out mean reward margin {margin:.4f} against the bound "
-                    f"{thresholds.min_reward_margin}: fit to ship needs it above (eval.min_reward_margin)")
-            (passed if margin is not None and margin > thresholds.min_reward_margin else reasons).append(line)
+            if margin is None:
+                reasons.append(_missing_figure(stage, "held-out mean reward margin", "eval.min_reward_margin"))
+            else:
+                line = (f"stage {stage}'s held-out mean reward margin {margin:.4f} against the bound "
+                        f"{thresholds.min_reward_margin}: fit to ship needs it above (eval.min_reward_margin)")
+                (passed if margin > thresholds.min_reward_margin else reasons).append(line)
     flags = stalled_heldout(stage_metrics or {}, thresholds.stall_fraction)
     return Verdict(fit_to_ship=not reasons, reasons=reasons, passed=passed, flags=flags)
+
+
+def _missing_figure(stage: str, figure: str, bound: str) -> str:
+    """A bound the spec sets whose figure the stage did not record: not fit, and said so (never a crash)."""
+    return (f"stage {stage} recorded no {figure} (stages/{stage}/finetune.json), so {bound} cannot be judged; "
+            "fit to ship needs the figure")
+
+
+def _figure(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def stalled_heldout(stage_metrics: dict[str, list[dict]], stall_fraction: float | None) -> list[str]:
@@ -176,16 +195,19 @@ def plot_curves(stage_metrics: dict[str, list[dict]], out_dir: Path) -> list[Pat
 def write_report(
     out_dir: Path,
     run_name: str,
-    metrics: HeldoutMetrics,
+    metrics: HeldoutMetrics | None,
     result: Verdict,
     samples: list[dict],
     stage_metrics: dict[str, list[dict]],
     stage_summaries: list[dict],
     finetune: dict[str, dict] | None = None,
     lifetime: Lifetime | None = None,
+    notes: list[str] | None = None,
 ) -> dict:
     """Write report.json, report.md and the curves. `finetune` holds each sft/dpo stage's before/after
-    record (train/finetune_metrics.py), shown side by side."""
+    record (train/finetune_metrics.py), shown side by side. `metrics` is None for a run without top-level
+    data (no pretraining split to score); `notes` are further facts for a reader (what the drift reference
+    holds). A sample with `before` was also completed by the weights the last stage began with."""
     out_dir.mkdir(parents=True, exist_ok=True)
     plots = plot_curves(stage_metrics, out_dir)
     report = {
@@ -194,7 +216,8 @@ def write_report(
         "reasons": result.reasons,
         "passed": result.passed,
         "flags": result.flags,
-        "metrics": asdict(metrics),
+        "metrics": asdict(metrics) if metrics is not None else None,
+        "notes": notes or [],
         "stages": stage_summaries,
         "samples": samples,
         "plots": [p.name for p in plots],
@@ -236,7 +259,19 @@ def _markdown(report: dict) -> str:
     lines += [f"- **flag**: {f}" for f in report.get("flags", [])]
     if report.get("passed") or report.get("flags"):
         lines.append("")
-    lines += [
+    lines += [f"- {note}" for note in report.get("notes") or []]
+    if report.get("notes"):
+        lines.append("")
+    lines += _metric_lines(m) + _stage_and_sample_lines(report)
+    return "\n".join(lines) + "\n"
+
+
+def _metric_lines(m: dict | None) -> list[str]:
+    """The final evaluation on the top-level split; a run without top-level data says it has none."""
+    if m is None:
+        return ["No top-level data: no pretraining held-out loss or unigram baseline. The verdict is the last "
+                "stage's own held-out figures (below).", ""]
+    return [
         "| metric | value |",
         "| --- | --- |",
         f"| held-out loss | {m['heldout_loss']:.4f} |",
@@ -248,6 +283,11 @@ def _markdown(report: dict) -> str:
         f"| held-out tokens scored | {m['heldout_tokens']:,} |",
         "",
         *_coverage_lines(m.get("coverage") or {}),
+    ]
+
+
+def _stage_and_sample_lines(report: dict) -> list[str]:
+    lines = [
         "## Stages",
         "",
         "| stage | steps | final train loss | held-out loss | tokens/s | gates |",
@@ -267,5 +307,23 @@ def _markdown(report: dict) -> str:
     lines += ["", "## Curves", ""] + [f"![{p}]({p})" for p in report["plots"]]
     lines += ["", "## Samples", ""]
     for s in report["samples"]:
-        lines += [f"Prompt `{s['prompt']!r}`:", "", "```", s["prompt"] + s["completion"], "```", ""]
-    return "\n".join(lines) + "\n"
+        lines += _sample_lines(s)
+    return lines
+
+
+def _sample_lines(sample: dict) -> list[str]:
+    """A text prompt with its completion; a chat prompt as the template rendered it, then its completion
+    from the initial weights (when there is one) and from the export."""
+    if isinstance(sample["prompt"], str):
+        shown = [("", sample["prompt"] + sample["completion"])]
+        if "before" in sample:
+            shown = [("Initial weights:", sample["prompt"] + sample["before"]), ("After training:", shown[0][1])]
+        lines = [f"Prompt `{sample['prompt']!r}`:", ""]
+    else:
+        turns = "; ".join(f"{m['role']}: {m['content']!r}" for m in sample["prompt"])
+        lines = [f"Chat prompt ({turns}), rendered with the model's chat template:", "", "```", sample["rendered"], "```", ""]
+        shown = [("Initial weights:", sample["before"])] if "before" in sample else []
+        shown.append(("After training:" if "before" in sample else "Completion:", sample["completion"]))
+    for title, text in shown:
+        lines += ([title, ""] if title else []) + ["```", text, "```", ""]
+    return lines

@@ -48,7 +48,8 @@ from runyard.plan.dataprep import DataEstimate, estimate_data
 from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
-from runyard.plan.recommend import DATA_KINDS, FamilyChoice, Hardware, recommend_family
+from runyard.plan.recommend import DATA_KINDS, DataFacts, FamilyChoice, Hardware, recommend_family
+from runyard.plan.weights_in import run_vocab
 from runyard.spec.job import JobSpec, resolved_stage, with_family
 from runyard.system.cpus import choose_threads
 
@@ -147,10 +148,13 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
         machine = measure_machine(spec.resources.device, run_threads(spec), run_dir)
     else:
         machine = table_machine("cpu", spec.resources.threads or cpu_count())
-    data = estimate_data(spec.task, spec.data, spec.seed, files, machine.devices if machine.kind == "cpu" else cpu_count(),
-                         cache_dir, measure=calibrate)
+    if spec.data is None:
+        data = no_top_level_data(spec)
+    else:
+        data = estimate_data(spec.task, spec.data, spec.seed, files,
+                             machine.devices if machine.kind == "cpu" else cpu_count(), cache_dir, measure=calibrate)
     facts = dict(data.facts.config_facts(spec.task))
-    facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
+    facts.setdefault("vocab_size", run_vocab(spec))
     choice = recommend_family(spec.task, data.facts)
     warnings = []
     unnamed = any(resolved_stage(spec, s.name).model.family is None for s in spec.stages)
@@ -163,7 +167,8 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
                                            for s in spec.stages):
         warnings.append(f"the spec's model.family differs from the recommendation {choice.family!r}: {choice.why}")
 
-    train_rows = int((data.facts.rows or 0) * (1 - spec.data.heldout_fraction)) if data.facts.rows else None
+    train_rows = (int((data.facts.rows or 0) * (1 - spec.data.heldout_fraction))
+                  if data.facts.rows and spec.data is not None else None)
     loader = _loader_bytes(data, facts["vocab_size"])
     plans = [sizing.plan_stage(spec, s.name, data_facts=facts, framework=framework, loader=loader, train_rows=train_rows)
              for s in spec.stages]
@@ -187,6 +192,15 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
         plan.lifetime = lifetime_for(spec, plan, traffic)
     plan.calibration_s = time.perf_counter() - started
     return plan
+
+
+def no_top_level_data(spec: JobSpec) -> DataEstimate:
+    """The data estimate of a spec without top-level data (every stage sft or dpo on its own records): nothing
+    to prepare at the top level; the tokenizer is the initial weights'."""
+    vocab = run_vocab(spec)
+    return DataEstimate(DataFacts(kind="text", files=0, bytes=0, rows=0, tokens=0, vocab_size=vocab), 0.0, {},
+                        "no top-level data: every stage is sft or dpo on its own records, with the initial weights' "
+                        f"tokenizer ({vocab:,} tokens)", cached=True)
 
 
 def _loader_bytes(data: DataEstimate, vocab: int) -> int:
@@ -320,7 +334,7 @@ def lifetime_for(spec: JobSpec, plan: Plan, traffic: Traffic) -> Lifetime:
     last = plan.stages[-1]
     stage = resolved_stage(spec, last.plan.stage)
     facts = dict(plan.data.facts.config_facts(spec.task))
-    facts.setdefault("vocab_size", spec.model.vocab_size or spec.data.tokenizer.vocab_size)
+    facts.setdefault("vocab_size", run_vocab(spec))
     family, config = sizing.stage_config(spec, stage, facts)
     size = family.sizing(config)
     capacities = []

@@ -12,16 +12,14 @@ from runyard.data.instruct_check import RecordScan, check_records
 from runyard.data.sources import files_or_problem
 from runyard.data.tokenizer import EOS_TOKEN, TOKENIZER_FILE, eos_token_beside
 from runyard.errors import DataError, SpecError
-from runyard.plan.weights_in import weights_tokenizer_dir
+from runyard.plan.weights_in import data_tokenizer_dir
 from runyard.spec.job import JobSpec
 
 
 def stage_template(spec: JobSpec, stage) -> ChatTemplate | None:
     """The template the stage's data preparation will choose (data/chat.py's choose_template, beside the
     run's tokenizer), or None where it cannot be known yet or is refused (check_weights_in says why)."""
-    directory = weights_tokenizer_dir(spec)
-    if directory is None and spec.data.tokenizer.path:
-        directory = Path(spec.data.tokenizer.path).parent
+    directory = data_tokenizer_dir(spec)
     tokenizer = (directory / TOKENIZER_FILE) if directory is not None else Path("(the run's BPE)") / TOKENIZER_FILE
     try:
         eos = eos_token_beside(tokenizer) if directory is not None else EOS_TOKEN

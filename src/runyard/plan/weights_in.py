@@ -43,9 +43,7 @@ def chat_template_problems(spec: JobSpec) -> list[tuple[str, object, str]]:
     there must be one. The template is looked up where the stage's data preparation looks
     (data/chat.py's `directory_template`, beside the run's tokenizer)."""
     problems: list[tuple[str, object, str]] = []
-    directory = weights_tokenizer_dir(spec)
-    if directory is None and spec.data.tokenizer.path:
-        directory = Path(spec.data.tokenizer.path).parent
+    directory = data_tokenizer_dir(spec)
     for index, stage in enumerate(spec.stages):
         if stage.kind == "pretrain" or stage.data is None or stage.data.chat_template is not None:
             continue
@@ -111,6 +109,29 @@ def weights_tokenizer_dir(spec: JobSpec) -> Path | None:
     return starts[0].directory if starts else None
 
 
+def data_tokenizer_dir(spec: JobSpec) -> Path | None:
+    """The directory of the tokenizer file the run tokenizes with as it came (a model directory's, else
+    data.tokenizer.path's), where its tokenizer_config.json and chat template sit; None for a BPE the data
+    stage trains."""
+    directory = weights_tokenizer_dir(spec)
+    if directory is None and spec.data is not None and spec.data.tokenizer.path:
+        directory = Path(spec.data.tokenizer.path).parent
+    return directory
+
+
+def run_vocab(spec: JobSpec) -> int:
+    """The vocabulary the plan sizes stages from random weights with: model.vocab_size, else
+    data.tokenizer.vocab_size, else (no top-level data) the initial weights' tokenizer's."""
+    if spec.model.vocab_size:
+        return spec.model.vocab_size
+    if spec.data is not None:
+        return spec.data.tokenizer.vocab_size
+    directory = weights_tokenizer_dir(spec)
+    if directory is None:  # JobSpec refuses a spec without data whose stages start from no weights
+        raise SpecError(SPEC_SOURCE, [("data", "(missing)", "a model directory in model.init to take the tokenizer from")])
+    return Tokenizer.from_file(str(directory / TOKENIZER_FILE)).get_vocab_size()
+
+
 def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
     """Raise one SpecError listing every problem with the spec's initial weights, before any work: a
     directory that is missing or malformed, an unsupported architecture or config value, a tokenizer
@@ -120,7 +141,7 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
     problems: list[tuple[str, object, str]] = []
     starts = directory_starts(spec)
     digests: dict[str, StageStart] = {}
-    vocab = tokenizer_vocab or spec.data.tokenizer.vocab_size
+    vocab = tokenizer_vocab or (spec.data.tokenizer.vocab_size if spec.data is not None else 0)
     for start in starts:
         try:
             weights = directory_config(spec, start)
@@ -145,7 +166,7 @@ def check_weights_in(spec: JobSpec, tokenizer_vocab: int | None = None) -> None:
                              f"a model directory with the same tokenizer as {first.directory} ({first.field}): "
                              "the stages of one run share one tokenizer, as their data is tokenized once"))
         digests.setdefault(digest, start)
-    if starts and spec.data.tokenizer.path and not problems:
+    if starts and spec.data is not None and spec.data.tokenizer.path and not problems:
         theirs = _tokenizer_identity(starts[0].directory / TOKENIZER_FILE)
         if _tokenizer_identity(Path(spec.data.tokenizer.path)) != theirs:
             problems.append(("data.tokenizer.path", spec.data.tokenizer.path,

@@ -133,7 +133,7 @@ def record_environment(run_dir: Path, spec: JobSpec) -> None:
         log.warning("could not write the environment lock: %s", exc)
         environment["error"] = f"{type(exc).__name__}: {exc}"
     try:
-        data_files = record_data_files(spec.data)
+        data_files = record_data_files(spec.data) if spec.data is not None else {}  # sft/dpo-only: no top-level data
     except (OSError, RunyardError) as exc:
         data_files = {"error": f"{type(exc).__name__}: {exc}"}
     update_manifest(run_dir, environment=environment, data_files=data_files, cwd=os.getcwd())

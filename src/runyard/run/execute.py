@@ -19,13 +19,15 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
+from tokenizers import Tokenizer
 
-from runyard.data.chat import directory_template
+from runyard.data.chat import directory_template, load_chat_template
 from runyard.data.instruct import PreparedInstruct, prepare_instruct, trained_chat_template
 from runyard.data.loader import eval_sample
 from runyard.data.pipeline import PreparedData, prepare_data, resolve_cache_dir, train_token_counts
-from runyard.data.tokenizer import TOKENIZER_FILE, read_tokenizer_config
+from runyard.data.tokenizer import TOKENIZER_FILE, eos_token_beside, read_tokenizer_config
 from runyard.errors import EXIT_NOT_FIT, GateFailed, NotFitToShip, SpecError
 from runyard.evaluate.heldout import (
     HeldoutMetrics,
@@ -41,7 +43,7 @@ from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.records_in import check_records_in
 from runyard.plan.runlife import run_lifetime
-from runyard.plan.weights_in import check_weights_in, weights_tokenizer_dir
+from runyard.plan.weights_in import check_weights_in, run_vocab, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
 from runyard.run.continuation import open_run_dir
@@ -65,7 +67,7 @@ from runyard.train.gates import (
     steady_tokens_per_s,
     write_gates,
 )
-from runyard.train.loop import StageResult, evaluate_loss, final_stage_model, train_stage
+from runyard.train.loop import StageResult, build_model, evaluate_loss, final_stage_model, train_stage
 from runyard.train.metrics import MetricsLog
 from runyard.train.rejudge import needs_rejudging, rejudge
 from runyard.train.signals import StopRequest, stop_on_signals
@@ -134,11 +136,11 @@ def record_session(run_dir: Path, spec: JobSpec, argv: list[str] | None) -> None
     mf.write_manifest(run_dir, manifest)
 
 
-def data_spec_for(spec: JobSpec) -> DataSpec:
+def data_spec_for(spec: JobSpec) -> DataSpec | None:
     """The spec's data section, with the tokenizer of the weights the run starts from (if any stage
-    starts from a model directory) in place of a BPE trained on the data."""
+    starts from a model directory) in place of a BPE trained on the data; None without top-level data."""
     directory = weights_tokenizer_dir(spec)
-    if directory is None:
+    if directory is None or spec.data is None:
         return spec.data
     tokenizer = spec.data.tokenizer.model_copy(update={"path": str(directory / TOKENIZER_FILE)})
     return spec.data.model_copy(update={"tokenizer": tokenizer})
@@ -160,8 +162,26 @@ def init_provenance(spec: JobSpec) -> dict[str, dict]:
     return out
 
 
+def tokenizer_only(spec: JobSpec) -> PreparedData:
+    """What an sft/dpo-only run without top-level data has of PreparedData: the tokenizer of the weights it
+    starts from (JobSpec requires a model directory then), no token store, so no pretraining split."""
+    path = weights_tokenizer_dir(spec) / TOKENIZER_FILE
+    tokenizer = Tokenizer.from_file(str(path))
+    return PreparedData(tokenizer_path=path, vocab_size=tokenizer.get_vocab_size(),
+                        eos_id=tokenizer.token_to_id(eos_token_beside(path)), train_index=None, heldout_index=None,
+                        fingerprint=sha256_file(path), stats={}, input_fingerprints={})
+
+
 def prepare(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, show_progress: bool) -> PreparedData:
-    """Rank 0 prepares the data (or finds it cached); the other ranks then read the same cache."""
+    """Rank 0 prepares the data (or finds it cached); the other ranks then read the same cache. Without
+    top-level data (every stage sft or dpo), only the initial weights' tokenizer."""
+    if spec.data is None:
+        prepared = tokenizer_only(spec)
+        if ctx.is_main:
+            mf.update_manifest(run_dir, data={"top_level": None, "tokenizer": str(prepared.tokenizer_path),
+                                              "tokenizer_sha256": prepared.fingerprint,
+                                              "tokenizer_vocab": prepared.vocab_size})
+        return prepared
     prepared = None
     data_spec = data_spec_for(spec)
     if ctx.is_main:
@@ -187,19 +207,21 @@ def prepare_stage_data(spec: JobSpec, stage, prepared: PreparedData, run_dir: Pa
     the others then read the same cache); None for a pretrain stage."""
     if stage.kind == "pretrain":
         return None
-    cache = Path(stage.data.cache_dir).expanduser() if stage.data.cache_dir else resolve_cache_dir(spec.data)
+    instruct = stage_records(spec, stage, prepared, run_dir / "data" / stage.name) if ctx.is_main else None
+    parallel.barrier(ctx)
+    return instruct if instruct is not None else stage_records(spec, stage, prepared, None)
 
+
+def stage_records(spec: JobSpec, stage, prepared: PreparedData, report: Path | None) -> PreparedInstruct:
+    """An sft or dpo stage's prepared records (from the cache once made); `report`: where the data report goes."""
+    cache = (Path(stage.data.cache_dir).expanduser() if stage.data.cache_dir
+             else resolve_cache_dir(spec.data if spec.data is not None else stage.data))
     # The tokenizer file as it came (a model directory's, or data.tokenizer.path), so that its
     # tokenizer_config.json (eos_token, chat_template) is beside it; else the BPE the data stage trained.
-    tokenizer_path = Path(data_spec_for(spec).tokenizer.path or prepared.tokenizer_path)
-
-    def prep(report: Path | None) -> PreparedInstruct:
-        return prepare_instruct(stage.data, stage.kind, tokenizer_path, stage.model.context_length, spec.seed,
-                                cache, report, where=f"stages[{stage.index}].data")
-
-    instruct = prep(run_dir / "data" / stage.name) if ctx.is_main else None
-    parallel.barrier(ctx)
-    return instruct if instruct is not None else prep(None)
+    data_spec = data_spec_for(spec)
+    tokenizer_path = Path((data_spec.tokenizer.path if data_spec is not None else None) or prepared.tokenizer_path)
+    return prepare_instruct(stage.data, stage.kind, tokenizer_path, stage.model.context_length, spec.seed,
+                            cache, report, where=f"stages[{stage.index}].data")
 
 
 def _stage_summary(name: str, record: dict, metrics_rows: list[dict]) -> dict:
@@ -322,53 +344,125 @@ def export_run_model(model, config, export_dir: Path, prepared: PreparedData, sp
 def evaluate_and_export(
     spec: JobSpec, run_dir: Path, prepared: PreparedData, model, config, summaries: list[dict], ctx
 ) -> RunSummary:
-    """Held-out metrics, unigram baseline, export, samples from the export, the report.
+    """Held-out metrics, unigram baseline, export, samples (from the initial weights and the export), the report.
 
     The held-out and train losses are scored on samples of the same size drawn across each whole
     split (seeded from the spec), so their gap measures generalisation; the report says what each
-    sample covered."""
-    device, precision = ctx.device, spec.resources.precision
+    sample covered. A run without top-level data (every stage sft or dpo) has no pretraining split: no
+    held-out/unigram figures, and its drift reference is built from the last stage's training records."""
+    device = ctx.device
+    metrics, counts = None, None
+    if prepared.train_index is not None:
+        metrics, counts = _pretraining_figures(spec, prepared, model, ctx)
+
+    export_dir = run_dir / "export"
+    # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py):
+    # written into the export before it is renamed into place, and listed in its runyard.json.
+    with phase("export", info=str(export_dir)):
+        reference, drift_note = _drift_reference(spec, prepared, counts)
+        export_run_model(model, config, export_dir, prepared, spec, run_dir,
+                         extra_files=drift_files(reference) if reference is not None else None)
+    exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
+    final = spec.stages[-1]
+    with phase("samples", info=f"{len(spec.eval.prompts)} prompts from the export"):
+        samples = prompt_samples(spec, exported, tokenizer, export_dir, device)
+        if final.kind != "pretrain" and spec.eval.prompts:  # the same prompts from the weights the last stage began with
+            # its model.init weights (a model directory, an export, or an earlier stage's final checkpoint)
+            initial, _ = build_model(spec, resolved_stage(spec, final.name), prepared, ctx, run_dir)
+            for sample, before in zip(samples, prompt_samples(spec, initial, tokenizer, export_dir, device), strict=True):
+                sample["before"] = before["completion"]
+            del initial
+
+    stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
+    finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
+    if final.kind == "pretrain":
+        result = verdict(metrics, spec.eval, stage_metrics)
+    else:  # a fine-tune is judged on its own held-out figures, not on the pretraining text's baseline
+        result = finetune_verdict(final.name, final.kind, finetune[final.name], spec.eval, stage_metrics)
+    lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
+    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime,
+                 notes=[drift_note] if drift_note else [])
+    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True,
+                      reasons=list(result.reasons))
+
+
+def _pretraining_figures(spec: JobSpec, prepared: PreparedData, model, ctx) -> tuple[HeldoutMetrics, np.ndarray]:
+    """Held-out and train loss on the top-level split, with the unigram baseline; and the training token counts."""
     last_stage = resolved_stage(spec, spec.stages[-1].name)
     seq, batch = last_stage.model.context_length, last_stage.train.batch_size
     seeds = evaluation_seeds(spec.seed)
     held = eval_sample(prepared.heldout_index, seq, batch, spec.eval.final_batches * batch, seeds["eval.final_heldout"])
     train_sample = eval_sample(prepared.train_index, seq, batch, held.sequences, seeds["eval.final_train"])
     with phase("final evaluation", info=f"{held.sequences} held-out and {train_sample.sequences} train sequences"):
-        heldout_loss = evaluate_loss(model, held.batches, device, precision)
-        train_loss = evaluate_loss(model, train_sample.batches, device, precision)
+        heldout_loss = evaluate_loss(model, held.batches, ctx.device, spec.resources.precision)
+        train_loss = evaluate_loss(model, train_sample.batches, ctx.device, spec.resources.precision)
     counts = train_token_counts(prepared)  # counted while the data stage tokenized the training split
     unigram = unigram_loss(counts, [y for _, y in held.batches])
     metrics = summarise(heldout_loss, train_loss, unigram, held.tokens,
                         coverage={"held-out": held.coverage(), "train": train_sample.coverage()})
+    return metrics, counts
 
-    export_dir = run_dir / "export"
-    # The training token distribution and a sample of its documents, for drift monitoring (serve/drift.py):
-    # written into the export before it is renamed into place, and listed in its runyard.json.
-    with phase("export", info=str(export_dir)):
-        reference = build_reference(counts, prepared.train_index, derive_seed(spec.seed, "drift"))
-        export_run_model(model, config, export_dir, prepared, spec, run_dir, extra_files=drift_files(reference))
-    exported, _cfg, tokenizer = load_export(export_dir, device=str(device))
-    generator = Generator(exported, tokenizer, device=str(device), eos_ids=export_eos_ids(export_dir, tokenizer))
+
+class _StoreDocuments:
+    """A sample store's token arrays as a sequence (read on demand), for the drift reference."""
+
+    def __init__(self, store):
+        self.store = store
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        return self.store.sample(int(i))[0]
+
+
+def _drift_reference(spec: JobSpec, prepared: PreparedData, counts) -> tuple[DriftReference | None, str | None]:
+    """The drift reference and, when it is not the top-level training split's, a note saying what it is."""
+    seed = derive_seed(spec.seed, "drift")
+    if prepared.train_index is not None:
+        return build_reference(counts, prepared.train_index, seed), None
+    # No pretraining text: the prompts a served fine-tune sees look like its own training records, rendered
+    # with its template, so those (the chosen side of a dpo stage's pairs) are the reference.
+    final = resolved_stage(spec, spec.stages[-1].name)
+    store = stage_records(spec, final, prepared, None).stores("train")[0]
+    if len(store) == 0:
+        return None, (f"no drift reference: stage {final.name}'s training split is empty and the spec has no "
+                      "top-level data; the export serves without drift monitoring")
+    documents = _StoreDocuments(store)
+    token_counts = np.zeros(prepared.vocab_size, dtype=np.int64)
+    for i in range(len(documents)):
+        tokens = documents[i]
+        token_counts += np.bincount(tokens[(tokens >= 0) & (tokens < prepared.vocab_size)], minlength=prepared.vocab_size)
+    return (DriftReference.from_documents(token_counts, documents, seed),
+            f"drift reference: the {len(store):,} training records of stage {final.name} ({final.kind}) as rendered "
+            "for training; the spec has no top-level data")
+
+
+def prompt_samples(spec: JobSpec, model, tokenizer, export_dir: Path, device) -> list[dict]:
+    """eval.prompts completed by `model`: a plain string as it is, a list of messages rendered with the
+    export's chat template (the one renderer, data/chat.py) with the generation prompt added."""
+    generator = Generator(model, tokenizer, device=str(device), eos_ids=export_eos_ids(export_dir, tokenizer))
+    template = None
     samples = []
-    with phase("samples", info=f"{len(spec.eval.prompts)} prompts from the export"):
-        for i, prompt in enumerate(spec.eval.prompts):
-            completion = generator.generate(
-                prompt, max_tokens=spec.eval.sample_tokens, temperature=spec.eval.temperature,
-                top_k=spec.eval.top_k, seed=derive_seed(spec.seed, "sample", i),
-            )
-            samples.append({"prompt": prompt, "completion": completion})
-
-    stage_metrics = {s.name: MetricsLog(stage_dir(run_dir, s.name) / "metrics.jsonl").read() for s in spec.stages}
-    finetune = {s.name: read_finetune_record(stage_dir(run_dir, s.name)) for s in spec.stages if s.kind != "pretrain"}
-    final = spec.stages[-1]
-    if final.kind == "pretrain":
-        result = verdict(metrics, spec.eval, stage_metrics)
-    else:  # a fine-tune is judged on its own held-out figures, not on the pretraining text's baseline
-        result = finetune_verdict(final.name, final.kind, finetune[final.name], spec.eval, stage_metrics)
-    lifetime = run_lifetime(spec, exported, config, device, prepared.stats, stage_metrics)  # None without traffic
-    write_report(run_dir / "eval", spec.name, metrics, result, samples, stage_metrics, summaries, finetune, lifetime)
-    return RunSummary(run_dir, summaries, metrics, result.fit_to_ship, samples, evaluated=True,
-                      reasons=list(result.reasons))
+    for i, prompt in enumerate(spec.eval.prompts):
+        if isinstance(prompt, str):
+            text = prompt
+        else:
+            template = template or load_chat_template(export_dir)
+            if template is None:
+                raise SpecError("eval.prompts", [(f"eval.prompts[{i}]", "(messages)", f"text, or a model with a "
+                                                  f"chat template to render messages with; {export_dir} has none")])
+            text = template.render([m.model_dump() for m in prompt], add_generation_prompt=True)
+        completion = generator.generate(
+            text, max_tokens=spec.eval.sample_tokens, temperature=spec.eval.temperature,
+            top_k=spec.eval.top_k, seed=derive_seed(spec.seed, "sample", i),
+        )
+        sample = {"prompt": prompt if isinstance(prompt, str) else [m.model_dump() for m in prompt],
+                  "completion": completion}
+        if not isinstance(prompt, str):
+            sample["rendered"] = text
+        samples.append(sample)
+    return samples
 
 
 def execute_run(
@@ -403,7 +497,7 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
         mf.update_manifest(run_dir, threads=threads.to_dict())
         mf.record_environment(run_dir, spec)  # env/ lock + data file digests, for `runyard reproduce`
         if spec.task == "language_model":
-            mf.update_manifest(run_dir, plan=sizing.plan_run(spec, spec.model.vocab_size or spec.data.tokenizer.vocab_size))
+            mf.update_manifest(run_dir, plan=sizing.plan_run(spec, run_vocab(spec)))
             check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
     parallel.barrier(ctx)
     with mirrored(spec, run_dir, ctx.is_main):  # MLflow/TensorBoard, off the training thread (runyard.tracking)
@@ -416,7 +510,8 @@ def _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evalua
     stop = StopRequest()
     with stop_on_signals(stop):
         prepared = prepare(spec, run_dir, ctx, show_progress)
-        check_spec_against_data(spec, prepared)
+        if spec.data is not None:
+            check_spec_against_data(spec, prepared)
         summaries, last = run_stages(spec, run_dir, prepared, ctx, stop, only_stage, show_progress)
     is_last = only_stage is None or only_stage == spec.stages[-1].name
     if not is_last or not ctx.is_main or not evaluate:

@@ -18,6 +18,7 @@ from runyard.data.sklearn_sets import LOADERS as BUNDLED_SETS
 from runyard.data.sources import InputFile, files_or_problem
 from runyard.errors import SpecError
 from runyard.plan.disk import run_dir_needs
+from runyard.plan.weights_in import run_vocab
 from runyard.spec.data import DataSpec
 from runyard.spec.job import JobSpec, reference_hint, spec_warnings
 from runyard.system.diskspace import DiskNeed, FilesystemCheck, check_disk, group_by_filesystem, human_bytes
@@ -103,15 +104,16 @@ def _stages_done(spec: JobSpec, run_dir: Path) -> set[str]:
     return done
 
 
-def _vocab(spec: JobSpec) -> int:
-    return spec.model.vocab_size or spec.data.tokenizer.vocab_size
+_vocab = run_vocab
 
 
 def preflight(spec: JobSpec, run_dir: Path, cache_dir: Path | None = None) -> Preflight:
     """Resolve the sources (SpecError if one matches nothing) and estimate the disk the run needs."""
-    files, listings = resolve_sources(spec.data)
-    needs: list[DiskNeed] = [data_need(spec.data, files, resolve_cache_dir(spec.data, cache_dir))]
-    needs[0] = DiskNeed(needs[0].what + " (unless already prepared)", needs[0].path, needs[0].bytes)
+    files, listings, needs = [], [], []
+    if spec.data is not None:  # an sft/dpo-only spec has no top-level data to read (its stages' records are checked apart)
+        files, listings = resolve_sources(spec.data)
+        need = data_need(spec.data, files, resolve_cache_dir(spec.data, cache_dir))
+        needs.append(DiskNeed(need.what + " (unless already prepared)", need.path, need.bytes))
     if spec.task == "language_model":
         # A table's or an image model's size needs the data's facts (features, classes, image shape), read
         # by the plan itself; their checkpoints are kilobytes to megabytes, not worth a disk check here.

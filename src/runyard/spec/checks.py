@@ -59,13 +59,16 @@ def task_problems(spec: Any) -> list[tuple[tuple[Any, ...], Any, str]]:
     """Every way `spec`'s sections disagree with its task (empty when they agree)."""
     task = spec.task
     problems: list[tuple[tuple[Any, ...], Any, str]] = []
-    problems += _source_problems(spec, task)
+    if spec.data is None and task != LANGUAGE_MODEL:
+        return problems  # JobSpec names the missing data (only an sft/dpo-only language model may leave it out)
+    if spec.data is not None:
+        problems += _source_problems(spec, task)
     problems += _family_problems(spec, task)
     if task == LANGUAGE_MODEL:
         for loc, name in ((("data", "table"), "data.table"), (("data", "images"), "data.images"),
                           (("model", "trees"), "model.trees"), (("model", "linear"), "model.linear"),
                           (("model", "cnn"), "model.cnn"), (("eval", "prediction"), "eval.prediction")):
-            if _lookup(spec, loc) is not None:
+            if (spec.data is not None or loc[0] != "data") and _lookup(spec, loc) is not None:
                 problems.append((loc, "(set)", f"{name} is for the tabular and image tasks, not task {task}"))
         for i, stage in enumerate(spec.stages):
             if stage.gates.min_samples_per_s is not None:

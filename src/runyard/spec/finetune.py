@@ -71,3 +71,10 @@ class LoRASpec(_Strict):
         if len(set(v)) != len(v):
             raise ValueError(f"LoRA targets repeat: {v}")
         return v
+
+
+class PromptMessage(_Strict):
+    """One message of a chat prompt in eval.prompts (rendered with the model's chat template)."""
+
+    role: Literal["system", "user", "assistant"] = Field(description="who says it: `system`, `user` or `assistant`")
+    content: str = Field(description="what the message says")

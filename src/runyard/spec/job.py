@@ -99,7 +99,13 @@ class JobSpec(_Strict):
         description="the seed every random source derives from (split, initialisation, data order, dropout, "
         "samples); recorded in the manifest",
     )
-    data: DataSpec = Field(description="the data: sources, cleaning, deduplication, split, tokenizer, shards")
+    data: DataSpec | None = Field(
+        default=None,
+        description="the data: sources, cleaning, deduplication, split, tokenizer, shards. Required when any stage "
+        "pretrains (kind `pretrain`, the default) and for the tabular and image tasks; a spec whose every stage is "
+        "sft or dpo, starting from `model.init` weights, may leave it out: the stages train on their own `data`, "
+        "the tokenizer is the weights', and the verdict is the last stage's own held-out figures",
+    )
     model: ModelSpec = Field(default_factory=ModelSpec, description="the model's shape (stages may override fields)")
     optim: OptimSpec = Field(default_factory=OptimSpec, description="the optimizer (stages may override fields)")
     schedule: ScheduleSpec = Field(
@@ -140,6 +146,14 @@ class JobSpec(_Strict):
             raise _FieldErrors(problems)
         if self.model.family is None and self.task == "language_model":
             self.model.family = "decoder"  # the one language-model family; other tasks' come from the data
+        return self
+
+    @model_validator(mode="after")
+    def _data_when_needed(self) -> JobSpec:
+        if self.data is None:
+            problems = _missing_data_problems(self)
+            if problems:
+                raise _FieldErrors(problems)
         return self
 
     @model_validator(mode="after")
@@ -199,6 +213,27 @@ class _StageOverrideError(ValueError):
     def __init__(self, index: int, section: str, exc: ValidationError):
         self.index, self.section, self.exc = index, section, exc
         super().__init__(str(exc))
+
+
+def _missing_data_problems(spec: JobSpec) -> list[tuple[tuple[Any, ...], Any, str]]:
+    """Why a spec without top-level `data` cannot run, if it cannot: a task other than the language model, a
+    stage that pretrains (it trains on that data), or a stage from random weights (no tokenizer without it)."""
+    if spec.task != "language_model":
+        return [(("data",), "(missing)", f"task {spec.task} reads its table or images from data.sources")]
+    pretraining = [s.name for s in spec.stages if s.kind == "pretrain"]
+    if pretraining:
+        return [(("data",), "(missing)",
+                 f"stage {pretraining[0]!r} has kind pretrain, which trains on the top-level data: give `data` "
+                 "(sources, tokenizer), or make every stage sft or dpo on its own data")]
+    problems = []
+    for i, stage in enumerate(spec.stages):
+        init = stage.model.get("init", spec.model.init)
+        if init is None:
+            problems.append((("stages", i, "model", "init"), None,
+                             f"stage {stage.name!r} starts from random weights, and without top-level `data` there "
+                             "is no tokenizer for it: start it from a model directory (model.init: {from: hf, path: "
+                             "...}) or an earlier stage, or give `data`"))
+    return problems
 
 
 REPLACED_WHOLE = {"init"}  # a stage's `model.init` is another source, not a tweak of the top level's

@@ -89,6 +89,10 @@ def json_schema() -> dict[str, Any]:
             )
             if "default" not in prop and default is not PydanticUndefined and not is_section:
                 prop["default"] = to_jsonable_python(default)
+    # `data` may be left out (an sft/dpo-only spec), but where given it is a data section: validation says
+    # when it is required, and an error inside it is then reported at its own path, not as "not null".
+    top = schema["properties"]
+    top["data"] = {"$ref": "#/$defs/DataSpec", "description": top["data"]["description"]}
     return {
         "$schema": SCHEMA_DIALECT,
         "title": "runyard job spec",

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator
 
 from runyard.market.requirement import ACCELERATOR_KINDS, Requirement
 from runyard.spec.data_instruct import InstructDataSpec
-from runyard.spec.finetune import DPOSpec, LoRASpec, SFTSpec
+from runyard.spec.finetune import DPOSpec, LoRASpec, PromptMessage, SFTSpec
 from runyard.spec.predictive import CnnSpec, LinearSpec, PredictionEvalSpec, TreesSpec
 
 # The model families a spec may name (runyard.model.registry registers each under the same name).
@@ -405,9 +405,12 @@ class EvalSpec(_Strict):
         "or more before its end, with no better evaluation since (overfitting, or steps that did not help); "
         "null turns the flag off. A flag does not change the verdict",
     )
-    prompts: list[str] = Field(
+    prompts: list[str | list[PromptMessage]] = Field(
         default_factory=lambda: ["def ", "import ", "class "],
-        description="prompts completed by the exported model; the completions are shown in the report",
+        description="prompts completed by the exported model; the completions are shown in the report. A prompt is "
+        "text as it is, or a chat (a list of {role, content}) rendered with the model's chat template and its "
+        "generation prompt, as the chat endpoint serves it. When the last stage is sft or dpo each prompt is "
+        "also completed by the weights that stage began with, shown beside the export's",
     )
     sample_tokens: int = Field(default=48, ge=1, description="tokens generated per sample")
     temperature: float = Field(default=0.8, ge=0, description="sampling temperature of the samples; 0 is greedy")

@@ -190,7 +190,8 @@ def _emit_mapping(
             # A stage's overrides repeat fields documented in their top-level section.
             overrides = model is StageSpec and key in _STAGE_OVERRIDES
             _emit_mapping(value, sub, indent + 2, lines, comments=comments and not overrides)
-        elif sub is not None and isinstance(value, list):
+        elif sub is not None and isinstance(value, list) and all(isinstance(item, dict) for item in value):
+            # (a list of sections; eval.prompts' text prompts are scalars though a prompt may be messages)
             lines.append(f"{pad}{key}:")
             for i, item in enumerate(value):  # the first item's comments serve the others
                 _emit_list_item(item, sub, indent + 2, lines, comments=comments and i == 0)
