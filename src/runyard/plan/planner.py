@@ -10,6 +10,9 @@
 4. the final phase: held-out and train-sample evaluation, the export, the samples and the report;
 5. the same training on the recommended hardware by the device table, its energy and its cost, and the
    requirement (that hardware and a duration covering the estimate);
+5a. each stage's parallel layout on the hardware the run will get (layout_choice.py: DDP, FSDP, activation
+   checkpointing, tensor parallel in a node), with its reasons; the interconnect it needs goes into the
+   requirement, and a layout the spec names that the hardware cannot hold is a SpecError;
 6. with traffic, the serving hardware, the inference cost per day and the day it overtakes training
    (system/processes.py).
 
@@ -47,6 +50,7 @@ from runyard.plan.cost import Cost, cost_of
 from runyard.plan.dataprep import DataEstimate, estimate_data
 from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
+from runyard.plan.layout_choice import LayoutChoice, run_interconnect, stage_layout, target_hardware
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, FamilyChoice, Hardware, recommend_family
 from runyard.spec.job import JobSpec, resolved_stage, with_family
@@ -101,6 +105,7 @@ class Plan:
     lifetime: Lifetime | None = None
     calibration_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    layouts: list[LayoutChoice] = field(default_factory=list)  # per stage trained by the loop
 
     @property
     def total_seconds(self) -> float:
@@ -128,6 +133,7 @@ class Plan:
             "lifetime": self.lifetime.to_dict() if self.lifetime else None,
             "calibration_s": self.calibration_s,
             "warnings": self.warnings,
+            "layouts": [c.to_dict() for c in self.layouts],
         }
 
 
@@ -180,13 +186,26 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     training_seconds = data.seconds + on_hardware + sum(final.values())
     training_cost = cost_of(hardware.kind, hardware.devices, training_seconds, spec.costs)
     here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()))
-    requirement = sizing.requirement_for(spec, hardware, training_seconds).model_dump(mode="json")
+    target = target_hardware(spec, hardware)
+    layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
+    warnings += [f"{c.describe()}: {c.reasons()[-1]}" for c in layouts if c.chosen is None]
+    requirement = sizing.requirement_for(spec, hardware, training_seconds,
+                                         run_interconnect(layouts)).model_dump(mode="json")
     plan = Plan(spec.name, spec.task, machine, data, choice, stages, final, peak, memory_how, hardware,
-                training_seconds, training_cost, here, requirement, warnings=warnings)
+                training_seconds, training_cost, here, requirement, warnings=warnings, layouts=layouts)
     if traffic is not None:
         plan.lifetime = lifetime_for(spec, plan, traffic)
     plan.calibration_s = time.perf_counter() - started
     return plan
+
+
+def layout_lines(plan: Plan) -> list[str]:
+    """Each stage's layout and the steps that chose it, as `runyard plan` prints them."""
+    out = []
+    for choice in plan.layouts:
+        out.append(f"layout: {choice.describe()}")
+        out += [f"  {reason}" for reason in choice.reasons()]
+    return out
 
 
 def _loader_bytes(data: DataEstimate, vocab: int) -> int:
