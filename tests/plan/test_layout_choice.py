@@ -14,6 +14,7 @@ from runyard.model.config import ModelConfig
 from runyard.model.decoder import DecoderFamily
 from runyard.plan.devices import GIB, Cluster, device, usable_memory
 from runyard.plan.layout_choice import Layout, choose_layout, stage_facts, stage_layout
+from runyard.plan.planner import layout_warnings
 from runyard.plan.recommend import Hardware
 from runyard.plan.sizing import count_parameters, lora_parameters, replica_memory
 from runyard.spec.finetune import LoRASpec
@@ -223,3 +224,20 @@ def test_tensor_parallel_splits_the_blocks_parameters_and_keeps_the_rest_whole()
     whole = memory.parameters - memory.block_parameters  # embedding, head, final norm
     assert whole == 2 * VOCAB * d + d
     assert memory.per_device(tp=8).weights == 4 * (whole + memory.block_parameters // 8)
+
+
+def test_the_plan_warns_when_stages_want_different_layouts_or_the_requirement_refuses_nvlink(plan_dir, capsys):
+    stages = [{"name": "main"}, {"name": "tune", "lora": {"rank": 8}}]
+    spec = parse_spec(spec_dict("8b", 4096, 1, stages=stages))
+    layouts = [stage_layout(spec, s, Hardware("h100-80gb", 8, "test"), {"vocab_size": VOCAB}) for s in ("main", "tune")]
+    assert [c.chosen.parallel for c in layouts] == ["fsdp", "ddp"]
+    (warning,) = layout_warnings(spec, layouts)
+    assert warning.startswith("the stages' layouts differ (stage main: FSDP over 8") and "stage tune: DDP over 8" in warning
+
+    requirement = {"accelerator_kinds": ["h100-80gb"], "device_count": 8, "min_interconnect": "ethernet"}
+    path = _spec_file(plan_dir / "wide.yaml", spec_dict("wide", 8192, 16, resources={"requirement": requirement}))
+    assert cli.main(["plan", str(path), "--no-calibrate", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["requirement"]["min_interconnect"] == "ethernet"  # the spec's own field is kept, and flagged
+    assert ("tensor parallel needs nvlink within a node, and resources.requirement.min_interconnect accepts ethernet"
+            in plan["warnings"])

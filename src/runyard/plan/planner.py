@@ -26,6 +26,7 @@ earlier stage freed).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -35,6 +36,7 @@ from typing import Any
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
+from runyard.market.requirement import Interconnect
 from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
@@ -188,7 +190,7 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()))
     target = target_hardware(spec, hardware)
     layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
-    warnings += [f"{c.describe()}: {c.reasons()[-1]}" for c in layouts if c.chosen is None]
+    warnings += layout_warnings(spec, layouts)
     requirement = sizing.requirement_for(spec, hardware, training_seconds,
                                          run_interconnect(layouts)).model_dump(mode="json")
     plan = Plan(spec.name, spec.task, machine, data, choice, stages, final, peak, memory_how, hardware,
@@ -197,6 +199,22 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
         plan.lifetime = lifetime_for(spec, plan, traffic)
     plan.calibration_s = time.perf_counter() - started
     return plan
+
+
+def layout_warnings(spec: JobSpec, layouts: list[LayoutChoice]) -> list[str]:
+    """A stage no layout holds; stages wanting different `resources.parallel` (one for the run); a layout
+    needing NVLink where the spec's requirement accepts a weaker link."""
+    out = [f"{c.describe()}: {c.reasons()[-1]}" for c in layouts if c.chosen is None]
+    parallels = {json.dumps(c.chosen.parallel) for c in layouts if c.chosen is not None and not c.explicit}
+    if len(parallels) > 1:
+        out.append("the stages' layouts differ (" + "; ".join(c.describe() for c in layouts if c.chosen) + "), and "
+                   "resources.parallel is one for the run: set the one that holds every stage")
+    given = spec.resources.requirement
+    if ("requirement" in spec.resources.model_fields_set and "min_interconnect" in given.model_fields_set
+            and run_interconnect(layouts) == Interconnect.NVLINK.value and given.min_interconnect != Interconnect.NVLINK):
+        out.append(f"tensor parallel needs nvlink within a node, and resources.requirement.min_interconnect "
+                   f"accepts {given.min_interconnect.value}")
+    return out
 
 
 def layout_lines(plan: Plan) -> list[str]:
