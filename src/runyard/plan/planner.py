@@ -175,6 +175,9 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     loader = _loader_bytes(data, facts["vocab_size"])
     plans = [sizing.plan_stage(spec, s.name, data_facts=facts, framework=framework, loader=loader, train_rows=train_rows)
              for s in spec.stages]
+    # The layout before any calibration: a layout the spec names that cannot fit is a SpecError at once.
+    target = target_hardware(spec, sizing.recommended_training(spec, plans))
+    layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
     # In the run's order: each stage's measured peak then sits on what the earlier ones left resident,
     # as it will in the run (module doc).
     stages = [_estimate_stage(spec, p, machine, facts, calibrate, budget_s) for p in plans]
@@ -188,8 +191,6 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     training_seconds = data.seconds + on_hardware + sum(final.values())
     training_cost = cost_of(hardware.kind, hardware.devices, training_seconds, spec.costs)
     here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()))
-    target = target_hardware(spec, hardware)
-    layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
     warnings += layout_warnings(spec, layouts)
     requirement = sizing.requirement_for(spec, hardware, training_seconds,
                                          run_interconnect(layouts)).model_dump(mode="json")
