@@ -11,7 +11,7 @@ from pathlib import Path
 from runyard.errors import SpecError
 from runyard.plan.cost import format_money
 from runyard.plan.lifetime import plot_lifetime
-from runyard.plan.planner import Plan, make_plan, traffic_from
+from runyard.plan.planner import Plan, layout_lines, make_plan, traffic_from
 from runyard.plan.recommend import describe_devices
 from runyard.plan.records_in import check_records_in
 from runyard.plan.sizing import human_bytes
@@ -172,6 +172,7 @@ def plan_lines(plan: Plan) -> list[str]:
                f"final phase as here), {c.energy_kwh:,.3f} kWh, {format_money(c.minor_units, cur)} "
                f"({c.capacity} at {format_money(c.price_per_device_hour, cur)}/device-hour"
                + (", reserved discount applied" if c.capacity == "reserved" else "") + ")")
+    out += layout_lines(plan)
     if plan.lifetime is not None:
         out += ["", *plan.lifetime.lines(), ""]
     out.append("requirement: " + json.dumps(plan.requirement))

@@ -15,10 +15,11 @@ Expected utilisation (the fraction of peak a run really reaches) is stated per k
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from runyard.errors import RunyardError
-from runyard.market.requirement import ACCELERATOR_KINDS
+from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect
 
 GIB = 1 << 30
 
@@ -39,6 +40,7 @@ class Device:
     price_per_hour: int  # US cents per device-hour, on demand
     gpu: bool = True
     cuda_names: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name that mean this kind
+    nvlink: bool = False  # NVLink-class links between the devices of a node (SXM/OAM boards; PCIe cards have none)
 
 
 DEVICES: dict[str, Device] = {
@@ -51,12 +53,12 @@ DEVICES: dict[str, Device] = {
         Device("l4", 121e12, 24 * GIB, 300e9, 72.0, 80, cuda_names=("L4",)),
         Device("a10g", 70e12, 24 * GIB, 600e9, 300.0, 101, cuda_names=("A10G",)),
         Device("l40s", 362e12, 48 * GIB, 864e9, 350.0, 149, cuda_names=("L40S",)),
-        Device("a100-40gb", 312e12, 40 * GIB, 1555e9, 400.0, 129, cuda_names=("A100-SXM4-40GB", "A100-PCIE-40GB")),
-        Device("a100-80gb", 312e12, 80 * GIB, 2039e9, 400.0, 179, cuda_names=("A100",)),
-        Device("h100-80gb", 989e12, 80 * GIB, 3350e9, 700.0, 299, cuda_names=("H100",)),
-        Device("h200-141gb", 989e12, 141 * GIB, 4800e9, 700.0, 359, cuda_names=("H200",)),
-        Device("b200-192gb", 2250e12, 192 * GIB, 8000e9, 1000.0, 599, cuda_names=("B200",)),
-        Device("mi300x", 1307e12, 192 * GIB, 5300e9, 750.0, 249, cuda_names=("MI300X",)),
+        Device("a100-40gb", 312e12, 40 * GIB, 1555e9, 400.0, 129, cuda_names=("A100-SXM4-40GB", "A100-PCIE-40GB"), nvlink=True),
+        Device("a100-80gb", 312e12, 80 * GIB, 2039e9, 400.0, 179, cuda_names=("A100",), nvlink=True),
+        Device("h100-80gb", 989e12, 80 * GIB, 3350e9, 700.0, 299, cuda_names=("H100",), nvlink=True),
+        Device("h200-141gb", 989e12, 141 * GIB, 4800e9, 700.0, 359, cuda_names=("H200",), nvlink=True),
+        Device("b200-192gb", 2250e12, 192 * GIB, 8000e9, 1000.0, 599, cuda_names=("B200",), nvlink=True),
+        Device("mi300x", 1307e12, 192 * GIB, 5300e9, 750.0, 249, cuda_names=("MI300X",), nvlink=True),
     )
 }
 assert set(DEVICES) == set(ACCELERATOR_KINDS), "the device table and the market's kinds must agree"
@@ -71,6 +73,8 @@ UTILISATION = {
     "decode_bandwidth": 0.6,  # serving: weight and KV reads against memory bandwidth
     "decode_compute": 0.35,  # serving: large decode batches against peak FLOP/s
 }
+
+DEVICES_PER_NODE = 8  # a GPU training node as clouds sell it (HGX/OAM boards hold 8)
 
 # Memory a device cannot give to the model: the CUDA context and the allocator's reserve (GPU), stated.
 GPU_RESERVED_BYTES = GIB // 2
@@ -100,3 +104,43 @@ def usable_memory(d: Device) -> int:
     if not d.gpu:
         return d.memory_bytes
     return int(d.memory_bytes * GPU_USABLE_FRACTION) - GPU_RESERVED_BYTES
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Devices of one kind on `nodes` nodes of `devices_per_node` each, and the links between them: NVLink-class
+    within a node where the kind's boards have it (else PCIe), and across nodes the InfiniBand (or RoCE) that
+    multi-node training clusters are sold with (stated)."""
+
+    kind: str
+    devices_per_node: int
+    nodes: int = 1
+
+    @property
+    def devices(self) -> int:
+        return self.devices_per_node * self.nodes
+
+    @property
+    def within_node(self) -> str:
+        return Interconnect.NVLINK.value if device(self.kind).nvlink else "pcie"
+
+    @property
+    def across_nodes(self) -> str | None:
+        return Interconnect.INFINIBAND.value if self.nodes > 1 else None
+
+    def describe(self) -> str:
+        d = device(self.kind)
+        what = "CPU process" if not d.gpu else self.kind
+        links = f"{self.within_node} within a node" + (f", {self.across_nodes} across nodes" if self.nodes > 1 else "")
+        if self.nodes > 1:
+            return f"{self.nodes} nodes x {self.devices_per_node} x {what} ({links})"
+        return f"{self.devices_per_node} x {what}" + (f" ({links})" if self.devices > 1 else "")
+
+
+def cluster_of(kind: str, devices: int) -> Cluster:
+    """`devices` of `kind` on as few nodes of at most DEVICES_PER_NODE (GPUs) as hold them, the same number on
+    each (12 -> 2 x 6; a count that does not divide rounds up: 17 -> 3 x 6); CPU processes share one node."""
+    if not device(kind).gpu or devices <= DEVICES_PER_NODE:
+        return Cluster(kind, devices, 1)
+    nodes = math.ceil(devices / DEVICES_PER_NODE)
+    return Cluster(kind, math.ceil(devices / nodes), nodes)

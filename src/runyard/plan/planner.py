@@ -10,6 +10,9 @@
 4. the final phase: held-out and train-sample evaluation, the export, the samples and the report;
 5. the same training on the recommended hardware by the device table, its energy and its cost, and the
    requirement (that hardware and a duration covering the estimate);
+5a. each stage's parallel layout on the hardware the run will get (layout_choice.py: DDP, FSDP, activation
+   checkpointing, tensor parallel in a node), with its reasons; the interconnect it needs goes into the
+   requirement, and a layout the spec names that the hardware cannot hold is a SpecError;
 6. with traffic, the serving hardware, the inference cost per day and the day it overtakes training
    (system/processes.py).
 
@@ -23,6 +26,7 @@ earlier stage freed).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +36,7 @@ from typing import Any
 from runyard.data.shards import dtype_for_vocab
 from runyard.data.sources import InputFile
 from runyard.data.tokenize import CHUNK_BYTES, cpu_count
+from runyard.market.requirement import Interconnect
 from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.plan import sizing
 from runyard.plan.calibrate import (
@@ -47,6 +52,7 @@ from runyard.plan.cost import Cost, cost_of
 from runyard.plan.dataprep import DataEstimate, estimate_data
 from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
+from runyard.plan.layout_choice import LayoutChoice, run_interconnect, stage_layout, target_hardware
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, DataFacts, FamilyChoice, Hardware, recommend_family
 from runyard.plan.weights_in import run_vocab
@@ -102,6 +108,7 @@ class Plan:
     lifetime: Lifetime | None = None
     calibration_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
+    layouts: list[LayoutChoice] = field(default_factory=list)  # per stage trained by the loop
 
     @property
     def total_seconds(self) -> float:
@@ -129,6 +136,7 @@ class Plan:
             "lifetime": self.lifetime.to_dict() if self.lifetime else None,
             "calibration_s": self.calibration_s,
             "warnings": self.warnings,
+            "layouts": [c.to_dict() for c in self.layouts],
         }
 
 
@@ -172,6 +180,9 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     loader = _loader_bytes(data, facts["vocab_size"])
     plans = [sizing.plan_stage(spec, s.name, data_facts=facts, framework=framework, loader=loader, train_rows=train_rows)
              for s in spec.stages]
+    # The layout before any calibration: a layout the spec names that cannot fit is a SpecError at once.
+    target = target_hardware(spec, sizing.recommended_training(spec, plans))
+    layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
     # In the run's order: each stage's measured peak then sits on what the earlier ones left resident,
     # as it will in the run (module doc).
     stages = [_estimate_stage(spec, p, machine, facts, calibrate, budget_s) for p in plans]
@@ -185,9 +196,11 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     training_seconds = data.seconds + on_hardware + sum(final.values())
     training_cost = cost_of(hardware.kind, hardware.devices, training_seconds, spec.costs)
     here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()))
-    requirement = sizing.requirement_for(spec, hardware, training_seconds).model_dump(mode="json")
+    warnings += layout_warnings(spec, layouts)
+    requirement = sizing.requirement_for(spec, hardware, training_seconds,
+                                         run_interconnect(layouts)).model_dump(mode="json")
     plan = Plan(spec.name, spec.task, machine, data, choice, stages, final, peak, memory_how, hardware,
-                training_seconds, training_cost, here, requirement, warnings=warnings)
+                training_seconds, training_cost, here, requirement, warnings=warnings, layouts=layouts)
     if traffic is not None:
         plan.lifetime = lifetime_for(spec, plan, traffic)
     plan.calibration_s = time.perf_counter() - started
@@ -201,6 +214,31 @@ def no_top_level_data(spec: JobSpec) -> DataEstimate:
     return DataEstimate(DataFacts(kind="text", files=0, bytes=0, rows=0, tokens=0, vocab_size=vocab), 0.0, {},
                         "no top-level data: every stage is sft or dpo on its own records, with the initial weights' "
                         f"tokenizer ({vocab:,} tokens)", cached=True)
+
+
+def layout_warnings(spec: JobSpec, layouts: list[LayoutChoice]) -> list[str]:
+    """A stage no layout holds; stages wanting different `resources.parallel` (one for the run); a layout
+    needing NVLink where the spec's requirement accepts a weaker link."""
+    out = [f"{c.describe()}: {c.reasons()[-1]}" for c in layouts if c.chosen is None]
+    parallels = {json.dumps(c.chosen.parallel) for c in layouts if c.chosen is not None and not c.explicit}
+    if len(parallels) > 1:
+        out.append("the stages' layouts differ (" + "; ".join(c.describe() for c in layouts if c.chosen) + "), and "
+                   "resources.parallel is one for the run: set the one that holds every stage")
+    given = spec.resources.requirement
+    if ("requirement" in spec.resources.model_fields_set and "min_interconnect" in given.model_fields_set
+            and run_interconnect(layouts) == Interconnect.NVLINK.value and given.min_interconnect != Interconnect.NVLINK):
+        out.append(f"tensor parallel needs nvlink within a node, and resources.requirement.min_interconnect "
+                   f"accepts {given.min_interconnect.value}")
+    return out
+
+
+def layout_lines(plan: Plan) -> list[str]:
+    """Each stage's layout and the steps that chose it, as `runyard plan` prints them."""
+    out = []
+    for choice in plan.layouts:
+        out.append(f"layout: {choice.describe()}")
+        out += [f"  {reason}" for reason in choice.reasons()]
+    return out
 
 
 def _loader_bytes(data: DataEstimate, vocab: int) -> int:

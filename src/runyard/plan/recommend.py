@@ -23,7 +23,7 @@ from typing import Any
 from runyard.market.requirement import Interconnect
 from runyard.model.choice import choose_family, needs_deep_network, no_family_message
 from runyard.model.tabular import TableFacts
-from runyard.plan.devices import Device, device, usable_memory
+from runyard.plan.devices import DEVICES_PER_NODE, Device, device, usable_memory
 
 # Tasks by the kind of data they read.
 DATA_KINDS = {
@@ -50,7 +50,6 @@ SERVE_KINDS = {
 CPU_SERVING_MAX_CORES = 16
 DEFAULT_CPU_CORES = 4  # a tabular run's cores when resources.threads leaves it to the machine
 TARGET_TRAINING_HOURS = 24.0  # more devices (data parallel) while one run would take longer than this
-DEVICES_PER_NODE = 8
 
 
 @dataclass(frozen=True)

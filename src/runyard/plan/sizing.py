@@ -15,12 +15,18 @@ Memory per device (`MemoryEstimate`) counts:
 - the evaluation's batch (a forward pass without gradients: its outputs and the loss's softmax);
 - the loader: the token shards it maps, resident once read.
 This module never measures; `runyard.plan.planner` replaces stated figures with measured ones.
+
+`ReplicaMemory` is the same model state and activations before a parallel layout divides them, and
+`ReplicaMemory.per_device` what one device holds under a layout (FSDP shards, tensor parallel, activation
+checkpointing): the figures plan/layout_choice.py chooses a layout by.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
+
+import torch
 
 from runyard.market.requirement import Interconnect, Requirement
 from runyard.model import stage_model
@@ -33,6 +39,13 @@ from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
 BYTES_PER_PARAM_STATE_NO_GRAD = 12  # weights and moments: what stays while evaluating (grads set to None)
 FRAMEWORK_CPU_BYTES = 400 << 20  # python + torch + runyard as a run imports them, stated (measured by plan)
+BYTES_PER_WEIGHT = 4  # fp32 weights (autocast computes in bf16; the weights and their gradients stay fp32)
+BYTES_PER_GRADIENT = 4
+BYTES_PER_OPTIMIZER_STATE = 8  # AdamW's two fp32 moments
+# Tensor parallel without sequence parallel (runyard's plan): of the ~34 values a block keeps per token and
+# channel, the 24 inside attention and the MLP split over the tp ranks; the 10 of the norms' inputs and the
+# residual stay whole on every rank (Korthikanti et al. 2022, table 2).
+TP_SPLIT_ACTIVATION_FRACTION = 24 / 34
 REQUIREMENT_MARGIN = 1.2  # the requirement's duration over the estimate, plus REQUIREMENT_SLACK_S
 REQUIREMENT_SLACK_S = 60
 
@@ -150,6 +163,122 @@ def memory_estimate(spec: JobSpec, size: Sizing, framework: int, loader: int, gp
     )
 
 
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes one device holds under a layout, by what holds them. Training holds weights, gradients, the
+    optimizer's moments and one micro-batch's activations; a periodic evaluation holds the weights and moments
+    (gradients set to None) and a forward pass's outputs: the peak is the larger."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    evaluation: int
+
+    @property
+    def total(self) -> int:
+        return max(self.weights + self.gradients + self.optimizer + self.activations,
+                   self.weights + self.optimizer + self.evaluation)
+
+    def describe(self) -> str:
+        return (f"weights {human_bytes(self.weights)} + gradients {human_bytes(self.gradients)} + optimizer "
+                f"{human_bytes(self.optimizer)} + activations {human_bytes(self.activations)}")
+
+
+@dataclass(frozen=True)
+class ReplicaMemory:
+    """A stage's model as one replica holds it, before a layout divides it: fp32 weights of every parameter;
+    gradients and AdamW's moments of the trainable ones (all, or LoRA's adapters, which are fp32 too); the
+    family's activations at the stage's micro-batch and context. `block_parameters` are those of the
+    family's shard units (the blocks), which tensor parallel splits; the rest (embedding, final norm, head)
+    stays whole on every tensor-parallel rank."""
+
+    parameters: int
+    trainable: int
+    block_parameters: int
+    lora: bool
+    size: Sizing
+    every: int  # train.activation_checkpointing_every, for `selective`
+
+    def recomputed(self, activation_checkpointing: str, every: int | None = None) -> int:
+        return len(checkpointed_indices(self.size.recomputable_units, activation_checkpointing,
+                                        self.every if every is None else every))
+
+    def per_device(self, dp_shard: int = 1, tp: int = 1, activation_checkpointing: str = "none",
+                   every: int | None = None) -> DeviceMemory:
+        """What one device holds with the model state sharded over `dp_shard` FSDP ranks and the blocks split
+        over `tp` tensor-parallel ranks, with `activation_checkpointing` (the stage's `every` unless given)."""
+        adapters = self.trainable if self.lora else 0
+
+        def split(n: int) -> int:  # parameters on one tp rank: its share of the blocks', the rest whole
+            blocks = n * self.block_parameters // self.parameters if self.parameters else 0
+            return (n - blocks) + blocks // tp
+
+        weights = split(self.parameters) * BYTES_PER_WEIGHT + split(adapters) * BYTES_PER_WEIGHT
+        return DeviceMemory(
+            weights=weights // dp_shard,
+            gradients=split(self.trainable) * BYTES_PER_GRADIENT // dp_shard,
+            optimizer=split(self.trainable) * BYTES_PER_OPTIMIZER_STATE // dp_shard,
+            activations=activation_bytes_on(self.size, self.recomputed(activation_checkpointing, every), tp),
+            evaluation=evaluation_bytes(self.size),
+        )
+
+
+def evaluation_bytes(size: Sizing) -> int:
+    """A forward pass without gradients keeps nothing for backward: what lies outside the blocks (the logits
+    and the loss's softmax) and one block's activations at a time. A family without blocks: a third of the
+    training batch's activations, as memory_estimate states it."""
+    if not size.recomputable_units:
+        return size.activation_bytes // 3
+    outside = size.activation_bytes - size.recomputable_units * size.unit_activation_bytes
+    return outside + size.unit_activation_bytes
+
+
+def activation_bytes_on(size: Sizing, recomputed: int, tp: int = 1) -> int:
+    """`Sizing.activation_bytes_with(recomputed)` on one of `tp` tensor-parallel ranks: each block's own
+    activations shrink by TP_SPLIT_ACTIVATION_FRACTION x (1 - 1/tp); its input (the residual stream), and
+    what lies outside the blocks (the logits: the head stays whole), do not."""
+    if tp == 1 or not size.recomputable_units:
+        return size.activation_bytes_with(recomputed)
+    n = max(0, min(recomputed, size.recomputable_units))
+    unit = int(size.unit_activation_bytes * (1 - TP_SPLIT_ACTIVATION_FRACTION * (1 - 1 / tp)))
+    outside = size.activation_bytes - size.recomputable_units * size.unit_activation_bytes
+    kept = (size.recomputable_units - n) * unit + n * size.unit_input_bytes + (unit if n else 0)
+    return outside + kept
+
+
+def replica_memory(spec: JobSpec, stage_name: str, data_facts: dict[str, Any] | None = None) -> ReplicaMemory:
+    """The stage's `ReplicaMemory` from the spec (and what the data tells, as plan_stage)."""
+    stage = resolved_stage(spec, stage_name)
+    family, cfg = stage_config(spec, stage, dict(data_facts or {}))
+    size = family.sizing(cfg, micro_batch=stage.train.batch_size)
+    blocks = block_parameters(family, cfg)
+    trainable = size.parameters
+    if stage.lora is not None:
+        trainable = lora_parameters(cfg, stage.lora.rank, stage.lora.targets)
+    return ReplicaMemory(size.parameters, trainable, blocks, stage.lora is not None, size,
+                         stage.train.activation_checkpointing_every)
+
+
+def block_parameters(family: ModelFamily, cfg: Any) -> int:
+    """Parameters in the family's shard units (its blocks), counted on the meta device (no memory)."""
+    if not family.trains_with_loop:
+        return 0
+    with torch.device("meta"):
+        model = family.build(cfg)
+    return sum(p.numel() for unit in family.shard_units(model) for p in unit.parameters())
+
+
+# LoRA targets by their Hugging Face names: (input, output) features as multiples of (d_model, head_dim x
+# heads, head_dim x kv heads, ffn_hidden), read from the decoder's config.
+def lora_parameters(cfg: Any, rank: int, targets: list[str]) -> int:
+    """Adapter parameters LoRA of `rank` adds on `targets` in every block: rank x (in + out) each."""
+    d, q, kv, ffn = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.ffn_hidden
+    shapes = {"q_proj": (d, q), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (q, d),
+              "gate_proj": (d, ffn), "up_proj": (d, ffn), "down_proj": (ffn, d)}
+    return cfg.n_layers * sum(rank * sum(shapes[t]) for t in targets)
+
+
 def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int | None = None, tokens_per_s: float | None = None,
                data_facts: dict[str, Any] | None = None, framework: int = FRAMEWORK_CPU_BYTES,
                loader: int = 0, train_rows: int | None = None) -> StagePlan:
@@ -189,10 +318,12 @@ def device_table_seconds(stages: list[StagePlan], hardware: Hardware, task: str)
     return flops / (d.peak_flops * util * hardware.devices)
 
 
-def requirement_for(spec: JobSpec, hardware: Hardware, seconds: float) -> Requirement:
+def requirement_for(spec: JobSpec, hardware: Hardware, seconds: float, interconnect: str | None = None) -> Requirement:
     """The spec's requirement with the recommended hardware written in where the spec left it to runyard
-    (accelerator kinds, device count, interconnect not set explicitly), and its duration raised to the
-    estimate (times REQUIREMENT_MARGIN, plus REQUIREMENT_SLACK_S) when the estimate is longer."""
+    (accelerator kinds, device count, interconnect not set explicitly; the interconnect the stronger of the
+    hardware's and `interconnect`, the one the chosen layout needs: NVLink for tensor parallel), and its
+    duration raised to the estimate (times REQUIREMENT_MARGIN, plus REQUIREMENT_SLACK_S) when the estimate is
+    longer."""
     requirement: Requirement = spec.resources.requirement
     given = requirement.model_fields_set if "requirement" in spec.resources.model_fields_set else set()
     update: dict[str, Any] = {}
@@ -201,7 +332,8 @@ def requirement_for(spec: JobSpec, hardware: Hardware, seconds: float) -> Requir
     if "device_count" not in given:
         update["device_count"] = hardware.devices
     if "min_interconnect" not in given:
-        update["min_interconnect"] = Interconnect(hardware.interconnect)
+        links = [Interconnect(hardware.interconnect)] + ([Interconnect(interconnect)] if interconnect else [])
+        update["min_interconnect"] = max(links, key=lambda i: i.rank)
     if seconds > requirement.duration_s:
         update["duration_s"] = int(seconds * REQUIREMENT_MARGIN) + REQUIREMENT_SLACK_S
     return requirement.model_copy(update=update)
