@@ -12,6 +12,7 @@ import pytest
 from runyard.data.row_split import TEST, TRAIN, VALID
 from runyard.data.table_schema import MISSING_CATEGORY
 from runyard.data.tabular import prepare_table
+from runyard.data.task_report import write_table_report
 from runyard.errors import DataError, SpecError
 from runyard.spec.job import parse_spec
 
@@ -85,6 +86,11 @@ def test_identical_answers_are_kept_by_default_and_counted_in_the_report(tmp_pat
     keyed = prepare(spec_for(tmp_path / "t.csv", {"target": "answer", "drop": ["id"], "dedup": "key",
                                                   "dedup_key": ["id"]}))
     assert keyed.stats["rows_used"] == 60 and keyed.stats["removed"]["duplicate_keys"] == 1
+    report = write_table_report(tmp_path / "report", kept.stats, kept.train_columns,
+                                {f.name: f.kind for f in kept.schema.features})
+    assert report["dedup"]["exact_duplicate_rows"] == 1
+    assert ("Duplicates (data.table.dedup): none (every row kept); 1 row repeats an earlier row exactly in every "
+            "column read (kept)") in (tmp_path / "report" / "report.md").read_text()
     # The old boolean still reads, mapped onto the policy.
     assert spec_for(tmp_path / "t.csv", {"target": "answer", "drop_duplicates": True}).data.table.dedup == "rows"
     assert spec_for(tmp_path / "t.csv", {"target": "answer", "drop_duplicates": False}).data.table.dedup == "none"

@@ -95,8 +95,8 @@ def _dedup_lines(dedup: dict[str, Any] | None) -> list[str]:
     found = dedup["exact_duplicate_rows"]
     policy = {"none": "none (every row kept)", "rows": "rows (exact duplicate rows removed)",
               "key": f"key (rows repeating an earlier row's {dedup['key']} removed)"}[dedup["policy"]]
-    return [f"Duplicates (data.table.dedup): {policy}; {found:,} row{'s' if found != 1 else ''} repeat an earlier row "
-            "exactly in every column read" + (" (kept)" if dedup["policy"] == "none" and found else "")]
+    repeat = f"{found:,} row{'s repeat' if found != 1 else ' repeats'} an earlier row exactly in every column read"
+    return [f"Duplicates (data.table.dedup): {policy}; {repeat}" + (" (kept)" if dedup["policy"] == "none" and found else "")]
 
 
 def write_table_report(out_dir: Path, stats: dict[str, Any], train_columns: dict[str, np.ndarray],
