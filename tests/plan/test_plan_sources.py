@@ -117,3 +117,12 @@ def test_every_table_source_plans_with_what_the_runs_reader_sees(kind, rows, fea
     assert (facts["rows"], facts["features"], facts["classes"]) == counted == (rows, features, classes)
     # The features are the run's: the dropped id and the target are not among them.
     assert "respondent" not in prepared.schema.names and loaded.data.table.target not in prepared.schema.names
+
+
+def test_plan_help_says_what_is_calibrated_and_what_is_estimated(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a language model's stages are calibrated on a few real training steps" in text
+    assert "Trees, the linear model and the CNN are not calibrated" in text
+    assert "read and checked in full by the run's own reader" in text
