@@ -12,7 +12,8 @@ import pytest
 from runyard.data.row_split import TEST, TRAIN, VALID
 from runyard.data.table_schema import MISSING_CATEGORY
 from runyard.data.tabular import prepare_table
-from runyard.errors import DataError
+from runyard.data.task_report import write_table_report
+from runyard.errors import DataError, SpecError
 from runyard.spec.job import parse_spec
 
 
@@ -64,10 +65,39 @@ def test_types_are_inferred_and_categories_and_missing_values_follow_their_polic
 def test_rows_without_a_target_and_duplicates_are_removed_and_counted(tmp_path):
     rows = [[i % 10, "a" if i % 2 else "b"] for i in range(40)] + [[99, None], [98, None]]
     write_csv(tmp_path / "t.csv", ["x", "y"], rows)
-    prepared = prepare(spec_for(tmp_path / "t.csv", {"target": "y"}))
+    prepared = prepare(spec_for(tmp_path / "t.csv", {"target": "y", "dedup": "rows"}))
     assert prepared.stats["removed"]["missing_target"] == 2
     assert prepared.stats["removed"]["duplicate_rows"] == 30  # 40 rows hold 10 distinct (x, y) pairs
     assert prepared.stats["rows_used"] == 10
+    assert prepared.stats["dedup"] == {"policy": "rows", "key": None, "exact_duplicate_rows": 30}
+
+
+def test_identical_answers_are_kept_by_default_and_counted_in_the_report(tmp_path):
+    # A survey: distinct respondents (ids) giving identical answers are real rows; the default keeps them.
+    rows = [[i, i % 3, "yes" if i % 3 else "no"] for i in range(60)] + [[5, 2, "yes"]]  # row 61 repeats row 6 whole
+    write_csv(tmp_path / "t.csv", ["id", "q1", "answer"], rows)
+    kept = prepare(spec_for(tmp_path / "t.csv", {"target": "answer", "drop": ["id"]}))
+    assert kept.stats["rows_used"] == 61 and "duplicate_rows" not in kept.stats["removed"]
+    assert kept.stats["dedup"] == {"policy": "none", "key": None, "exact_duplicate_rows": 1}
+    # rows: only a row repeating another in every column read (the dropped id included) is removed.
+    rows_policy = prepare(spec_for(tmp_path / "t.csv", {"target": "answer", "drop": ["id"], "dedup": "rows"}))
+    assert rows_policy.stats["rows_used"] == 60 and rows_policy.stats["removed"]["duplicate_rows"] == 1
+    # key: a repeated id is the same respondent, whatever it answered.
+    keyed = prepare(spec_for(tmp_path / "t.csv", {"target": "answer", "drop": ["id"], "dedup": "key",
+                                                  "dedup_key": ["id"]}))
+    assert keyed.stats["rows_used"] == 60 and keyed.stats["removed"]["duplicate_keys"] == 1
+    report = write_table_report(tmp_path / "report", kept.stats, kept.train_columns,
+                                {f.name: f.kind for f in kept.schema.features})
+    assert report["dedup"]["exact_duplicate_rows"] == 1
+    assert ("Duplicates (data.table.dedup): none (every row kept); 1 row repeats an earlier row exactly in every "
+            "column read (kept)") in (tmp_path / "report" / "report.md").read_text()
+    # The old boolean still reads, mapped onto the policy.
+    assert spec_for(tmp_path / "t.csv", {"target": "answer", "drop_duplicates": True}).data.table.dedup == "rows"
+    assert spec_for(tmp_path / "t.csv", {"target": "answer", "drop_duplicates": False}).data.table.dedup == "none"
+    with pytest.raises(SpecError, match="dedup: key needs dedup_key"):
+        spec_for(tmp_path / "t.csv", {"target": "answer", "dedup": "key"})
+    with pytest.raises(SpecError, match="old name of dedup"):
+        spec_for(tmp_path / "t.csv", {"target": "answer", "dedup": "rows", "drop_duplicates": True})
 
 
 def test_a_stratified_split_keeps_the_class_balance_and_a_keyed_split_keeps_keys_apart(tmp_path):
@@ -153,10 +183,25 @@ def test_regression_needs_a_numeric_target_and_an_identifier_column_is_refused(t
 def test_a_test_category_never_seen_in_training_is_encoded_missing_and_counted(tmp_path):
     rows = [["common", i % 2] for i in range(100)] + [["rare", 0]]
     write_csv(tmp_path / "t.csv", ["c", "y"], rows)
-    spec = spec_for(tmp_path / "t.csv", {"target": "y", "drop_duplicates": False})
+    spec = spec_for(tmp_path / "t.csv", {"target": "y"})
     for seed in range(40):  # find a split that put the one rare row in the test split
         prepared = prepare_table(spec.data, spec.task, seed=seed)
         if prepared.stats["unseen_categories_in_test"]:
             break
     assert prepared.stats["unseen_categories_in_test"] == {"c": 1}
     assert np.isnan(prepared.test.x[:, 0]).sum() == 1
+
+
+def test_a_missing_value_kept_as_its_own_category_is_never_counted_as_unseen(tmp_path):
+    # `<missing>` is a training category here; the test rows' missing values are not unseen categories
+    # (the count was once negative: missing values subtracted though they encode to a known code).
+    rows = [[["red", "blue", None][i % 3], i % 2] for i in range(300)] + [["violet", 0]]
+    write_csv(tmp_path / "t.csv", ["c", "y"], rows)
+    spec = spec_for(tmp_path / "t.csv", {"target": "y"})
+    counts = set()
+    for seed in range(20):
+        prepared = prepare_table(spec.data, spec.task, seed=seed)
+        unseen = prepared.stats["unseen_categories_in_test"]
+        assert all(v > 0 for v in unseen.values()), unseen
+        counts.add(unseen.get("c", 0))
+    assert counts == {0, 1}  # the one violet row is counted when the split puts it in the test rows

@@ -10,8 +10,9 @@ import pytest
 
 from runyard.model.registry import FamilyUnavailable, get_family
 from runyard.plan.dataprep import estimate_data
-from runyard.plan.families import recommend_family, summarize_data
+from runyard.plan.families import recommend_family
 from runyard.plan.recommend import recommend_family as plan_recommendation
+from runyard.plan.task_data import summarize_data
 from runyard.run.predictive import run_family
 from runyard.run.preflight import resolve_sources
 from runyard.spec.job import parse_spec

@@ -57,7 +57,7 @@ def test_text_facts_and_preparation_are_measured_then_read_from_the_cache(tmp_pa
     assert 0.5 < first.facts.tokens / cached.facts.tokens < 2.0
 
 
-def test_tables_and_images_are_counted_from_their_files(tmp_path):
+def test_tables_and_images_are_counted_by_the_runs_readers(tmp_path):
     table = tmp_path / "t.csv"
     with table.open("w", newline="") as f:
         writer = csv.writer(f)
@@ -69,9 +69,10 @@ def test_tables_and_images_are_counted_from_their_files(tmp_path):
     tab = estimate_data("tabular_classification", table_data, 0, files, 1)
     assert (tab.facts.kind, tab.facts.rows, tab.facts.features, tab.facts.classes) == ("tabular", 7, 2, 2)
     arrays = tmp_path / "digits.npz"
-    np.savez(arrays, images=np.zeros((12, 8, 8), dtype=np.uint8), labels=np.arange(12) % 3)
+    np.savez(arrays, images=np.random.default_rng(0).integers(0, 255, (12, 8, 8), dtype=np.uint8), labels=np.arange(12) % 3)
     image_data = parse_spec({"name": "t", "task": "image_classification",
-                             "data": {"sources": [{"path": str(arrays), "format": "npz"}]}}).data
+                             "data": {"sources": [{"path": str(arrays), "format": "npz"}],
+                                      "images": {"npz_images": "images", "npz_labels": "labels"}}}).data
     files, _ = resolve_sources(image_data)
     img = estimate_data("image_classification", image_data, 0, files, 1)
     assert (img.facts.rows, img.facts.image_shape, img.facts.classes, img.facts.features) == (12, (1, 8, 8), 3, 64)

@@ -24,18 +24,27 @@ from runyard.system.files import atomic_write_json
 DESCRIPTION = """\
 Plan a spec before any work: the data's facts and the model family they call for; per stage its parameters,
 tokens (or samples) and FLOPs, its wall time here (data preparation, training, evaluation, checkpoints, the
-final evaluation and export) from a short calibration on this machine (a few real training steps of each
-stage's own model, a sample of the data through the data stage's steps; about 3 s a stage), and its memory
-(framework, model state, activations, evaluation batch, loader); the training and serving hardware the seed's
-table recommends; time, energy (kWh) and cost (the spec's `costs`) on that hardware by the device table;
-and the requirement (accelerators, devices, duration) a market or scheduler acts on, which
---requirement-out writes for `runyard market demand --requirement`.
+final evaluation and export) and its memory (framework, model state, activations, evaluation batch, loader);
+the training and serving hardware the seed's table recommends; time, energy (kWh) and cost (the spec's
+`costs`) on that hardware by the device table; and the requirement (accelerators, devices, duration) a market
+or scheduler acts on, which --requirement-out writes for `runyard market demand --requirement`.
+
+What is measured and what is estimated: this machine's matmul rate and disk are measured; a language
+model's stages are calibrated on a few real training steps of each stage's own model (about 3 s a stage),
+and its text data on a sample run through the data stage's own steps. A table or images are read and
+checked in full by the run's own reader, and that reading is timed. Trees, the linear model and the CNN
+are not calibrated: their training time is estimated from FLOPs at a stated share of the matmul rate, and
+fixed costs (start-up, reports, plots, export) are stated constants, so their times are rougher.
+--no-calibrate measures nothing (the device table and stated rates; a table or images are still read).
 
 With --traffic (or the spec's `traffic` section) it also prints the inference cost per day on the
 recommended serving hardware and the day cumulative inference overtakes the training cost, as a table and
 a PNG. Before any of it, the sources must resolve (a path or glob that matches no file is an error, exit 2),
 the initial weights and every sft/dpo record must be usable (data.on_bad_record: error lists every bad
-record, exit 2) and the disk must hold the data cache, the checkpoints and the export."""
+record, exit 2), a table or images must be usable as the run will read them (no target column, one class,
+a column mixing numbers and text, a missing value a policy refuses, an empty class folder, images of
+different sizes without data.images.resize, an image that does not decode: exit 2), and the disk must hold
+the data cache, the checkpoints and the export."""
 
 
 def _non_negative(text: str) -> float:

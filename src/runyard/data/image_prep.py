@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from runyard.data.images import read_images
-from runyard.data.row_split import SPLIT_NAMES, TEST, TRAIN, VALID, check_split, stratified_split
+from runyard.data.images import ImageSet, read_images
+from runyard.data.row_split import SPLIT_NAMES, TEST, TRAIN, VALID, Split, check_split, stratified_split
 from runyard.errors import DataError
 from runyard.spec.data import DataSpec
 from runyard.spec.data_predictive import ImagesSpec
@@ -84,18 +84,21 @@ def _clean(pixels: np.ndarray, labels: np.ndarray, cfg: ImagesSpec, counts: dict
     return keep
 
 
-def prepare_images(data: DataSpec, seed: int, cache_root: Path, write: bool = True) -> PreparedImages:
-    """Read, clean, split and store the spec's images (see the module's docstring); a dataset already in
-    the cache under the same fingerprint is returned as it is. `write=False` (another process of the run)
-    only reads the cache."""
+@dataclass(frozen=True)
+class CheckedImages:
+    """Images cleaned and split, nothing written: what preparation stores, and what `runyard plan` and the
+    run's pre-flight check (runyard.plan.datacheck) before any work."""
+
+    pixels: np.ndarray  # the images kept
+    labels: np.ndarray
+    split: Split
+    removed: dict[str, int]
+
+
+def check_images(images: ImageSet, data: DataSpec, seed: int) -> CheckedImages:
+    """Clean (missing labels, duplicates) and split `images`; DataError for fewer than two classes left or
+    a split that leaves a part empty."""
     cfg = data.images or ImagesSpec()
-    images = read_images(data)
-    fingerprint = _fingerprint(data, seed, images.input_fingerprints)
-    directory = Path(cache_root) / "images" / fingerprint
-    if (directory / PREPARED_FILE).is_file():
-        return _load(directory)
-    if not write:
-        raise DataError(f"prepared images {directory} are missing: the first process should have written them")
     counts: dict[str, int] = {}
     keep = _clean(images.pixels, images.labels, cfg, counts)
     pixels, labels = images.pixels[keep], images.labels[keep]
@@ -105,6 +108,22 @@ def prepare_images(data: DataSpec, seed: int, cache_root: Path, write: bool = Tr
                         f"({[images.class_names[i] for i in present]}): a classifier needs at least two")
     split = stratified_split(labels, seed, data.heldout_fraction, cfg.validation_fraction)
     check_split(split, f"the images ({len(labels)} after cleaning)")
+    return CheckedImages(pixels, labels, split, counts)
+
+
+def prepare_images(data: DataSpec, seed: int, cache_root: Path, write: bool = True) -> PreparedImages:
+    """Read, clean, split and store the spec's images (see the module's docstring); a dataset already in
+    the cache under the same fingerprint is returned as it is. `write=False` (another process of the run)
+    only reads the cache."""
+    images = read_images(data)
+    fingerprint = _fingerprint(data, seed, images.input_fingerprints)
+    directory = Path(cache_root) / "images" / fingerprint
+    if (directory / PREPARED_FILE).is_file():
+        return _load(directory)
+    if not write:
+        raise DataError(f"prepared images {directory} are missing: the first process should have written them")
+    checked = check_images(images, data, seed)
+    pixels, labels, split, counts = checked.pixels, checked.labels, checked.split, checked.removed
     train = pixels[split.assignment == TRAIN]
     mean = train.mean(axis=(0, 2, 3)).astype(np.float64)
     std = np.maximum(train.std(axis=(0, 2, 3)).astype(np.float64), 1e-6)

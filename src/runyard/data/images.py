@@ -1,6 +1,10 @@
 """Reading images for `image_classification`: a folder per class (PNG/JPEG, decoded by Pillow), `.npz`
 arrays, or scikit-learn's bundled digits, into one float32 array [N, C, H, W] in [0, 1] with labels.
 
+An `image_folder` source is a folder with one subfolder of images per class, or a glob of image files
+(`imgs/*/*.png`) whose class is each file's folder name; `class_folders` lists either, and `runyard plan`
+lists the files through it too.
+
 Every problem is a DataError naming the file or field, before training: an image that does not decode,
 an empty class folder, images of different sizes without `data.images.resize`, an .npz without the named
 arrays, pixel values outside the range `max_value` says.
@@ -8,6 +12,7 @@ arrays, pixel values outside the range `max_value` says.
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import os
 from dataclasses import dataclass, field
@@ -16,7 +21,7 @@ import numpy as np
 from PIL import Image, UnidentifiedImageError
 
 from runyard.data.sklearn_sets import load_bundled
-from runyard.data.sources import expand_path_template
+from runyard.data.sources import InputFile, expand_path_template, local_identity
 from runyard.errors import DataError
 from runyard.spec.data import DataSpec, SourceSpec
 from runyard.spec.data_predictive import ImagesSpec
@@ -41,7 +46,20 @@ def _sha256(path: str) -> str:
     return h.hexdigest()
 
 
-def _class_folders(root: str, index: int) -> list[tuple[str, list[str]]]:
+def class_folders(root: str, index: int) -> list[tuple[str, list[str]]]:
+    """(class name, its image files) of an image_folder source, classes sorted by name: the subfolders of
+    a folder, or the files a glob matches grouped by their folder's name. DataError naming the path for
+    a folder that is not there or has no classes, a glob that matches nothing, and an empty class folder."""
+    if glob.has_magic(root):
+        by_class: dict[str, list[str]] = {}
+        for path in sorted(glob.glob(root, recursive=True)):
+            if os.path.isfile(path) and not os.path.basename(path).startswith("."):
+                by_class.setdefault(os.path.basename(os.path.dirname(os.path.abspath(path))), []).append(path)
+        if not by_class:
+            raise DataError(f"data.sources[{index}].path {root!r}: the glob matches no image files (an image_folder "
+                            "source is a folder with one subfolder of images per class, or a glob of image files "
+                            "whose folder names are their classes)")
+        return sorted(by_class.items())
     if not os.path.isdir(root):
         raise DataError(f"data.sources[{index}].path {root!r}: not a folder (an image_folder source is a folder "
                         "with one subfolder of images per class)")
@@ -60,6 +78,17 @@ def _class_folders(root: str, index: int) -> list[tuple[str, list[str]]]:
     return out
 
 
+def image_folder_files(source: SourceSpec, index: int) -> list[InputFile]:
+    """Every image file of an image_folder source (class_folders' files), as the source lister lists a
+    glob's: sorted by path, with their sizes and identities."""
+    out = []
+    for _name, files in class_folders(expand_path_template(source.path), index):
+        for path in files:
+            st = os.stat(path)
+            out.append(InputFile(index, os.path.abspath(path), st.st_size, local_identity(st)))
+    return sorted(out, key=lambda f: f.path)
+
+
 def _decode(path: str) -> Image.Image:
     try:
         with Image.open(path) as img:
@@ -71,13 +100,14 @@ def _decode(path: str) -> Image.Image:
 
 def _read_folder(root: str, index: int, cfg: ImagesSpec, fingerprints: dict[str, str]):
     decoded, names, labels, origins = [], [], [], []
-    for label, (name, files) in enumerate(_class_folders(root, index)):
+    for label, (name, files) in enumerate(class_folders(root, index)):
         names.append(name)
         for path in files:
             decoded.append(_decode(path))
             labels.append(label)
             origins.append(path)
-            fingerprints[f"sources[{index}] {os.path.relpath(path, root)}"] = _sha256(path)
+            where = path if glob.has_magic(root) else os.path.relpath(path, root)  # a glob's matches as matched
+            fingerprints[f"sources[{index}] {where}"] = _sha256(path)
     channels = cfg.channels or (1 if all(img.mode in GREY_MODES for img in decoded) else 3)
     mode = "L" if channels == 1 else "RGB"
     arrays = []

@@ -2,7 +2,8 @@
 
 `prepare_table(data, task, seed)` reads the sources (data/table_read.py: types inferred, a mixed column
 refused), picks the features, applies the missing-value policies (data.table.missing_*), removes rows
-without a target and exact duplicate rows (each removal counted), refuses a target with one class, splits
+without a target and, as data.table.dedup says, duplicate rows (each removal counted; the exact
+duplicates are counted and reported even when kept), refuses a target with one class, splits
 train / validation / test (data/row_split.py) and encodes every split with the schema learned from the
 training rows (data/table_schema.py). Every refusal is a DataError naming the column, the field or the
 file and row, before any training starts. The result carries the statistics the data report shows.
@@ -93,8 +94,22 @@ def _missing(values: np.ndarray, kind: str) -> np.ndarray:
     return np.asarray([v is None for v in values], dtype=bool)
 
 
-def _clean(raw: RawTable, table: TableSpec, task: str, features: list[str], counts: dict[str, int]) -> RawTable:
-    """Rows without a target, with a missing value a policy refuses or drops, and exact duplicates out."""
+def _duplicates(table: RawTable, columns: list[str]) -> np.ndarray:
+    """Per row: whether its values in `columns` repeat an earlier row's (the first of each is not one)."""
+    seen: set[tuple] = set()
+    out = np.zeros(table.rows, dtype=bool)
+    cols = [table.columns[n] for n in columns]
+    for i in range(table.rows):
+        key = tuple(repr(c[i]) for c in cols)  # repr: NaN equals NaN here, as a duplicate row should
+        out[i] = key in seen
+        seen.add(key)
+    return out
+
+
+def _clean(raw: RawTable, table: TableSpec, task: str, features: list[str], counts: dict[str, int],
+           dedup: dict[str, Any]) -> RawTable:
+    """Rows without a target, with a missing value a policy refuses or drops, and duplicates as
+    data.table.dedup says out (`dedup` gets the exact duplicates found, removed or not)."""
     target = raw.columns[table.target]
     if task == "tabular_regression" and raw.kinds[table.target] != NUMERIC:
         bad = next(i for i, v in enumerate(target) if v is not None)
@@ -120,17 +135,14 @@ def _clean(raw: RawTable, table: TableSpec, task: str, features: list[str], coun
         if cleaned.kinds[name] == CATEGORICAL:
             values = cleaned.columns[name]
             cleaned.columns[name] = np.asarray([MISSING_CATEGORY if v is None else v for v in values], dtype=object)
-    if table.drop_duplicates and cleaned.rows:
-        seen: set[tuple] = set()
-        unique = np.ones(cleaned.rows, dtype=bool)
-        cols = [cleaned.columns[n] for n in [*features, table.target]]
-        for i in range(cleaned.rows):
-            key = tuple(repr(c[i]) for c in cols)  # repr: NaN equals NaN here, as a duplicate row should
-            if key in seen:
-                unique[i] = False
-            seen.add(key)
-        counts["duplicate_rows"] = int((~unique).sum())
-        cleaned = cleaned.take(unique)
+    duplicate = _duplicates(cleaned, list(cleaned.columns))
+    counts_found = int(duplicate.sum())
+    if table.dedup == "key":
+        duplicate = _duplicates(cleaned, table.dedup_key or [])
+    if table.dedup != "none":
+        counts["duplicate_rows" if table.dedup == "rows" else "duplicate_keys"] = int(duplicate.sum())
+        cleaned = cleaned.take(~duplicate)
+    dedup["exact_duplicate_rows"] = counts_found
     if cleaned.rows == 0:
         raise DataError(f"data.table: no rows are left after cleaning ({counts})")
     return cleaned
@@ -164,6 +176,13 @@ def _schema(train: RawTable, table: TableSpec, task: str, features: list[str], c
                                 "(data.table.drop) or raise the bound")
             out.append(Feature(name, "categorical", table.missing_categorical, categories=categories))
     return TableSchema(task, table.target, classes, out)
+
+
+def _unseen(values: np.ndarray, categories: list[str]) -> int:
+    """Test values of a categorical column that no training row holds; a missing value is not a category
+    (the feature's missing count reports it), whether or not `<missing>` occurred in training."""
+    known = set(categories) | {MISSING_CATEGORY}
+    return sum(1 for v in values if str(v) not in known)
 
 
 def _labels(values: np.ndarray, classes: list[str] | None) -> np.ndarray:
@@ -210,7 +229,8 @@ def prepare_table(data: DataSpec, task: str, seed: int) -> PreparedTable:
     features = _feature_names(raw, table)
     type_report = [{"name": n, "kind": raw.kinds[n]} for n in features]
     counts: dict[str, int] = {}
-    cleaned = _clean(raw, table, task, features, counts)
+    dedup: dict[str, Any] = {"policy": table.dedup, "key": table.dedup_key}
+    cleaned = _clean(raw, table, task, features, counts, dedup)
     classes = None
     if task == "tabular_classification":
         classes = _classes(cleaned.columns[table.target])
@@ -231,8 +251,8 @@ def prepare_table(data: DataSpec, task: str, seed: int) -> PreparedTable:
     if classes is not None:
         balance = {name: {c: int((splits[which].y == i).sum()) for i, c in enumerate(classes)}
                    for which, name in ((TRAIN, "train"), (VALID, "validation"), (TEST, "test"))}
-    unseen = {f.name: int(np.isnan(splits[TEST].x[:, j]).sum() - (parts[TEST].columns[f.name] == MISSING_CATEGORY).sum())
-              for j, f in enumerate(schema.features) if f.kind == "categorical"}
+    unseen = {f.name: _unseen(parts[TEST].columns[f.name], f.categories)
+              for f in schema.features if f.kind == "categorical"}
     stats = {
         "rows_read": raw.rows,
         "rows_used": cleaned.rows,
@@ -247,6 +267,7 @@ def prepare_table(data: DataSpec, task: str, seed: int) -> PreparedTable:
             RawTable({table.target: parts[TRAIN].columns[table.target]}, {table.target: NUMERIC}, [], np.zeros(0), np.zeros(0)),
             [table.target])[0],
         "unseen_categories_in_test": {k: v for k, v in unseen.items() if v},
+        "dedup": dedup,
         "missing_policy": {"numeric": table.missing_numeric, "categorical": table.missing_categorical},
         "inputs": raw.input_fingerprints,
     }

@@ -83,8 +83,20 @@ def plot_samples(pixels: np.ndarray, labels: np.ndarray, class_names: list[str],
 
 def _removed_lines(removed: dict[str, int]) -> list[str]:
     reasons = {"missing_target": "no target value", "missing_label": "no label", "duplicate_rows": "exact duplicate row",
+               "duplicate_keys": "a row whose data.table.dedup_key repeats an earlier row's",
                "duplicate_images": "exact duplicate image (pixels and label)"}
     return [f"| {reasons.get(k, k.replace('missing_', 'missing value in column '))} | {v:,} |" for k, v in removed.items()]
+
+
+def _dedup_lines(dedup: dict[str, Any] | None) -> list[str]:
+    """The duplicate policy and the exact duplicates found, stated whether or not they were removed."""
+    if not dedup:
+        return []
+    found = dedup["exact_duplicate_rows"]
+    policy = {"none": "none (every row kept)", "rows": "rows (exact duplicate rows removed)",
+              "key": f"key (rows repeating an earlier row's {dedup['key']} removed)"}[dedup["policy"]]
+    repeat = f"{found:,} row{'s repeat' if found != 1 else ' repeats'} an earlier row exactly in every column read"
+    return [f"Duplicates (data.table.dedup): {policy}; {repeat}" + (" (kept)" if dedup["policy"] == "none" and found else "")]
 
 
 def write_table_report(out_dir: Path, stats: dict[str, Any], train_columns: dict[str, np.ndarray],
@@ -103,7 +115,7 @@ def write_table_report(out_dir: Path, stats: dict[str, Any], train_columns: dict
              + ", ".join(f"{k} {v:,}" for k, v in stats["split"]["counts"].items()),
              f"- missing values: numeric `{stats['missing_policy']['numeric']}`, categorical "
              f"`{stats['missing_policy']['categorical']}`", "", "## Removed", "", "| reason | rows |", "| --- | --- |",
-             *_removed_lines(stats["removed"]), ""]
+             *_removed_lines(stats["removed"]), "", *_dedup_lines(stats.get("dedup")), ""]
     if stats.get("class_balance"):
         classes = list(next(iter(stats["class_balance"].values())))
         lines += ["## Class balance", "", "| split | " + " | ".join(classes) + " |", "| --- |" + " --- |" * len(classes)]

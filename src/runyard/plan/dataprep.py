@@ -10,16 +10,14 @@ the fingerprint at the measured sha256 rate. Deduplication (hashes and signature
 When the dataset is already prepared in the cache (the run's own fingerprint finds it), preparation is
 just that fingerprint, timed here for real, and the facts (tokens, vocabulary) are the prepared ones.
 
-Other kinds of data (tables, images) are read by their tasks' own readers; here they are counted (rows,
-columns, images) from the files, and their preparation is estimated as reading every byte at the rate
-measured on the sample.
+Tables and images are read and checked by the run's own readers (plan/task_data.py), so the plan sees the
+rows, features, classes and image shape the run will, and refuses (exit 2) the data the run would; their
+preparation is that reading, timed (with or without calibration: the checks read everything anyway).
 """
 
 from __future__ import annotations
 
-import csv
 import hashlib
-import io
 import math
 import os
 import tempfile
@@ -27,19 +25,16 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
-import pyarrow.parquet as pq
-
 from runyard.data.budget import MemoryBudget
 from runyard.data.clean import clean_part
 from runyard.data.footprint import COMPRESSION_RATIO
 from runyard.data.partstore import PartReader
 from runyard.data.pipeline import dataset_fingerprint, fingerprint_inputs, load_prepared, resolve_cache_dir
-from runyard.data.sklearn_sets import load_bundled
 from runyard.data.sources import InputFile, read_bytes
 from runyard.data.tokenize import cpu_count
 from runyard.data.tokenizer import train_bpe
 from runyard.plan.recommend import DATA_KINDS, DataFacts
+from runyard.plan.task_data import check_task_data
 from runyard.spec.data import DataSpec
 
 SAMPLE_BYTES = 512 << 10  # text run through the data stage's steps to time them
@@ -49,7 +44,6 @@ POOL_START_S = 0.5  # starting the cleaning processes, stated
 REPORT_S = 1.0  # the data report and its plots, stated
 # Bytes/s of each step without a measurement (2 CPU cores of a 2020s x86 server, stdlib-like text).
 STATED_RATES = {"sha256": 500e6, "clean": 4e6, "bpe": 4e6, "encode": 2e6, "read": 200e6}
-IMAGE_SUFFIXES = (".png", ".jpg", ".jpeg")
 
 
 @dataclass(frozen=True)
@@ -88,11 +82,11 @@ def _text_bytes(spec: DataSpec, f: InputFile) -> int:
 def estimate_data(task: str, spec: DataSpec, seed: int, files: list[InputFile], cores: int,
                   cache_dir: Path | None = None, measure: bool = True) -> DataEstimate:
     """Facts and preparation time of `files` for `task` (see the module doc). `measure=False` times
-    nothing and takes the stated rates in STATED_RATES."""
+    nothing of a text corpus and takes the stated rates in STATED_RATES."""
     kind = DATA_KINDS[task]
     if kind == "text":
         return _estimate_text(spec, seed, files, cores, cache_dir, measure)
-    return _estimate_other(kind, spec, files, measure)
+    return _estimate_other(task, kind, spec, seed, files)
 
 
 def _estimate_text(spec: DataSpec, seed: int, files: list[InputFile], cores: int, cache_dir: Path | None,
@@ -258,92 +252,17 @@ def _time(fn) -> float:
     return time.perf_counter() - t0
 
 
-def _estimate_other(kind: str, spec: DataSpec, files: list[InputFile], measure: bool) -> DataEstimate:
-    """Tables and images: counted from the files (and the scikit-learn sets the spec names); preparation is
-    reading them at the measured rate."""
-    total = sum(f.size for f in files)
-    if measure and files:
-        t0 = time.perf_counter()
-        read = 0
-        for f in files[:: max(1, len(files) // 50)]:
-            read += len(read_bytes(f.path))
-            if read >= SAMPLE_BYTES:
-                break
-        rate = max(1.0, read / max(time.perf_counter() - t0, 1e-6))
-        how = f"reading every byte at the rate measured on {read / 1e6:.2f} MB (the task's own steps are not timed)"
-    else:
-        rate = STATED_RATES["read"]
-        how = f"reading every byte at a stated {rate / 1e6:g} MB/s"
-    facts = _tabular_facts(files, _target(spec)) if kind == "tabular" else _image_facts(files)
-    facts = _with_bundled(facts, [s.path for s in spec.sources if s.format == "sklearn"], _target(spec))
-    return DataEstimate(facts, total / rate + REPORT_S, {"read": total / rate, "report": REPORT_S}, how, False,
-                        text_bytes=total)
-
-
-def _target(spec: DataSpec) -> str | None:
-    return spec.table.target if spec.table is not None else None
-
-
-def _tabular_facts(files: list[InputFile], target: str | None) -> DataFacts:
-    """Rows and features of the tables, and the target column's distinct values (its classes, when the
-    task classifies; the plan ignores them for regression)."""
-    rows, columns = 0, 0
-    values: set[str] = set()
-    for f in files:
-        if f.path.endswith(".parquet"):
-            table = pq.ParquetFile(f.path)
-            rows += table.metadata.num_rows
-            columns = max(columns, table.metadata.num_columns)
-            if target in table.schema_arrow.names:
-                values |= {str(v) for v in pq.read_table(f.path, columns=[target]).column(0).unique().to_pylist()}
-        else:
-            text = read_bytes(f.path).decode("utf-8", errors="replace")
-            reader = csv.reader(io.StringIO(text), delimiter="\t" if f.path.endswith(".tsv") else ",")
-            header = next(reader, [])
-            columns = max(columns, len(header))
-            at = header.index(target) if target in header else None
-            for row in reader:
-                if row:
-                    rows += 1
-                    if at is not None and at < len(row):
-                        values.add(row[at])
-    return DataFacts("tabular", len(files), sum(f.size for f in files), rows=rows, features=max(0, columns - 1),
-                     classes=len(values) or None)
-
-
-def _with_bundled(facts: DataFacts, names: list[str], target: str | None) -> DataFacts:
-    """`facts` with the scikit-learn sets the spec names added (rows, features, classes, image shape)."""
-    for name in names:
-        bundled = load_bundled(name)
-        classes = len(set(bundled.target.tolist())) if bundled.target.dtype == object else None
-        shape = (1, *bundled.images.shape[1:]) if facts.kind == "image" and bundled.images is not None else None
-        features = int(np.prod(shape)) if shape else bundled.features.shape[1]
-        facts = replace(facts, rows=(facts.rows or 0) + len(bundled.target), features=facts.features or features,
-                        classes=max(facts.classes or 0, classes or 0) or None,
-                        image_shape=facts.image_shape or shape)
-    return facts
-
-
-def _image_facts(files: list[InputFile]) -> DataFacts:
-    """Images: a folder per class (PNG/JPEG; the first image's size) or .npz arrays (images first axis)."""
-    images, shape, classes = 0, None, set()
-    for f in files:
-        if f.path.endswith(".npz"):
-            with np.load(f.path, allow_pickle=False) as z:
-                arrays = [z[k] for k in z.files]
-            biggest = max(arrays, key=lambda a: a.ndim)
-            images += biggest.shape[0]
-            dims = biggest.shape[1:]
-            shape = shape or ((1, *dims) if len(dims) == 2 else (dims[-1], *dims[:-1]) if dims[-1] in (1, 3, 4) else dims)
-            labels = [a for a in arrays if a.ndim == 1 and a.shape[0] == biggest.shape[0]]
-            if labels:
-                classes |= set(np.unique(labels[0]).tolist())
-        elif f.path.lower().endswith(IMAGE_SUFFIXES):
-            images += 1
-            classes.add(Path(f.path).parent.name)
-    features = int(np.prod(shape)) if shape else None
-    return DataFacts("image", len(files), sum(f.size for f in files), rows=images, features=features,
-                     classes=len(classes) or None, image_shape=tuple(int(s) for s in shape) if shape else None)
+def _estimate_other(task: str, kind: str, spec: DataSpec, seed: int, files: list[InputFile]) -> DataEstimate:
+    """Tables and images: read and checked by the run's own readers (plan/task_data.py; DataRefused, exit
+    2, for data the run would refuse), their facts as the run will see them; preparation is that reading,
+    timed here, and the data report."""
+    checked = check_task_data(task, spec, seed)
+    s = checked.summary
+    facts = DataFacts(kind, len(files), sum(f.size for f in files), rows=s.rows, features=s.features,
+                      classes=s.classes, image_shape=s.image_shape)
+    how = "the run's own reader and checks on every row, timed here; the report stated"
+    return DataEstimate(facts, checked.seconds + REPORT_S, {"read": checked.seconds, "report": REPORT_S}, how, False,
+                        text_bytes=s.bytes or sum(f.size for f in files), extra={"data": checked.stats})
 
 
 def with_vocab(estimate: DataEstimate, vocab_size: int) -> DataEstimate:

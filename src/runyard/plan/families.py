@@ -1,8 +1,7 @@
 """What each task reads and which model family suits its data.
 
-`summarize_data(spec)` looks at a spec's data without preparing it (a table is read, an image folder is
-listed and one image decoded, a text corpus is only measured) and returns a `DataSummary`: the kind of
-data, rows, features, classes. `recommend_family(task, summary)` puts the family runyard.model.choice picks
+A `DataSummary` is the kind of data, rows, features, classes (plan/task_data.py's `summarize_data` makes
+one with the run's own readers; the run makes one from its prepared data). `recommend_family(task, summary)` puts the family runyard.model.choice picks
 for it (the rule `runyard plan` recommends by too) in words. The run uses both when a spec leaves
 `model.family` out.
 """
@@ -12,12 +11,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from runyard.data.images import read_images
-from runyard.data.sources import list_source_files
-from runyard.data.tabular import PreparedTable, prepare_table
+from runyard.data.tabular import PreparedTable
 from runyard.model.choice import choose_family, no_family_message
 from runyard.model.registry import FamilyUnavailable
-from runyard.spec.checks import IMAGE_TASK, LANGUAGE_MODEL, TABULAR_TASKS
+from runyard.spec.checks import IMAGE_TASK, LANGUAGE_MODEL
 
 
 @dataclass(frozen=True)
@@ -73,27 +70,3 @@ def table_summary(task: str, prepared: PreparedTable) -> DataSummary:
     classes = len(prepared.schema.classes) if prepared.schema.classes else None
     return DataSummary(task, "table", rows=rows, features=len(kinds), classes=classes,
                        numeric_features=kinds.count("numeric"), categorical_features=kinds.count("categorical"))
-
-
-def summarize_data(spec: Any) -> DataSummary:
-    """The spec's data summarised without preparing it (see the module's docstring)."""
-    task = spec.task
-    if task in TABULAR_TASKS:
-        return _summarize_table(spec)
-    if task == IMAGE_TASK:
-        return _summarize_images(spec)
-    files = [f for i, s in enumerate(spec.data.sources) for f in list_source_files(s, i)]
-    return DataSummary(task, "text", rows=len(files), features=0, bytes=sum(f.size for f in files))
-
-
-def _summarize_table(spec: Any) -> DataSummary:
-    # The run's own reader, so the summary sees the same columns, types and cleaning.
-    return table_summary(spec.task, prepare_table(spec.data, spec.task, seed=0))
-
-
-def _summarize_images(spec: Any) -> DataSummary:
-    images = read_images(spec.data)
-    n, c, h, w = images.pixels.shape
-    return DataSummary(spec.task, "images", rows=n, features=c * h * w, classes=len(images.class_names),
-                       image_shape=(c, h, w), bytes=int(images.pixels.nbytes))
-

@@ -43,6 +43,7 @@ from runyard.plan import sizing
 from runyard.plan.datacheck import check_spec_against_data
 from runyard.plan.records_in import check_records_in
 from runyard.plan.runlife import run_lifetime
+from runyard.plan.task_data import check_data_in
 from runyard.plan.weights_in import check_weights_in, run_vocab, weights_tokenizer_dir
 from runyard.reproduce import manifest as mf
 from runyard.run import predictive as run_predictive
@@ -481,6 +482,7 @@ def execute_run(
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     check_weights_in(spec)  # exit 2 before any work when the spec cannot run on its initial weights
     check_records_in(spec)  # exit 2 before any work when an sft/dpo record is bad (on_bad_record: error)
+    check_data_in(spec)  # exit 2 before any work when a table or the images cannot train the spec
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):

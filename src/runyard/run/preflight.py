@@ -1,5 +1,7 @@
 """Checks before any work: the spec's sources resolve to files (a glob that matches nothing fails
-here, not after the data stage has started), and the disk holds what the run will write.
+here, not after the data stage has started; an image_folder source is listed by the image reader's own
+`class_folders`), and the disk holds what the run will write. (A table's or images' content is checked
+by runyard.plan.task_data, which `runyard plan` and `runyard run` both call before any work.)
 
 `preflight(spec, run_dir)` gathers both for `runyard plan`; `check_run_disk(spec, run_dir)` refuses a run
 whose checkpoints and export will not fit (the data cache is checked by the data stage itself, once it
@@ -13,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runyard.data.footprint import data_need
+from runyard.data.images import image_folder_files
 from runyard.data.pipeline import resolve_cache_dir
 from runyard.data.sklearn_sets import LOADERS as BUNDLED_SETS
 from runyard.data.sources import InputFile, files_or_problem
-from runyard.errors import SpecError
+from runyard.errors import DataError, SpecError
 from runyard.plan.disk import run_dir_needs
+from runyard.plan.task_data import refusal
 from runyard.plan.weights_in import run_vocab
 from runyard.spec.data import DataSpec
 from runyard.spec.job import JobSpec, reference_hint, spec_warnings
@@ -84,7 +88,13 @@ def resolve_sources(spec: DataSpec) -> tuple[list[InputFile], list[SourceListing
             else:
                 listings.append(SourceListing(i, f"sklearn:{source.path}", 0, 0))
             continue
-        found, problem = files_or_problem(source, i, where)
+        if source.format == "image_folder":  # a folder of class folders (or a glob of images): the reader's listing
+            try:
+                found, problem = image_folder_files(source, i), None
+            except DataError as exc:
+                raise refusal(exc) from None  # as the run's own check words it (plan.task_data)
+        else:
+            found, problem = files_or_problem(source, i, where)
         if problem is not None:
             problems.append(problem)
             continue

@@ -5,9 +5,12 @@ its sections agree.
 
 from __future__ import annotations
 
+import logging
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+log = logging.getLogger(__name__)
 
 
 class _Strict(BaseModel):
@@ -40,7 +43,17 @@ class TableSpec(_Strict):
         default="category",
         description="a missing categorical value: `category` (its own category, `<missing>`), `drop_rows` or `error`",
     )
-    drop_duplicates: bool = Field(default=True, description="remove rows that repeat an earlier row exactly (features and target), counted")
+    dedup: Literal["none", "rows", "key"] = Field(
+        default="none",
+        description="exact duplicates: `none` (every row kept: distinct respondents may give identical answers), "
+        "`rows` (a row repeating an earlier row in every column read, dropped ones included, is removed) or `key` "
+        "(a row whose dedup_key columns repeat an earlier row's is removed; the first is kept). The data report "
+        "counts the exact duplicate rows either way",
+    )
+    dedup_key: list[str] | None = Field(
+        default=None,
+        description="with dedup `key`: the columns that identify a row (a respondent id, an order number)",
+    )
     split_key: str | None = Field(
         default=None,
         description="a column whose equal values always land in the same split (a patient, a customer), so no "
@@ -65,8 +78,27 @@ class TableSpec(_Strict):
         "id, most likely: drop it)",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy_drop_duplicates(cls, data: object) -> object:
+        # drop_duplicates (a boolean, once defaulting to true) became dedup; the old key still reads, mapped.
+        if isinstance(data, dict) and "drop_duplicates" in data:
+            data = dict(data)
+            old = data.pop("drop_duplicates")
+            if "dedup" in data:
+                raise ValueError("drop_duplicates is the old name of dedup: give dedup only")
+            if not isinstance(old, bool):
+                raise ValueError(f"drop_duplicates (deprecated: use dedup: rows | none | key) is true or false, got {old!r}")
+            data["dedup"] = "rows" if old else "none"
+            log.warning("data.table.drop_duplicates is deprecated: read as dedup: %s (write that instead)", data["dedup"])
+        return data
+
     @model_validator(mode="after")
     def _columns_distinct(self) -> TableSpec:
+        if self.dedup == "key" and not self.dedup_key:
+            raise ValueError("dedup: key needs dedup_key, the columns that identify a row")
+        if self.dedup != "key" and self.dedup_key:
+            raise ValueError(f"dedup_key {self.dedup_key} is used only with dedup: key (dedup is {self.dedup!r})")
         if self.target in self.drop or (self.features and self.target in self.features):
             raise ValueError(f"the target {self.target!r} cannot also be a feature or dropped")
         if self.split_key is not None and self.split_key == self.target:
