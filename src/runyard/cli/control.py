@@ -10,7 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from runyard.control.agent import LeaseJobSettings
+from runyard.control.agent import (
+    DEFAULT_DISK_FILES_PER_DEVICE,
+    DEFAULT_DISK_FLOOR_BYTES,
+    DEFAULT_DISK_PER_DEVICE,
+    LeaseJobSettings,
+)
 from runyard.control.client import ControlClient
 from runyard.control.daemon import DaemonOptions, detect_inventory, run_daemon
 from runyard.control.fetch import allowed_networks
@@ -74,8 +79,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                        help="memory a lease job may use per device it leases, e.g. 16G (default: this "
                        "machine's memory over its devices)")
     start.add_argument("--lease-max-file-size", type=_byte_size, metavar="BYTES",
-                       help="the largest file a lease job may write, e.g. 50G (default: no bound; its "
-                       "checkpoints must fit)")
+                       help="the largest file a lease job may write, e.g. 50G (default and at most: the "
+                       "lease's disk quota; its checkpoints must fit)")
+    start.add_argument("--lease-disk-per-device", type=_byte_size, default=DEFAULT_DISK_PER_DEVICE, metavar="BYTES",
+                       help="a lease's disk quota per device it leases, e.g. 100G: the most its work folder (run "
+                       "directory, HOME, TMPDIR, caches) may hold; a job past it stops as the tenant's failure "
+                       "(exit 8, disk_quota) (default 50G)")
+    start.add_argument("--lease-disk-files-per-device", type=_count, default=DEFAULT_DISK_FILES_PER_DEVICE,
+                       metavar="N", help="the most files a lease's work folder may hold, per device it leases "
+                       "(default %(default)d)")
+    start.add_argument("--disk-floor", type=_byte_size, default=DEFAULT_DISK_FLOOR_BYTES, metavar="BYTES",
+                       help="free space this machine keeps whatever its leases write, e.g. 20G: no lease is taken or "
+                       "started below it, and a job that takes the disk below it is stopped (the provider's "
+                       "failure, retried) (default 5G)")
+    start.add_argument("--lease-disk-watchdog", action="store_true",
+                       help="hold lease jobs to their disk quota with the launcher's watchdog (it totals the work "
+                       "folder every second and stops the job past its quota; the overshoot is one second's "
+                       "writes) instead of a loop-mounted filesystem of the quota's size, which the launcher "
+                       "uses when it runs as root with mkfs.ext4 and mount")
     start.add_argument("--lease-max-fetch", type=_byte_size, default=1 << 30, metavar="BYTES",
                        help="the most a lease's data URLs may hold in all, e.g. 500M (default 1G)")
     start.add_argument("--lease-env", action="append", default=[], metavar="NAME",
@@ -157,6 +178,12 @@ def _byte_size(text: str) -> int:
     return int(number) * units[unit]
 
 
+def _count(text: str) -> int:
+    if not text.strip().isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a whole number above 0")
+    return int(text)
+
+
 def _client(args: argparse.Namespace):
 
     return ControlClient.for_state_dir(args.state_dir)
@@ -196,7 +223,10 @@ def _options(args: argparse.Namespace):
                                       endpoint_host=args.endpoint_host, endpoint_public_host=args.endpoint_public_host,
                                       probe_interval_s=args.probe_interval, unhealthy_restart_s=args.unhealthy_restart,
                                       startup_grace_s=args.startup_grace, env_cache=args.lease_env_cache,
-                                      keep_finished_s=args.keep_finished_leases)
+                                      keep_finished_s=args.keep_finished_leases,
+                                      disk_per_device=args.lease_disk_per_device,
+                                      disk_files_per_device=args.lease_disk_files_per_device,
+                                      disk_floor_bytes=args.disk_floor, disk_kernel=not args.lease_disk_watchdog)
     return DaemonOptions(config=config, backend=args.backend, port=args.port, slurm=slurm,
                          market_url=args.market, provider_key=args.provider_key,
                          usage_interval_s=args.usage_interval, lease_jobs=args.lease_jobs,

@@ -9,16 +9,20 @@ the local backend and on a cluster. podman needs images, subordinate ids and (ro
 per-user service; Apptainer needs images too and is not in Debian's archive.
 
 Inside the sandbox a job sees:
-- read-only: /usr (and the /bin, /lib, ... links into it), a few files of /etc (the dynamic
-  linker's cache, the time zone, a passwd/group naming only the job's user), the runtime (the
-  interpreter's prefix, the virtual environment, the folder runyard is imported from), and its
-  lease folder (its spec, the demand's files and fetched URLs, see `runyard.control.lease_job`);
+- read-only: /usr (and the /bin, /lib, ... links into it) with /usr/local an empty folder, a few
+  files of /etc (the dynamic linker's cache, the time zone, a passwd/group naming only the job's
+  user), the least of the runtime (the interpreter file and its standard library, the virtual
+  environment, runyard's package folder: `runyard.control.sandbox_runtime` says exactly what and
+  why), and its lease folder (its spec, the demand's files and fetched URLs, see
+  `runyard.control.lease_job`);
   a spec job runs in the demand's files folder, so its spec names them by the tenant's own paths;
 - writable: only the lease's `work/` folder (its run directory, HOME, TMPDIR, caches), and an
   empty /tmp in memory (charged to the job's memory limit); everything else, the sandbox's own
   root included, is read-only;
-- a private /proc (its own processes only), a minimal /dev, and the device nodes of the GPUs
-  allocated to it (with /sys read-only for the driver), nothing else;
+- a private /proc (its own processes only), a minimal /dev, and for the GPUs allocated to it their
+  device nodes, found by the GPUs' identity, and only the /sys entries the GPU runtime reads (their
+  PCI devices, the nvidia modules: `runyard.control.gpu_nodes`), with the folders under /usr/local
+  the dynamic linker's configuration names (a CUDA toolkit's libraries), nothing else;
 - no network at all (a network namespace of its own, holding only loopback; the demand's data URLs
   are fetched by the launcher before the job starts, see `runyard.control.fetch`). A deployment's
   server (a standing lease) listens on that loopback, and its one way in is a Unix socket in the
@@ -62,13 +66,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import runyard
-from runyard.control import disk_quota, lease_env
+from runyard.control import disk_quota, gpu_nodes, lease_env
 from runyard.control import limits as job_limits
 from runyard.control.disk_quota import DiskQuota, DiskShort
 from runyard.control.fetch import FetchError, allowed_networks, fetch_all
+from runyard.control.gpu_nodes import GpuBinds, GpuMappingError
+from runyard.control.sandbox_runtime import USR_LOCAL, Runtime, SandboxUnavailable, runtime
 from runyard.control.states import EXIT_DISK_QUOTA
-from runyard.errors import EXIT_BAD_SPEC, EXIT_OUT_OF_MEMORY, RunyardError
+from runyard.errors import EXIT_BAD_SPEC, EXIT_OUT_OF_MEMORY
 from runyard.reproduce.errors import EnvironmentBuildFailed, ReproduceError
 from runyard.system.files import atomic_write_text
 
@@ -78,13 +83,9 @@ CONTROL_ENV = ("RUNYARD_CONTROL_JOB", "RUNYARD_JOB_ID", "RUNYARD_RESTART_COUNT",
                "RUNYARD_DEVICES", "CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS")
 ETC_FILES = ("/etc/ld.so.cache", "/etc/ld.so.conf", "/etc/ld.so.conf.d", "/etc/localtime", "/etc/alternatives")
 TOP_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
-NVIDIA_CONTROL = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset", "/dev/nvidia-caps")
+LD_SO_CONF = "/etc/ld.so.conf"
 DEFAULT_TMPFS_BYTES = 1 << 30
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
-
-
-class SandboxUnavailable(RunyardError):
-    """bubblewrap cannot run lease jobs on this machine; the message says why."""
 
 
 @dataclass
@@ -146,19 +147,38 @@ def wrap_argv(argv: list[str], policy_path: str | Path) -> list[str]:
     return [sys.executable, "-m", "runyard.control.sandbox", str(policy_path), "--", *argv]
 
 
-def runtime_paths() -> list[str]:
-    """What the job needs to run runyard, shown read-only: interpreter prefixes, the virtual
-    environment, the folder runyard is imported from. Paths under /usr are covered by /usr itself."""
-    candidates = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix,
-                  str(Path(runyard.__file__).resolve().parents[1]),
-                  str(Path(sys.executable).parent), str(Path(os.path.realpath(sys.executable)).parent.parent)]
-    out: list[str] = []
-    for path in sorted({os.path.realpath(p) for p in candidates} | set(candidates), key=len):
-        if path in ("/", "/usr") or path.startswith("/usr/") or not os.path.isdir(path):
-            continue
-        if not any(path == p or path.startswith(p + "/") for p in out):
-            out.append(path)
-    return out
+def runtime_paths(python: str | None = None) -> list[str]:
+    """The folders and files the sandbox binds read-only for `python`'s runtime (None: this one's,
+    with runyard's package), see `runyard.control.sandbox_runtime`."""
+    return runtime(python, package=python is None).ro
+
+
+def usr_local_library_dirs(conf: str = LD_SO_CONF) -> list[str]:
+    """The folders under /usr/local the dynamic linker's configuration names (a CUDA toolkit's, a
+    driver's compat libraries): a GPU job's libraries may be there, and the linker's cache points in."""
+    found: list[str] = []
+    seen: set[str] = set()
+
+    def read(path: str) -> None:
+        if path in seen:
+            return
+        seen.add(path)
+        try:
+            lines = Path(path).read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("include "):
+                pattern = line.split(None, 1)[1]
+                base = Path(pattern if pattern.startswith("/") else str(Path(path).parent / pattern))
+                for inc in sorted(base.parent.glob(base.name)):
+                    read(str(inc))
+            elif line.startswith(USR_LOCAL + "/") and os.path.isdir(line) and line not in found:
+                found.append(line)
+
+    read(conf)
+    return found
 
 
 def sandbox_env(policy: SandboxPolicy, parent: dict[str, str], python: Path | None = None) -> dict[str, str]:
@@ -174,7 +194,9 @@ def sandbox_env(policy: SandboxPolicy, parent: dict[str, str], python: Path | No
         PYTHONUNBUFFERED="1", PYTHONSAFEPATH="1", PYTHONNOUSERSITE="1", PYTHONDONTWRITEBYTECODE="1",
     )
     if python is None:
-        env["PYTHONPATH"] = str(Path(runyard.__file__).resolve().parents[1])
+        pythonpath = runtime().pythonpath  # the parent of runyard's package, where nothing else is shown
+        if pythonpath:
+            env["PYTHONPATH"] = pythonpath
     return env
 
 
@@ -187,19 +209,22 @@ def allocated_devices(env: dict[str, str] | os._Environ) -> list[str]:
     return devices
 
 
-def _gpu_nodes(devices: list[str]) -> list[str]:
-    indices = [d.split(":", 1)[1] for d in devices if d.startswith("cuda:")]
-    return [f"/dev/nvidia{i}" for i in indices if i.isdigit()]
-
-
 def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], info_fd: int | None = None,
-               extra_ro: tuple[str, ...] = (), extra_rw: tuple[str, ...] = ()) -> list[str]:
+               extra_ro: tuple[str, ...] = (), extra_rw: tuple[str, ...] = (), gpus: GpuBinds | None = None,
+               shown: Runtime | None = None) -> list[str]:
     """The bwrap command line that runs `command` with only what the module docstring lists, and
     `extra_ro` read-only (an environment built from the job's lock), `extra_rw` writable (that
-    environment while it is installed)."""
+    environment while it is installed). `gpus`: the allocated GPUs' binds (default: found for
+    `devices`, see `runyard.control.gpu_nodes`); `shown`: the runtime (default: this interpreter's)."""
     root, work = Path(policy.root), policy.work
+    shown = shown or runtime()
+    gpus = gpus if gpus is not None else gpu_nodes.find(devices)
     args = [BWRAP, "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
             "--hostname", f"lease-{policy.lease_id}", "--ro-bind", "/usr", "/usr"]
+    # /usr/local: an empty folder (made read-only below); only what the runtime or a GPU's libraries
+    # need of it is bound on it. A provider keeps its own builds and tools there.
+    empty = [USR_LOCAL] if os.path.isdir(USR_LOCAL) and not os.path.islink(USR_LOCAL) else []
+    args += [a for path in empty for a in ("--tmpfs", path)]
     # /tmp first: whatever lives under /tmp and must be seen (the runtime, when runyard or its venv sit
     # in /tmp; a lease folder, as in tests) is then mounted on top of the empty /tmp, not hidden by it.
     # Both tmpfs have a size: a job filling them meets ENOSPC, never the provider's memory (where no
@@ -215,20 +240,31 @@ def bwrap_argv(policy: SandboxPolicy, devices: list[str], command: list[str], in
     for path in ETC_FILES:
         args += ["--ro-bind-try", path, path]
     args += ["--ro-bind", str(root / "passwd"), "/etc/passwd", "--ro-bind", str(root / "group"), "/etc/group"]
-    for path in runtime_paths():
+    for path in shown.ro:
         args += ["--ro-bind", path, path]
+    for path, target in shown.links:
+        args += ["--symlink", target, path]
+    for path in shown.hidden:  # the base installation's site-packages, which the job's venv does not use
+        args += ["--tmpfs", path]
+    empty += shown.hidden
     args += ["--ro-bind", str(root), str(root), "--bind", str(work), str(work)]
     for path in extra_ro:
         args += ["--ro-bind", path, path]
     for path in extra_rw:
         args += ["--bind", path, path]
-    gpus = _gpu_nodes(devices)
-    if gpus:
-        for node in (*NVIDIA_CONTROL, *gpus):
+    if gpus.nodes:
+        for node in gpus.nodes:
             args += ["--dev-bind-try", node, node]
-        args += ["--ro-bind", "/sys", "/sys"]
-    # The sandbox's own root and /dev's tmpfs too: nothing writable but work/, /tmp and /dev/shm.
-    args += ["--remount-ro", "/", "--remount-ro", "/dev"]
+        for path in gpus.sys_paths:  # /sys/bus/pci/devices/<id> is a link to the device's real folder
+            real = os.path.realpath(path)
+            args += ["--ro-bind-try", real, real]
+            if real != path:
+                args += ["--symlink", real, path]
+        for path in usr_local_library_dirs():
+            args += ["--ro-bind", path, path]
+    # The sandbox's own root, /dev's tmpfs and the empty folders too: nothing writable but work/,
+    # /tmp and /dev/shm.
+    args += ["--remount-ro", "/", "--remount-ro", "/dev", *(a for path in empty for a in ("--remount-ro", path))]
     if info_fd is not None:
         args += ["--info-fd", str(info_fd)]
     return [*args, "--chdir", str(policy.job_cwd), "--", *command]
@@ -322,6 +358,15 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
         return _fail(policy, str(exc), 128 + signal.SIGKILL)
     env = sandbox_env(policy, dict(os.environ), python)
     devices = allocated_devices(os.environ)
+    gpus = GpuBinds()
+    try:
+        shown = runtime() if python is None else runtime(str(python), package=False)
+        if not policy.unconfined:
+            gpus = gpu_nodes.find(devices)
+    except (SandboxUnavailable, GpuMappingError) as exc:  # this provider's setup, not the tenant's job
+        return _fail(policy, str(exc), 128 + signal.SIGKILL)
+    if gpus.visible:  # CUDA inside names the allocated GPUs by UUID: no index can mean another GPU
+        env["CUDA_VISIBLE_DEVICES"] = gpus.visible
     limits = job_limits.Limits(memory_bytes=policy.memory_bytes, max_file_bytes=policy.max_file_bytes)
     cgroup = job_limits.cgroup_name(policy.root, policy.lease_id, os.environ.get("RUNYARD_JOB_ID", "x"))
     job_limits.apply(limits, devices, cgroup)
@@ -337,7 +382,8 @@ def launch(policy: SandboxPolicy, command: list[str]) -> int:
     else:
         read_fd, write_fd = os.pipe()
         env_root = (str(Path(python).parent.parent.parent),) if python is not None else ()
-        argv, cwd = bwrap_argv(policy, devices, command, info_fd=write_fd, extra_ro=env_root), None
+        argv, cwd = bwrap_argv(policy, devices, command, info_fd=write_fd, extra_ro=env_root, gpus=gpus,
+                               shown=shown), None
     try:
         # Its own process group: a signal to the launcher's group (the backend stopping the job)
         # reaches the launcher, which passes it on to the job's processes only (see _Forwarder).
@@ -392,7 +438,16 @@ def _confined(policy: SandboxPolicy, command: list[str], writable: Path) -> None
     if policy.unconfined:
         argv, cwd = command, str(policy.work)
     else:
-        argv, cwd = bwrap_argv(policy, [], command, extra_rw=(str(writable),)), None
+        # The install makes the venv with the lock's interpreter (build.json), which may be another one.
+        build = writable / "build.json"
+        interpreter = json.loads(build.read_text()).get("interpreter") if build.is_file() else None
+        shown = runtime()
+        if interpreter:
+            try:
+                shown = shown.merge(runtime(interpreter, package=False))
+            except SandboxUnavailable as exc:
+                raise EnvironmentBuildFailed(str(exc)) from None
+        argv, cwd = bwrap_argv(policy, [], command, extra_rw=(str(writable),), gpus=GpuBinds(), shown=shown), None
     proc = subprocess.run(argv, env=env, cwd=cwd, capture_output=True, text=True, stdin=subprocess.DEVNULL,
                           timeout=lease_env.PIP_TIMEOUT_S)
     if proc.returncode != 0:
