@@ -276,3 +276,19 @@ def test_over_http_a_revoked_provider_is_refused_in_the_error_envelope(store_url
         assert (err.value.status, err.value.code) == (409, "conflict")
         assert_audit_ok(market)
     market.store.dispose()
+
+
+def test_a_revoked_operator_is_refused_inside_the_transaction(world):
+    """An operator authenticated before another operator revoked it can credit, decide or resolve
+    nothing: each operation reads its state again in its own transaction."""
+    w, m = world, world.market
+    second = identity.authenticate(m, identity.create_operator(m, "ops2")["token"])
+    identity.decide(m, w.ops.actor, "ops2", False, "left the company")
+    with pytest.raises(NotVerified):
+        funds.credit(m, second, CreditIn(account="t", amount=5, reason="x"), "c")
+    with pytest.raises(NotVerified):
+        identity.decide(m, second.actor, "p", False, "revenge")
+    running = w.lease_in("running")
+    with pytest.raises(NotVerified):
+        revocation.decide_held(m, second, running["id"], HeldDecisionIn(decision="refund", reason="x"), "h")
+    assert w.who("p").state == "verified" and w.lease(running["id"])["state"] == "running"

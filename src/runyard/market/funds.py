@@ -149,6 +149,7 @@ def credit(market: Market, principal: Principal, body: CreditIn, key: str | None
     principal.require_role("operator")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("credit accounts", conn)  # a revoked operator, now
         tenant = _tenant(conn, body.account)
         transfer_id = _credit_tenant(
             conn, tenant["id"], body.amount, "operator_credit", principal.actor, now, daily=False
