@@ -141,7 +141,7 @@ def test_full_market_flow(store_url):
         p2.client.withdraw(1715, payout_method(p2.client))
         assert p2.client.statement()["totals"] == {
             "charged_to_tenants": 1750, "fees": 35, "earned": 1715, "withdrawn": 1715, "earnings_balance": 0,
-            "reconciles": True,
+            "held": 0, "held_refunded": 0, "reconciles": True,
         }  # fmt: skip
         assert ops.audit()["ok"]
     assert_audit_ok(market)

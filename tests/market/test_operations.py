@@ -106,6 +106,7 @@ def _admin_required(name: str) -> list[str]:
         "credit": ["--account", "a", "--amount", "1", "--reason", "x"],
         "resolve_dispute": ["7", "--outcome", "upheld", "--reason", "x"],
         "set_fee": ["--fee-bps", "10"],
+        "decide_held_earnings": ["7", "--decision", "refund", "--reason", "x"],
     }.get(name, [])
 
 

@@ -145,6 +145,51 @@ def test_a_renewal_the_tenant_cannot_fund_ends_the_lease_at_the_close(world):
     assert_audit_ok(market)
 
 
+def test_a_period_without_any_availability_record_is_not_renewed(world):
+    """The rule (periods._why_it_ends): after the committed term, a period in which the provider reported
+    no availability at all ends the lease at its close (`no_availability`); no renewal is funded, so a
+    silent provider never keeps the tenant's money locked period after period. Inside the term the
+    periods are prepaid and run on."""
+    p, t, ops, market = world["p"], world["t"], world["ops"], world["market"]
+    p.create_listing(**standing_listing())
+    lease = _running(world, term=2)
+    before = t.balances()["accounts"][0]["available"]
+    ops.advance_clock(PERIOD)
+    ops.sweep()  # period 1 had no record, but period 2 is committed (prepaid): it runs
+    assert t.lease(lease["id"])["state"] == "running"
+    ops.advance_clock(PERIOD)
+    ops.sweep()  # period 2 closes silent: no renewal
+    ended = t.lease(lease["id"])
+    assert (ended["state"], ended["end_reason"], ended["escrow_amount"]) == (
+        "window_closed", "no_availability", lease["escrow_amount"])
+    # Nothing more was locked (period 1, settled meanwhile, gave its unused price back).
+    assert t.balances()["accounts"][0]["available"] >= before
+    assert [e for e in t.statement()["entries"] if e["reason"] == "renewal_fund"] == []
+    assert [x["funding"] for x in t.lease_periods(lease["id"])] == ["prepaid", "prepaid"]
+    assert p.listings(mine=True)[0]["reserved"] == 0
+    ops.advance_clock(101)
+    ops.sweep()
+    settled = t.lease(lease["id"])
+    assert (settled["state"], settled["paid_provider"], settled["refunded"]) == ("settled", 0, lease["escrow_amount"])
+    assert t.statement()["totals"]["reconciles"]
+    assert_audit_ok(market)
+
+
+def test_one_record_in_a_period_is_enough_to_renew(world):
+    p, t, ops, market = world["p"], world["t"], world["ops"], world["market"]
+    p.create_listing(**standing_listing())
+    lease = _running(world, term=1)
+    ops.advance_clock(PERIOD)
+    p.report_availability(lease["id"], 1, lease["started_at"], lease["started_at"] + 60, 0, 6, 0, 0)  # down, but said so
+    ops.sweep()
+    renewed = t.lease(lease["id"])
+    assert renewed["state"] == "running" and renewed["escrow_amount"] == lease["escrow_amount"] + lease["renewal_price"]
+    ops.advance_clock(PERIOD)
+    ops.sweep()  # the renewed period closes with no record: the lease ends there
+    assert (t.lease(lease["id"])["state"], t.lease(lease["id"])["end_reason"]) == ("window_closed", "no_availability")
+    assert_audit_ok(market)
+
+
 def test_notice_ends_the_lease_after_the_notice_and_the_term(world):
     p, t, ops, market = world["p"], world["t"], world["ops"], world["market"]
     p.create_listing(**standing_listing())

@@ -2,7 +2,8 @@
 through the rail and out, listings and escrow-backed demands of both forms, every lease transition,
 usage, standing leases' availability records, tenant probes, notice and renewal, tenant
 measurements, acknowledgements, disputes and their resolution, settlement, clock jumps, idempotent
-retries) and checks every invariant (runyard.market.invariants) after every step, on SQLite and on
+retries, an operator revoking any party's verification -- and later restoring it, a suspension --
+and deciding a revoked provider's held earnings) and checks every invariant (runyard.market.invariants) after every step, on SQLite and on
 PostgreSQL.
 
 Each rule names the refusals it may meet (a lease in the wrong state, a closed window, a tenant
@@ -30,6 +31,7 @@ from runyard.market import (
     invariants,
     leases,
     orders,
+    revocation,
     settlement,
     statements,
     usage,
@@ -40,6 +42,7 @@ from runyard.market.errors import (
     Conflict,
     InsufficientFunds,
     InvalidTransition,
+    NotVerified,
     UsageRejected,
 )
 from runyard.market.models import (
@@ -49,6 +52,7 @@ from runyard.market.models import (
     DemandIn,
     DisputeIn,
     EndIn,
+    HeldDecisionIn,
     ListingIn,
     MeasurementIn,
     PayoutMethodIn,
@@ -58,8 +62,8 @@ from runyard.market.models import (
     WithdrawIn,
 )
 from runyard.market.payloads import availability_record, lease_terms, measurement, tenant_probes, usage_record
+from runyard.market.schema import accounts, disputes, lease_periods, usage_records
 from runyard.market.schema import demands as demands_table
-from runyard.market.schema import disputes, lease_periods, usage_records
 from runyard.market.schema import leases as leases_table
 from runyard.market.signing import generate_keypair, sign
 from runyard.market.standing import AvailabilityIn, NoticeIn, ProbesIn
@@ -80,7 +84,8 @@ SETTINGS = settings(
 )
 # What a random walk must have reached, summed over the examples (see the module docstring).
 MUST_REACH = ("lease settled", "lease expired", "dispute resolved", "dispute from a measurement",
-              "standing lease settled", "period settled", "period renewal")
+              "standing lease settled", "period settled", "period renewal", "provider revoked", "tenant revoked",
+              "earnings held", "held earnings decided")
 STANDING_KIND = "l4"
 STANDING_PERIOD = 600
 
@@ -129,11 +134,12 @@ def machine_for(url_factory, backend: str):
             ):
                 event(f"lease reached {state}")
                 REACHED[f"lease {state}"] += 1
-            for state in self.market.read(
-                lambda c, n: c.execute(select(leases_table.c.state).where(leases_table.c.form == "standing"))
-                .scalars().all()
+            for state, why in self.market.read(
+                lambda c, n: c.execute(select(leases_table.c.state, leases_table.c.end_reason)
+                                       .where(leases_table.c.form == "standing")).all()
             ):
                 REACHED[f"standing lease {state}"] += 1
+                REACHED[f"standing lease ended: {why}"] += why is not None
             for state, funding in self.market.read(
                 lambda c, n: c.execute(select(lease_periods.c.state, lease_periods.c.funding)).all()
             ):
@@ -212,7 +218,7 @@ def machine_for(url_factory, backend: str):
                 max_price_per_device_hour=price, form="standing",
                 standing={"period_s": STANDING_PERIOD, "term_periods": term},
             )
-            self.attempt(InsufficientFunds, orders.place_demand, self.market, self.who(tenant), body,
+            self.attempt((InsufficientFunds, NotVerified), orders.place_demand, self.market, self.who(tenant), body,
                          f"sdem-{next(self.keys_made)}")
 
         @rule(data=st.data(), side=st.sampled_from(["tenant", "provider"]))
@@ -226,10 +232,11 @@ def machine_for(url_factory, backend: str):
             assert result["ends_at"] is not None and result["ends_at"] >= lease["started_at"] + \
                 lease["period_s"] * lease["term_periods"]
 
-        @rule(data=st.data(), how=st.sampled_from(["notice", "nonpayment", "provider_ends"]))
+        @rule(data=st.data(), how=st.sampled_from(["notice", "nonpayment", "provider_ends", "renew"]))
         def finish_standing(self, data, how):
             """Drive a standing lease through periods to its settlement: the tenant's notice, a renewal it
-            cannot fund (its balance withdrawn), or a provider that ends it inside a period."""
+            cannot fund (its balance withdrawn), a provider that ends it inside a period, or renewals past
+            its term (each period reported) until a period without a record ends it (no_availability)."""
             ids = self.ids(leases_table, state=["offered", "accepted", "running"], form=["standing"])
             if not ids:
                 self.standing_demand("t1", 1, 1, 600)
@@ -249,13 +256,15 @@ def machine_for(url_factory, backend: str):
                 self.attempt((InvalidTransition, Conflict), leases.terminate, self.market, self.who(provider),
                              lease["id"], EndIn(reason_code="hardware_failure"), f"pend-{next(self.keys_made)}")
             else:
-                if how == "notice":
+                if how == "renew":
+                    pass  # no notice: it renews after its term, while the periods have records
+                elif how == "notice":
                     standing_ops.give_notice(self.market, self.who(tenant), lease["id"], NoticeIn(),
                                              f"notice-{next(self.keys_made)}")
                 else:
                     available = funds.balances(self.market, self.who(tenant))["accounts"][0]["available"]
                     if available:
-                        self.attempt(InsufficientFunds, funds.withdraw, self.market, self.who(tenant),
+                        self.attempt((InsufficientFunds, NotVerified), funds.withdraw, self.market, self.who(tenant),
                                      WithdrawIn(amount=available, payout_method_id=self.payout[tenant]),
                                      f"wd-all-{next(self.keys_made)}")
                 for _ in range(lease["term_periods"] + 1):
@@ -366,7 +375,8 @@ def machine_for(url_factory, backend: str):
         @rule(name=st.sampled_from(["t1", "t2", "p1", "p2"]), amount=st.integers(1, 80_000))
         def withdraw(self, name, amount):
             body = WithdrawIn(amount=amount, payout_method_id=self.payout[name])
-            self.attempt(InsufficientFunds, funds.withdraw, self.market, self.who(name), body, f"wd-{name}-{amount}")
+            self.attempt((InsufficientFunds, NotVerified), funds.withdraw, self.market, self.who(name), body,
+                         f"wd-{name}-{amount}")
 
         # -- orders ---------------------------------------------------------------------------------
 
@@ -380,7 +390,7 @@ def machine_for(url_factory, backend: str):
                 price_per_device_hour=price, available_until=FAR, start_class="queued" if queued else "immediate",
                 max_queue_s=600 if queued else 0,
             )  # fmt: skip
-            orders.create_listing(self.market, self.who(provider), body)
+            self.attempt(NotVerified, orders.create_listing, self.market, self.who(provider), body)
 
         @rule(
             tenant=st.sampled_from(["t1", "t2"]), kinds=st.sets(st.sampled_from(KINDS), min_size=1),
@@ -396,7 +406,7 @@ def machine_for(url_factory, backend: str):
                 max_price_per_device_hour=price,
             )  # fmt: skip
             self.attempt(
-                InsufficientFunds,
+                (InsufficientFunds, NotVerified),
                 orders.place_demand,
                 self.market,
                 self.who(tenant),
@@ -430,7 +440,8 @@ def machine_for(url_factory, backend: str):
             provider, tenant = self.party(lease, "provider"), self.party(lease, "tenant")
             key = f"{action}-{lease['id']}-{self.market.now()}"
             end = EndIn(reason_code="other")
-            refusals = (InvalidTransition, Conflict)  # wrong state, or a deadline passed
+            # Wrong state, a deadline passed, or a provider whose verification is revoked.
+            refusals = (InvalidTransition, Conflict, NotVerified)
             if action == "accept":
                 signature = sign(self.keys[provider], lease_terms(lease, "USD"))
                 self.attempt(
@@ -501,7 +512,7 @@ def machine_for(url_factory, backend: str):
                 seq=seq, interval_start=start, interval_end=end, device_seconds=used, signature=signature
             )
             result = self.attempt(
-                UsageRejected,
+                (UsageRejected, NotVerified),
                 usage.report,
                 self.market,
                 self.who(provider),
@@ -525,7 +536,7 @@ def machine_for(url_factory, backend: str):
             body = AvailabilityIn(seq=seq, interval_start=start, interval_end=end, available_seconds=available,
                                   probes=probes, probes_ok=ok, requests=3,
                                   signature=sign(self.keys[provider], payload))
-            result = self.attempt(UsageRejected, standing_ops.report_availability, self.market, self.who(provider),
+            result = self.attempt((UsageRejected, NotVerified), standing_ops.report_availability, self.market, self.who(provider),
                                   lease["id"], body, f"avail-{lease['id']}-{seq}-{end}")
             if replay and lease["last_seq"]:
                 assert result is None, "a replayed sequence number was accepted"
@@ -609,6 +620,54 @@ def machine_for(url_factory, backend: str):
                 )
                 body = ResolveIn(outcome=outcome, device_seconds=value, reason="decided")
                 dispute_ops.resolve(self.market, self.operator, d["id"], body, f"res-{d['id']}")
+
+        # -- revocation -------------------------------------------------------------------------------
+
+        @rule(data=st.data(), name=st.sampled_from(["t1", "t2", "p1", "p2", "a provider at work"]),
+              wait=st.booleans(), decision=st.sampled_from(["release", "refund"]))
+        def suspend(self, data, name, wait, decision):
+            """The operator revokes a party (its trading ends at once: revocation.py), then -- after the
+            revoked provider's leases settled and their held earnings were released or refunded, when
+            `wait` -- verifies it again: a suspension lifted, so the walk goes on trading. "a provider
+            at work" is the provider of the oldest lease not yet settled, when there is one."""
+            if name == "a provider at work":
+                working = self.ids(leases_table, state=["running", "window_closed", "terminated", "accepted"])
+                name = self.party(self.row(leases_table, working[0]), "provider") if working else "p1"
+            who = self.who(name)
+            identity.decide(self.market, self.operator.actor, name, False, "suspended by the walk")
+            REACHED[f"{who.role} revoked"] += 1
+            self.revoked_parties_do_not_trade()
+            if wait:
+                self.advance(901 + 4000)  # past every window and dispute window: the held leases settle
+                self.sweep()
+            for lease_id in self.ids(leases_table, earnings_hold=["held"]):
+                REACHED["earnings held"] += 1
+                body = HeldDecisionIn(decision=decision, reason="the walk decides")
+                # Refused (409) while the lease has not settled: more may still be paid into the hold.
+                if self.attempt(Conflict, revocation.decide_held, self.market, self.operator, lease_id, body,
+                                f"held-{lease_id}-{self.market.now()}") is not None:
+                    REACHED["held earnings decided"] += 1
+            identity.request_verification(self.market, self.who(name), "again")
+            identity.decide(self.market, self.operator.actor, name, True, "reinstated")
+
+        @invariant()
+        def revoked_parties_do_not_trade(self):
+            """A party that is not verified has no open demand and no lease waiting to start; a provider
+            none running either."""
+            def read(conn, now):
+                out = []
+                for account_id, role in conn.execute(select(accounts.c.id, accounts.c.role).where(
+                        accounts.c.state != "verified", accounts.c.role.in_(("tenant", "provider")))).all():
+                    side = leases_table.c.provider_id if role == "provider" else leases_table.c.tenant_id
+                    live = ("offered", "accepted", "running") if role == "provider" else ("offered", "accepted")
+                    out += [f"lease {i} of {role} {account_id}" for i in conn.execute(select(leases_table.c.id).where(
+                        side == account_id, leases_table.c.state.in_(live))).scalars()]
+                    out += [f"demand {i} of {account_id}" for i in conn.execute(select(demands_table.c.id).where(
+                        demands_table.c.tenant_id == account_id, demands_table.c.state == "open")).scalars()]
+                return out
+
+            trading = self.market.read(read)
+            assert trading == [], trading
 
         # -- the invariants, after every step --------------------------------------------------------
 

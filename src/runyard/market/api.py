@@ -39,6 +39,7 @@ from runyard.market import (
     invariants,
     leases,
     orders,
+    revocation,
     settlement,
     statements,
     usage,
@@ -107,6 +108,7 @@ HANDLERS: dict[str, Handler] = {
     "lease_periods": lambda m, p, a: availability.lease_periods(m, p, a.lease_id),
     "pending_accounts": lambda m, p, a: identity.pending_accounts(m),
     "decide": lambda m, p, a: identity.decide(m, p.actor, a.account, a.body.approve, a.body.reason),
+    "decide_held_earnings": lambda m, p, a: revocation.decide_held(m, p, a.lease_id, a.body, a.key),
     "credit": lambda m, p, a: funds.credit(m, p, a.body, a.key),
     "resolve_dispute": lambda m, p, a: disputes.resolve(m, p, a.dispute_id, a.body, a.key),
     "set_fee": lambda m, p, a: {"fee_bps": m.set_fee(a.body.fee_bps, p.actor)["fee_bps"]},
@@ -268,7 +270,8 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
 
     def operator(principal: Annotated[Principal, Depends(who)]) -> Principal:
         principal.require_role("operator")
-        principal.require_verified("act as operator")
+        # An early, clear refusal; operations that change state check again inside their transaction.
+        market.read(lambda conn, now: principal.require_verified("act as operator", conn, lock=False))
         return principal
 
     async def rail_checked(

@@ -65,6 +65,7 @@ def report_availability(market: Market, principal: Principal, lease_id: int, bod
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("report availability", conn)  # nothing after a revocation
         lease = lease_for(conn, lease_id, principal, "provider")
         payload = availability_record(lease_id, body.seq, body.interval_start, body.interval_end,
                                       body.available_seconds, body.probes, body.probes_ok, body.requests,

@@ -110,6 +110,7 @@ def resolve(market: Market, principal: Principal, dispute_id: int, body: Resolve
     principal.require_role("operator")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("resolve disputes", conn)  # a revoked operator, now
         lease, row = _dispute_for(conn, dispute_id, principal)
         claimed, counter = row["claimed_device_seconds"], row["counter_device_seconds"]
         if body.outcome == PARTIAL:

@@ -9,6 +9,9 @@
   give_back return part of a standing lease's escrow to the tenant: a period's rest, or its credit
   top_up    fund a standing lease's renewed period from the tenant's available balance
 
+A lease whose provider was revoked (`earnings_hold` set) pays the provider's share into the lease's
+held account (`held_code`) instead of the provider's earnings; the operator releases or refunds it.
+
 Leases, matching and settlement call these; this module calls only the ledger, so nothing above
 it is ever called back.
 """
@@ -70,6 +73,18 @@ def fund(conn: Connection, pending_id: int, amount: int, lease_id: int, now: int
     )
 
 
+def held_code(lease_id: int) -> str:
+    return f"held:lease:{lease_id}"
+
+
+def provider_account(conn: Connection, lease: dict) -> int:
+    """Where a lease's provider share goes: its earnings, or its held account when the provider's
+    verification was revoked before the lease settled."""
+    if lease.get("earnings_hold"):
+        return ledger.open_account(conn, held_code(lease["id"]), "held_earnings", lease["provider_id"])
+    return ledger.account_id(conn, f"provider:{lease['provider_id']}:earnings")
+
+
 def available(conn: Connection, lease: dict) -> int:
     """What a lease's escrow still holds."""
     return ledger.balance(conn, lease["escrow_account_id"]).available
@@ -84,7 +99,7 @@ def pay(conn: Connection, lease: dict, to_provider: int, to_fees: int, actor: Ac
         )
     escrow = lease["escrow_account_id"]
     if to_provider:
-        earnings = ledger.account_id(conn, f"provider:{lease['provider_id']}:earnings")
+        earnings = provider_account(conn, lease)
         ledger.transfer(
             conn,
             escrow,

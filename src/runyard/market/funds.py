@@ -17,12 +17,11 @@ from sqlalchemy import Connection, func, select
 from sqlalchemy.exc import IntegrityError
 
 from runyard.market import ledger
-from runyard.market.errors import Conflict, Forbidden, LimitExceeded, NotFound
+from runyard.market.errors import Conflict, LimitExceeded, NotFound
 from runyard.market.models import CreditIn, PayoutMethodIn, RailEventIn, WithdrawIn
 from runyard.market.schema import accounts, ledger_accounts, payout_methods, rail_events, transfers
 from runyard.market.service import Market, Principal, audit
 from runyard.market.states import SYSTEM, Actor
-from runyard.market.states.identity import VERIFIED
 
 DAY = 86400
 IN_REASONS = ("deposit", "operator_credit")
@@ -150,6 +149,7 @@ def credit(market: Market, principal: Principal, body: CreditIn, key: str | None
     principal.require_role("operator")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("credit accounts", conn)  # a revoked operator, now
         tenant = _tenant(conn, body.account)
         transfer_id = _credit_tenant(
             conn, tenant["id"], body.amount, "operator_credit", principal.actor, now, daily=False
@@ -213,10 +213,9 @@ def withdraw(market: Market, principal: Principal, body: WithdrawIn, key: str | 
     """Pay out of the market (a tenant's available balance or a provider's earnings) to one of the
     caller's payout methods, after the checks in the module docstring."""
     principal.require_role("tenant", "provider")
-    if principal.state != VERIFIED:
-        raise Forbidden(f"{principal.name} is {principal.state}; only verified accounts may withdraw")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("withdraw", conn)
         method = (
             conn.execute(
                 select(payout_methods).where(

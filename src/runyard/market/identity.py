@@ -14,8 +14,9 @@ import secrets
 from sqlalchemy import Connection, select
 
 from runyard.market import ledger
-from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound, Unauthenticated
+from runyard.market.errors import BadRequest, Conflict, Forbidden, NotFound, NotVerified, Unauthenticated
 from runyard.market.matcher import match_open_demands
+from runyard.market.revocation import end_trading
 from runyard.market.schema import accounts
 from runyard.market.service import Market, Principal, audit
 from runyard.market.signing import check_public_key, generate_keypair
@@ -174,8 +175,12 @@ def request_verification(market: Market, principal: Principal, evidence: str) ->
 
 def _decide(conn: Connection, account_id: int, approve: bool, reason: str, actor: Actor, now: int) -> None:
     target = VERIFIED if approve else REJECTED
-    transition(conn, IDENTITY, account_id, target, actor, reason, now)
+    before = transition(conn, IDENTITY, account_id, target, actor, reason, now)
     audit(conn, actor, "identity.decide", f"account:{account_id}", now, state=target, reason=reason)
+    if before == VERIFIED:
+        # A revocation: the account's business ends in this same transaction (revocation.py).
+        role = conn.execute(select(accounts.c.role).where(accounts.c.id == account_id)).scalar_one()
+        end_trading(conn, account_id, role, actor, reason, now)
     if approve:
         # Orders waiting on this account may now match.
         match_open_demands(conn, now)
@@ -187,6 +192,12 @@ def decide(market: Market, actor: Actor, account: str | int, approve: bool, reas
         raise BadRequest("a verification decision needs a reason")
 
     def tx(conn: Connection, now: int) -> dict:
+        if actor.side == "operator" and actor.account_id:  # 0 or None: the console, with the store itself
+            # The deciding operator must still be verified now, not when it authenticated.
+            state = conn.execute(select(accounts.c.state).where(accounts.c.id == actor.account_id)
+                                 .with_for_update(read=True)).scalar_one()
+            if state != VERIFIED:
+                raise NotVerified(f"operator {actor.account_id} is {state}; only verified operators may decide")
         column = accounts.c.id if isinstance(account, int) or str(account).isdigit() else accounts.c.name
         key = int(account) if column is accounts.c.id else account
         if column is accounts.c.id and not 0 < int(key) < 2**63:

@@ -24,6 +24,9 @@ by the tests after every random step.
                         are the sums of its periods'; every settled period's figures are what its
                         accepted availability records give (standing.period_figures), and a settled
                         lease has every period settled.
+12. held_earnings       a lease's held account (a revoked provider's share, revocation.py) exists only
+                        for a lease whose earnings are held or were decided; it holds what settlement
+                        paid into it less what the decision moved out, and is empty once decided.
 """
 
 from __future__ import annotations
@@ -209,6 +212,21 @@ def check(conn: Connection) -> list[str]:
                 problems.append(
                     f"transitions: {entity} {row_id} is {state}, its log ends at {last.get((entity, row_id))}"
                 )
+
+    # 12. held_earnings
+    holds = dict(conn.execute(select(leases.c.id, leases.c.earnings_hold)).all())
+    for acc in accts.values():
+        if acc["kind"] != "held_earnings":
+            continue
+        lid = int(acc["code"].rsplit(":", 1)[1])
+        into = sum(t["amount"] for t in xfers if t["credit_account_id"] == acc["id"] and t["reason"] == "settle_provider")
+        out = sum(t["amount"] for t in xfers if t["debit_account_id"] == acc["id"])
+        balance = acc["credits_posted"] - acc["debits_posted"]
+        if holds.get(lid) is None:
+            problems.append(f"held_earnings: {acc['code']} exists but lease {lid}'s earnings are not held")
+        if balance != into - out or (holds.get(lid) in ("released", "refunded") and balance):
+            problems.append(f"held_earnings: {acc['code']} holds {balance} (paid in {into}, out {out}) for a lease "
+                            f"whose earnings are {holds.get(lid)}")
 
     # 10. idempotency
     missing = conn.execute(select(func.count()).where(idempotency_keys.c.response == "")).scalar_one()

@@ -140,6 +140,7 @@ def accept(market: Market, principal: Principal, lease_id: int, body: AcceptIn, 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("accept leases", conn)  # before the lease lock: see revocation
         lease = lock_lease_as(conn, lease_id, principal, "provider")
         if lease["state"] != OFFERED:
             raise InvalidTransition(
@@ -193,6 +194,7 @@ def start(market: Market, principal: Principal, lease_id: int, key: str | None) 
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("start leases", conn)
         lease = lock_lease_as(conn, lease_id, principal, "provider")
         if lease["state"] != ACCEPTED:
             raise InvalidTransition(f"lease {lease_id} is {lease['state']}; only an accepted lease can start")

@@ -29,6 +29,7 @@ KINDS = {
     "tenant_available": True,
     "escrow": True,
     "provider_earnings": True,
+    "held_earnings": True,  # a revoked provider's share of one lease, until the operator decides
     "market_fees": True,
     "external_deposits": False,  # the outside world: goes negative as money comes in
     "external_withdrawals": True,

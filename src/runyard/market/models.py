@@ -44,6 +44,9 @@ EndReason = Literal[
     "accept_timeout",
     "start_timeout",
     "capacity_unavailable",
+    "no_availability",
+    "provider_revoked",
+    "tenant_revoked",
     "other",
 ]
 END_REASONS: tuple[str, ...] = EndReason.__args__  # type: ignore[attr-defined]
@@ -255,6 +258,13 @@ class ResolveIn(Strict):
 
 class DecisionIn(Strict):
     approve: bool = Field(description="verify the account (or refuse / revoke its verification)")
+    reason: str = Field(min_length=1, max_length=2000, description="why (recorded with the decision)")
+
+
+class HeldDecisionIn(Strict):
+    decision: Literal["release", "refund"] = Field(
+        description="release: the held earnings go to the provider's earnings; refund: back to the tenant"
+    )
     reason: str = Field(min_length=1, max_length=2000, description="why (recorded with the decision)")
 
 

@@ -65,9 +65,9 @@ def create_listing(market: Market, principal: Principal, body: ListingIn, key: s
 
     Idempotent on `key` when one is given (a listing moves no money, so a key is optional)."""
     principal.require_role("provider")
-    principal.require_verified("list capacity")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("list capacity", conn)
         available_from = body.available_from if body.available_from is not None else now
         if body.available_until <= now:
             raise BadRequest("available_until is in the past")
@@ -157,7 +157,6 @@ def list_listings(market: Market, principal: Principal, mine: bool) -> list[dict
 def place_demand(market: Market, principal: Principal, body: DemandIn, key: str | None) -> dict:
     """Place a demand and fund its escrow in one step (idempotent on `key`)."""
     principal.require_role("tenant")
-    principal.require_verified("place demands")
     req, standing = body.requirement, body.standing
     impossible = never_matches(req, standing)
     if impossible:
@@ -171,6 +170,7 @@ def place_demand(market: Market, principal: Principal, body: DemandIn, key: str 
         ledger.check_amount(amount, "escrow (max price x devices x period x term_periods)")
 
     def tx(conn: Connection, now: int) -> dict:
+        principal.require_verified("place demands", conn)
         if req.latest_start is not None and timestamp(req) < now:
             raise BadRequest("requirement.latest_start is in the past")
         demand_id = conn.execute(

@@ -5,8 +5,11 @@ starts. When a period's end passes, the market (the sweep, or a settlement that 
 closes it and either renews the lease -- the next period opens; inside the committed term it was
 prepaid with the lease's escrow, after it the tenant's available balance funds it at the renewal
 price -- or ends it at that close (`window_closed`, with the reason: the notice given, the renewal
-the tenant cannot fund, or the listing that no longer offers another period). A lease terminated
-inside a period ends that period there (`ended_at`).
+the tenant cannot fund, the listing that no longer offers another period, or `no_availability`: the
+provider reported no availability record in the period that just closed, so that a silent provider
+never locks another period's price of the tenant's money; inside the committed term the periods are
+prepaid, so nothing more is locked and the lease runs on). A lease terminated inside a period ends
+that period there (`ended_at`).
 
 A closed period settles once its reports are closed (its end plus the dispute window has passed)
 and none of its availability records is held: `standing.period_figures` from the accepted available
@@ -27,7 +30,7 @@ from runyard.market.acceptance import tally
 from runyard.market.errors import InvalidTransition, UsageRejected
 from runyard.market.matcher import release_capacity
 from runyard.market.rows import lock_lease
-from runyard.market.schema import lease_periods, leases, listings
+from runyard.market.schema import lease_periods, leases, listings, usage_records
 from runyard.market.service import Market, audit
 from runyard.market.standing import PeriodFigures, period_figures
 from runyard.market.states import SYSTEM, Actor, record_initial, transition
@@ -86,8 +89,11 @@ def end_inside(conn: Connection, lease_id: int, now: int) -> None:
 # -- renewal --------------------------------------------------------------------------------------
 
 
-def _why_it_ends(conn: Connection, lease: dict, close: int, next_seq: int) -> tuple[str, str] | None:
-    """(end reason code, why) when the lease ends at `close` instead of renewing; None to renew."""
+def _why_it_ends(conn: Connection, lease: dict, closing: dict, close: int, next_seq: int,
+                 reportable: bool) -> tuple[str, str] | None:
+    """(end reason code, why) when the lease ends at `close` instead of renewing; None to renew.
+    `reportable`: the closing period was open before this renewal ran (one opened by a catch-up in the
+    same call could take no record, so its silence says nothing)."""
     if lease["ends_at"] is not None and lease["ends_at"] <= close:
         side = (lease["notice_by"] or "tenant").split(":")[0]
         return (f"{side}_request" if side in ("tenant", "provider") else "operator_action",
@@ -97,6 +103,10 @@ def _why_it_ends(conn: Connection, lease: dict, close: int, next_seq: int) -> tu
     listing = conn.execute(select(listings).where(listings.c.id == lease["listing_id"])).mappings().one()
     if listing["state"] != "open" or close + lease["period_s"] > listing["available_until"]:
         return "capacity_unavailable", f"listing {listing['id']} offers no period after {close}"
+    reported = conn.execute(select(func.count()).where(usage_records.c.period_id == closing["id"])).scalar_one()
+    if reportable and not reported:
+        return "no_availability", (f"the provider reported no availability in period {closing['seq']} "
+                                   f"[{closing['period_start']}, {close}); period {next_seq} is not renewed")
     short = escrow.shortfall(conn, lease["tenant_id"], lease["renewal_price"])
     if short:
         return "nonpayment", (f"renewing for period {next_seq} needs {lease['renewal_price']}; the tenant's "
@@ -114,7 +124,7 @@ def renew_or_close(conn: Connection, lease: dict, now: int) -> int:
         close = lease["window_end"]
         transition(conn, PERIOD, current["id"], CLOSED, SYSTEM, "its end passed", now)
         closed += 1
-        ending = _why_it_ends(conn, lease, close, current["seq"] + 1)
+        ending = _why_it_ends(conn, lease, current, close, current["seq"] + 1, reportable=closed == 1)
         if ending is not None:
             code, why = ending
             transition(conn, LEASE, lease["id"], WINDOW_CLOSED, SYSTEM, why, now, end_reason=code)

@@ -95,6 +95,13 @@ class MoneyMoved(Out):
     balance: BalanceOut
 
 
+class HeldEarningsOut(Out):
+    lease_id: int
+    earnings_hold: Literal["released", "refunded"]
+    amount: int = Field(description="minor units moved out of the lease's held account")
+    to: str = Field(description="the ledger account that received them")
+
+
 class Balances(Out):
     currency: str
     accounts: list[BalanceOut]
@@ -270,6 +277,9 @@ class LeaseOut(Out):
     endpoint_url: str | None = Field(description="where the tenant reaches its deployment")
     credited: int
     deployment_sha256: str | None = Field(default=None, description="digest of the deployment the acceptance signs")
+    earnings_hold: Literal["held", "released", "refunded"] | None = Field(
+        default=None, description="set when the provider's verification was revoked before the lease settled: its "
+        "provider share is held for the operator's decision (released to the provider or refunded to the tenant)")
     deployment: dict[str, Any] | None = Field(
         default=None, description="the deployment; only the lease's parties see it"
     )

@@ -221,6 +221,10 @@ leases = Table(
     Column("notice_by", String(64), nullable=True),
     Column("endpoint_url", String(500), nullable=True),
     _money("credited"),
+    # Set when the provider's verification was revoked before the lease settled: "held" (its
+    # settlement pays the provider's share into the lease's held account, `held:lease:<id>`, not
+    # into earnings), then "released" or "refunded" by the operator's decision (revocation.py).
+    Column("earnings_hold", String(16), nullable=True),
 )
 
 # The billing periods of standing leases: running -> closed -> settled (states/period.py).

@@ -21,7 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from runyard.market import ledger
 from runyard.market.errors import BadRequest, Conflict, Forbidden, IdempotencyConflict, NotVerified
 from runyard.market.rails import Rail
-from runyard.market.schema import audit_log, idempotency_keys, market_config
+from runyard.market.schema import accounts, audit_log, idempotency_keys, market_config
 from runyard.market.signing import canonical_bytes
 from runyard.market.states import Actor
 from runyard.market.states.identity import VERIFIED
@@ -63,9 +63,16 @@ class Principal:
         if self.role not in roles:
             raise Forbidden(f"this needs a {' or '.join(roles)} account; {self.name} is a {self.role}")
 
-    def require_verified(self, what: str) -> None:
-        if self.state != VERIFIED:
-            raise NotVerified(f"{self.name} is {self.state}; only verified accounts may {what}")
+    def require_verified(self, what: str, conn: Connection, lock: bool = True) -> None:
+        """NotVerified unless the account is verified *now*: its state is read again inside the
+        caller's write transaction (under a share lock), never taken from authentication, so a
+        revocation that commits first is always seen and one that commits later waits for this."""
+        if self.id == 0 and self.role == "operator":
+            return  # the operator at the console (cli/market_admin.py): direct access to the store, no account
+        query = select(accounts.c.state).where(accounts.c.id == self.id)
+        state = conn.execute(query.with_for_update(read=True) if lock else query).scalar_one()
+        if state != VERIFIED:
+            raise NotVerified(f"{self.name} is {state}; only verified accounts may {what}")
 
 
 def audit(conn: Connection, actor: Actor | str, action: str, subject: str, now: int, **detail: Any) -> None:

@@ -1,11 +1,13 @@
 """Statements: what happened to an account's money, line by line, with totals that reconcile.
 
 A tenant's statement satisfies, to the minor unit:
-    deposited - withdrawn - charged == available (posted) + held in escrow (posted)
+    deposited - withdrawn - charged + held_refunded == available (posted) + held in escrow (posted)
 where `deposited` counts rail deposits and operator credits.
 where `charged` is everything its leases paid to providers and in fees (a standing lease's credits
-return to the tenant, so they are never charged: `credited` shows them). A provider's satisfies:
-    earned - withdrawn == earnings balance, with earned + fees == charged to its tenants.
+return to the tenant, so they are never charged: `credited` shows them), and `held_refunded` what
+an operator refunded of a revoked provider's held earnings (revocation.py). A provider's satisfies:
+    earned - withdrawn == earnings balance, with earned + held + held_refunded + fees == charged to
+its tenants, where `held` is what its held accounts hold now (`earned` includes what was released).
 The market fee rate applies per lease (fixed when the lease is made) and shows on every line.
 """
 
@@ -118,9 +120,12 @@ def statement(market: Market, principal: Principal) -> dict:
                 "available": balances[f"tenant:{principal.id}:available"]["available"],
                 "reserved_for_demands": balances[f"tenant:{principal.id}:available"]["pending_out"],
                 "in_escrow": escrow_posted,
+                "held_refunded": _sum(
+                    conn, transfers.c.credit_account_id == available, transfers.c.reason == "held_refund"
+                ),
             }
             totals["reconciles"] = (
-                totals["deposited"] - totals["withdrawn"] - totals["charged"]
+                totals["deposited"] - totals["withdrawn"] - totals["charged"] + totals["held_refunded"]
                 == balances[f"tenant:{principal.id}:available"]["posted"] + escrow_posted
             )
         elif principal.role == "provider":
@@ -130,8 +135,12 @@ def statement(market: Market, principal: Principal) -> dict:
                 "charged_to_tenants": sum(line["charged"] for line in lines),
                 "fees": sum(line["fee"] for line in lines),
                 "earned": _sum(
-                    conn, transfers.c.credit_account_id == earnings, transfers.c.reason == "settle_provider"
+                    conn, transfers.c.credit_account_id == earnings,
+                    transfers.c.reason.in_(("settle_provider", "held_release")),
                 ),
+                "held": sum(b["posted"] for code, b in balances.items() if code.startswith("held:")),
+                "held_refunded": _sum(conn, transfers.c.lease_id.in_(select(leases.c.id).where(
+                    leases.c.provider_id == principal.id)), transfers.c.reason == "held_refund"),
                 "withdrawn": _sum(
                     conn, transfers.c.debit_account_id == earnings, transfers.c.reason == "withdrawal"
                 ),
@@ -139,7 +148,8 @@ def statement(market: Market, principal: Principal) -> dict:
             }
             totals["reconciles"] = (
                 totals["earned"] - totals["withdrawn"] == totals["earnings_balance"]
-                and totals["earned"] + totals["fees"] == totals["charged_to_tenants"]
+                and totals["earned"] + totals["held"] + totals["held_refunded"] + totals["fees"]
+                == totals["charged_to_tenants"]
             )
         elif principal.role == "operator":
             lines = _lease_lines(conn, leases.c.id.isnot(None))

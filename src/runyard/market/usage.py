@@ -39,6 +39,8 @@ def report(market: Market, principal: Principal, lease_id: int, body: UsageIn, k
     principal.require_role("provider")
 
     def tx(conn: Connection, now: int) -> dict:
+        # Usage is billable only while the provider is verified (revocation's rule: nothing after).
+        principal.require_verified("report usage", conn)
         lease = lease_for(conn, lease_id, principal, "provider")
         payload = usage_record(
             lease_id, body.seq, body.interval_start, body.interval_end, body.device_seconds, body.evidence

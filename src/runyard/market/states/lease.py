@@ -6,7 +6,8 @@
   window_closed|terminated --settlement, nothing held--> settled
 
 rejected, expired and cancelled return the whole escrow at once (reason codes: models.EndReason); settled returns what usage did not
-use. An expiry counts against the listing's reliability.
+use. An expiry counts against the listing's reliability. An operator's revocation of a party cancels
+its unstarted leases and terminates a revoked provider's running ones (revocation.py).
 """
 
 from __future__ import annotations
