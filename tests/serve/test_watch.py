@@ -16,6 +16,7 @@ from runyard.data.sources import iter_file_documents, list_source_files
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import derive_spec, spec_supports_init
+from runyard.serve.server import chat_framing
 from runyard.serve.watch import TrafficWatch
 from runyard.spec.data import SourceSpec
 from runyard.spec.job import parse_spec
@@ -173,3 +174,22 @@ def test_a_smoke_test_of_forty_short_repeated_prompts_raises_no_event():
         watch.close()
     assert status["requests_seen"] == 40 and status["events"] == [] and not status["drifting"]
     assert not status["judged"] and status["reason"] == "warming up: 40 of 50 requests seen"
+
+
+def test_chat_framing_is_measured_from_the_template_and_recognised_in_prompts(tmp_path, tokenizer):
+    """The tokens a chat template wraps around one user turn, measured at startup; a chat prompt then
+    carries them as framing, which the null keeps verbatim instead of judging them as text."""
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}### user:\n{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}### reply:\n{% endif %}")
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    framing = chat_framing(tmp_path, encode)
+    assert tokenizer.decode(framing[0]) == "### user:\n" and tokenizer.decode(framing[1]) == "\n### reply:\n"
+    assert chat_framing(tmp_path / "none", encode) is None  # no template: prompts are judged unframed
+    reference = drift_reference()
+    vocab = len(reference.token_counts)
+    framing = ([i % vocab for i in framing[0]], [i % vocab for i in framing[1]])
+    monitor = DriftMonitor(reference, framing=framing, warmup=0)
+    monitor.observe(framing[0] + [1, 2, 3] + framing[1])
+    monitor.observe([1, 2, 3])
+    framed, plain = monitor.window
+    assert (framed.prefix, framed.suffix) == (len(framing[0]), len(framing[1])) and (plain.prefix, plain.suffix) == (0, 0)
