@@ -51,6 +51,7 @@ DEFAULT_FALSE_ALARM_RATE = 0.01  # per judgement, on in-distribution traffic
 # Null windows per judgement, at least 2 x scales / rate: the rate's share of the draws must hold more
 # than each scale's own maximum, or no cut is left (at 199 draws and 3 scales nothing could ever alarm).
 NULL_DRAWS = 599
+NULL_REFRESH = 0.1  # a scale's null is redrawn once this share of its window has changed
 EXAMPLE_TOKENS, EXAMPLE_PROMPTS, EXAMPLE_CHARS = 10, 3, 160  # what a report shows of what moved
 NULL_BATCH_TOKENS = 1 << 20  # tokens gathered at once when drawing null samples
 PSI_FLOOR = 1e-4  # empty buckets count as this share, the usual PSI convention, so it stays finite
@@ -285,8 +286,9 @@ class DriftMonitor:
             probs = _proportions(reference.token_counts)
             chunks = self._rng.choice(self.vocab, size=(DriftReference.CHUNKS, DriftReference.CHUNK_LEN), p=probs)
         self._chunks = chunks
+        self._null_cache: dict[int, tuple[int, np.ndarray]] = {}  # scale: (requests seen when drawn, its draws)
         self._lock = threading.Lock()
-        self._judging = threading.Lock()  # the null draws share one RNG
+        self._judging = threading.Lock()  # the null draws share one RNG and the cache
 
     def _framed(self, ids: np.ndarray) -> tuple[int, int]:
         if self.framing is None:
@@ -326,7 +328,7 @@ class DriftMonitor:
         live_counts = [np.bincount(live_tokens[starts[len(recent) - k] :], minlength=self.vocab)[: self.vocab]
                        for k in sizes]
         live = np.array([float(js_divergence(self._compare, c)) if c.sum() else 0.0 for c in live_counts])
-        null = self._null(recent, sizes)  # [draws, scales]
+        null = self._null(recent, sizes, seen)  # [draws, scales]
         # Max-statistic correction: rank each draw per scale (1 = largest), take its best rank over the
         # scales, and find the rank cut `c` that at most rate x draws reach; a scale's threshold is its
         # c-th largest null value, and the live window alarms when any scale passes its threshold.
@@ -351,16 +353,31 @@ class DriftMonitor:
         distinct = len({p.ids.tobytes() for p in recent})
         return DriftReport(seen, windows, drifting, self.false_alarm_rate, draws, distinct, tokens, prompts)
 
-    def _null(self, recent: list[_Prompt], sizes: list[int]) -> np.ndarray:
-        """JS divergence of `null_draws` request-shaped windows of held-out training text: [draws, scales]."""
+    def _null(self, recent: list[_Prompt], sizes: list[int], seen: int) -> np.ndarray:
+        """JS divergence of `null_draws` request-shaped windows of held-out text per scale: [draws, scales].
+
+        Each scale's draws are its own (the smaller windows are not cut from the larger ones' draws):
+        pairing independent columns makes the max-statistic cut stricter than the nested live windows
+        need, so the rate stays an upper bound, and it lets a large window's null be kept while less
+        than `NULL_REFRESH` of that window has changed (a 500-request null costs ~20x a 25-request one;
+        it is redrawn every 50 requests, not every 5)."""
+        columns = []
+        for k in sizes:
+            cached = self._null_cache.get(k)
+            if cached is None or seen - cached[0] >= max(1, int(k * NULL_REFRESH)):
+                cached = (seen, self._null_scale(recent[len(recent) - k :]))
+                self._null_cache[k] = cached
+            columns.append(cached[1])
+        return np.stack(columns, axis=1)
+
+    def _null_scale(self, recent: list[_Prompt]) -> np.ndarray:
+        """JS divergence of `null_draws` request-shaped windows shaped like `recent`: [draws]."""
         chunks = self._chunks
         chunk_len = chunks.shape[1]
         groups: dict[bytes, int] = {}
         group_len: list[int] = []
         fixed_ids, grp, within = [], [], []  # per token of the null window: a verbatim id, or (group, position)
-        prompt_start = []
         for p in recent:
-            prompt_start.append(len(fixed_ids))
             content = min(len(p.ids) - p.prefix - p.suffix, chunk_len)
             g = groups.setdefault(p.ids.tobytes(), len(groups))
             if g == len(group_len):
@@ -376,15 +393,21 @@ class DriftMonitor:
         grp_a[fixed] = 0
         room = chunk_len - np.asarray(group_len, dtype=np.int64) + 1
         flat_chunks = chunks.reshape(-1)
-        first_token = [prompt_start[len(recent) - k] for k in sizes]
-        per_batch = max(1, NULL_BATCH_TOKENS // max(1, total))  # bounds the memory of one gather
+        # Long windows over a small vocabulary: a dense [draws, vocab] histogram is cheaper than sorting.
+        dense = self.vocab <= 2 * total
+        per_batch = max(1, NULL_BATCH_TOKENS // max(1, total, self.vocab if dense else 0))  # bounds one batch's memory
         out = []
         for start in range(0, self.null_draws, per_batch):
             n = min(per_batch, self.null_draws - start)
             rows = self._rng.integers(0, len(chunks), size=(n, len(group_len)))
             base = rows * chunk_len + (self._rng.random((n, len(group_len))) * room).astype(np.int64)
             tokens = np.where(fixed, fixed_ids_a, flat_chunks[base[:, grp_a] + within_a])
-            out.append(np.stack([js_rows(self._null_probs, tokens[:, first:]) for first in first_token], axis=1))
+            if dense:
+                flat = (np.arange(n)[:, None] * self.vocab + tokens).ravel()
+                hist = np.bincount(flat, minlength=n * self.vocab).reshape(n, self.vocab)
+                out.append(np.atleast_1d(js_divergence(self._compare, hist)))
+            else:
+                out.append(js_rows(self._null_probs, tokens))
         return np.concatenate(out)
 
     def _what_moved(self, prompts: list[_Prompt], live_counts: np.ndarray) -> tuple[tuple[dict, ...], tuple[dict, ...]]:

@@ -27,6 +27,7 @@ from runyard.serve.retrain import Retrainer
 log = logging.getLogger("runyard.serve")
 
 MAX_PENDING = 10_000  # prompts waiting for the watcher; past this they are counted and dropped
+BACKLOG_SKIP = 1_000  # prompts waiting past which a due judgement is skipped (judging is the slow part)
 
 
 def _judgement(report: DriftReport) -> dict[str, Any]:
@@ -149,6 +150,8 @@ class TrafficWatch:
             return
         self.monitor.observe(prompt_ids, text)
         if seen % self.check_every:
+            return
+        if self._queue.qsize() >= BACKLOG_SKIP:  # behind: catch up on prompts first, judge at a later check
             return
         report = self.monitor.report()
         event = None
