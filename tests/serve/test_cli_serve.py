@@ -11,15 +11,20 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 import torch
 
 from runyard.cli import main
+from runyard.model import get_family
 from runyard.model.hf.export import export_model
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.drift import DriftReference
+from runyard.serve.feature_drift import FeatureReference
+from runyard.serve.predict_export import KIND_IMAGE, export_predictor, image_drift_features
 from runyard.serve.sampling import SamplingParams
+from runyard.spec.job import parse_spec
 from runyard.system.http_thread import free_port
 
 
@@ -74,6 +79,46 @@ def test_a_bad_retrain_spec_is_refused_at_startup(capsys, export, tmp_path, toke
     code, _, err = runyard(capsys, "serve", str(export), "--retrain-spec", str(spec), "--control", "http://127.0.0.1:9",
                            "--log-requests", str(tmp_path / "t"))
     assert code == 2 and "model.d_model" in err
+
+
+@pytest.fixture()
+def image_export(tmp_path):
+    """A tiny CNN's export: a model `runyard serve` answers at POST /v1/predict."""
+    family = get_family("cnn")
+    spec = parse_spec({"task": "image_classification", "name": "img", "data": {"sources": [{"path": "digits", "format": "sklearn"}]},
+                       "model": {"family": "cnn", "cnn": {"channels": [4], "hidden": 8}}})
+    config = family.config_from_spec(spec.model, shape=(1, 6, 6), n_classes=3, mean=[0.5], std=[0.25])
+    torch.manual_seed(0)
+    model = family.build(config).eval()
+    pixels = np.random.default_rng(0).random((20, 1, 6, 6)).astype(np.float32)
+    features, names = image_drift_features(pixels)
+    reference = FeatureReference.build(features, names, ["numeric"] * len(names), [0] * len(names), seed=1)
+    with torch.no_grad():
+        expected = torch.softmax(model(torch.from_numpy(pixels)).double(), -1).numpy()
+    out = tmp_path / "run" / "export"
+    export_predictor(model, config, "cnn", out, kind=KIND_IMAGE, task=spec.task,
+                     schema={"kind": "image", "shape": [1, 6, 6], "classes": ["a", "b", "c"], "resize": None},
+                     reference=reference, check_x=pixels, expected=expected)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("extra", "flags"),
+    [
+        (["--retrain-spec", "spec.yaml", "--control", "http://127.0.0.1:9"], "--retrain-spec, --control"),
+        (["--log-requests", "traffic"], "--log-requests"),
+        (["--drift-sustain", "5", "--max-batch", "8"], "--drift-sustain, --max-batch"),
+    ],
+)
+def test_language_model_options_on_an_image_server_exit_2_naming_them(capsys, image_export, extra, flags):
+    code, _, err = runyard(capsys, "serve", str(image_export), *extra)
+    assert code == 2, err
+    assert f"cannot act on {flags} " in err and str(image_export) in err
+
+
+def test_a_bad_false_alarm_rate_is_a_usage_error(capsys, export):
+    code, _, err = runyard(capsys, "serve", str(export), "--drift-false-alarm-rate", "1.5")
+    assert code == 2 and "--drift-false-alarm-rate" in err and "must be a rate in (0, 0.5)" in err
 
 
 def test_missing_export_is_a_clear_error(capsys, tmp_path):

@@ -142,6 +142,13 @@ def test_drift_is_judged_per_feature(table_export, table_server):
     assert drift["features"]["age"]["statistic"] == "psi" and drift["features"]["city"]["statistic"] == "js_bits"
     assert drift["features"]["age"]["value"] > drift["features"]["age"]["threshold"] >= 0.1
     assert drift["features"]["income"]["drifting"] is False
+    # What moved: age's summary, city's shares; and one event naming both.
+    moved = drift["features"]["age"]["moved"]
+    assert moved["live"]["mean"] > moved["training"]["mean"] + 30
+    assert drift["features"]["city"]["moved"]["categories"][0]["category"] == "nice"
+    assert drift["features"]["city"]["moved"]["categories"][0]["live_share"] == 1.0
+    assert drift["false_alarm_rate"] == 0.01 and drift["null_rows"] == "held-out training rows"
+    assert len(drift["events"]) == 1 and set(drift["events"][0]["features"]) == {"age", "city"}
     metrics = table_server.get("/metrics").text
     assert "runyard_drift_features_drifting 2.0" in metrics and 'runyard_predict_requests_total{status="422"}' not in metrics
 

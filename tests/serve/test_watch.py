@@ -16,6 +16,7 @@ from runyard.data.sources import iter_file_documents, list_source_files
 from runyard.serve.drift import DriftMonitor, DriftReference
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import derive_spec, spec_supports_init
+from runyard.serve.server import chat_framing
 from runyard.serve.watch import TrafficWatch
 from runyard.spec.data import SourceSpec
 from runyard.spec.job import parse_spec
@@ -102,6 +103,11 @@ def test_sustained_drift_records_one_event_and_rearms(tmp_path):
         # Drift is judged every 5 requests and must hold for 20 of them.
         assert event["requests_seen"] - event["drift_since_request"] >= 20
         assert event["token_js"] > event["token_js_threshold"] and event["retrain"] is None
+        # What drifted, named: the statistic, its window and rate, the tokens that moved it, example prompts.
+        assert event["statistic"] == "token_js_bits" and event["window_requests"] in (20, 100)
+        assert event["false_alarm_rate"] == 0.01 and event["null_draws"] >= 399
+        assert {t["token_id"] for t in event["moved_tokens"][:3]} <= set(range(90, 100))
+        assert event["divergent_prompts"][0]["text"] == "shifted"
         for _ in range(40):  # still drifting: no second event
             watch.observe("shifted", rng.integers(90, 100, size=30).tolist())
         watch.flush()
@@ -140,10 +146,50 @@ def test_retraining_spec_adds_the_traffic_and_starts_from_the_export(tmp_path):
 
 
 def test_status_is_json():
-    watch = TrafficWatch(DriftMonitor(drift_reference(), scales=(20,)), None)
-    for _ in range(25):
+    watch = TrafficWatch(DriftMonitor(drift_reference(), scales=(20,), warmup=25), None)
+    for _ in range(20):
+        watch.observe("x", list(range(30)))
+    watch.flush()
+    status = watch.status()
+    assert not status["judged"] and status["reason"] == "warming up: 20 of 25 requests seen" and status["windows"] == []
+    for _ in range(5):
         watch.observe("x", list(range(30)))
     watch.flush()
     watch.close()
     status = json.loads(json.dumps(watch.status()))
-    assert status["requests_seen"] == 25 and status["windows"][0]["requests"] == 20
+    assert status["requests_seen"] == 25 and status["windows"][0]["requests"] == 20 and status["judged"]
+    assert status["distinct_prompts"] == 1 and status["divergent_prompts"][0]["times_in_window"] == 20
+
+
+def test_a_smoke_test_of_forty_short_repeated_prompts_raises_no_event():
+    """The server's defaults (judged every 5 requests, a 50-request warm-up, 20 requests sustained): an
+    OpenAI-client smoke test is never judged, however unlike training its one prompt is."""
+    watch = TrafficWatch(DriftMonitor(drift_reference()), None, check_every=5, sustain_requests=20)
+    try:
+        for _ in range(40):
+            watch.observe("Say hello.", [97, 98, 99])
+        watch.flush()
+        status = watch.status()
+    finally:
+        watch.close()
+    assert status["requests_seen"] == 40 and status["events"] == [] and not status["drifting"]
+    assert not status["judged"] and status["reason"] == "warming up: 40 of 50 requests seen"
+
+
+def test_chat_framing_is_measured_from_the_template_and_recognised_in_prompts(tmp_path, tokenizer):
+    """The tokens a chat template wraps around one user turn, measured at startup; a chat prompt then
+    carries them as framing, which the null keeps verbatim instead of judging them as text."""
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}### user:\n{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}### reply:\n{% endif %}")
+    encode = lambda text: tokenizer.encode(text).ids  # noqa: E731
+    framing = chat_framing(tmp_path, encode)
+    assert tokenizer.decode(framing[0]) == "### user:\n" and tokenizer.decode(framing[1]) == "\n### reply:\n"
+    assert chat_framing(tmp_path / "none", encode) is None  # no template: prompts are judged unframed
+    reference = drift_reference()
+    vocab = len(reference.token_counts)
+    framing = ([i % vocab for i in framing[0]], [i % vocab for i in framing[1]])
+    monitor = DriftMonitor(reference, framing=framing, warmup=0)
+    monitor.observe(framing[0] + [1, 2, 3] + framing[1])
+    monitor.observe([1, 2, 3])
+    framed, plain = monitor.window
+    assert (framed.prefix, framed.suffix) == (len(framing[0]), len(framing[1])) and (plain.prefix, plain.suffix) == (0, 0)

@@ -7,6 +7,8 @@ from pathlib import Path
 
 from runyard.cli.readers import say_if_live
 from runyard.cli.run_progress import finished_export
+from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE
+from runyard.serve.errors import ServeConfigError
 from runyard.serve.predict import serve_predictor
 from runyard.serve.predict_export import is_predict_export
 from runyard.serve.server import ServeOptions, serve_export
@@ -25,7 +27,10 @@ control plane. --engine vllm hands the export to vLLM instead (a GPU and a Huggi
 A table or image model's export is served at POST /v1/predict instead ({"rows": [...]} or
 {"images": [...]}, validated against its feature schema: a missing or mistyped feature is a 422 naming
 it), with GET /v1/schema, /v1/drift (PSI per numeric feature, JS divergence per categorical one),
-/v1/models, /healthz and /metrics; the batching and traffic options do not apply to it.
+/v1/models, /healthz and /metrics. Drift is judged at --drift-false-alarm-rate for every family. The
+language-model-only options (--log-requests, --retrain-spec, --control, --drift-sustain,
+--drift-check-every, --drift-warmup, --engine vllm, the batching options) are refused for a table or
+image export (exit 2 naming the option), not ignored.
 """
 
 
@@ -33,6 +38,13 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not 0 < value < 0.5:
+        raise argparse.ArgumentTypeError(f"must be a rate in (0, 0.5), got {value}")
     return value
 
 
@@ -72,19 +84,43 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="drift must stay past its threshold for N requests to be an event (default 20)")
     d.add_argument("--drift-check-every", type=_positive, default=5, metavar="N",
                    help="judge drift every N requests (default 5)")
+    d.add_argument("--drift-false-alarm-rate", type=_rate, default=DEFAULT_FALSE_ALARM_RATE, metavar="RATE",
+                   help="share of drift judgements that may alarm on in-distribution traffic (default 0.01: 1%% "
+                   "per judgement; thresholds are set from the null at this rate, corrected for every window, "
+                   "statistic and feature judged together)")
+    d.add_argument("--drift-warmup", type=int, default=50, metavar="N",
+                   help="judge no drift before N requests (default 50; a smoke test is not judged)")
     d.add_argument("--retrain-spec", type=Path, default=None, metavar="SPEC",
                    help="on a drift event, submit SPEC plus the logged traffic as a retraining job")
     d.add_argument("--control", default=None, metavar="STATE_DIR|URL",
                    help="the control plane to submit retraining to: its state directory (address and API token "
                    "are read there), or its URL with the token in $RUNYARD_CONTROL_TOKEN")
-    p.set_defaults(handler=cmd_serve)
+    p.set_defaults(handler=cmd_serve, language_only_defaults={name: p.get_default(name) for name in LANGUAGE_ONLY})
+
+
+# Options only a language-model server acts on: given to a table or image server with a value other
+# than their default they are an error, not silently dropped.
+LANGUAGE_ONLY = ("log_requests", "retrain_spec", "control", "drift_sustain", "drift_check_every", "drift_warmup",
+                 "engine", "kv_cache_mb", "max_batch", "max_queue", "max_prefill_tokens", "compile",
+                 "tensor_parallel_size")
+
+
+def _language_only_options(args: argparse.Namespace) -> list[str]:
+    """The language-model-only options set on this command line, as flags."""
+    defaults = args.language_only_defaults
+    return ["--" + name.replace("_", "-") for name in LANGUAGE_ONLY if getattr(args, name) != defaults[name]]
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     say_if_live(args.run_dir)
     export_dir = finished_export(args.run_dir)
     if is_predict_export(export_dir):  # a table or image model: POST /v1/predict (serve/predict.py)
-        serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device)
+        refused = _language_only_options(args)
+        if refused:
+            raise ServeConfigError(f"{export_dir} is a table or image model, which cannot act on {', '.join(refused)} "
+                                   "(language-model options: a predict server has no request log, retraining or batching)")
+        serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device,
+                        false_alarm_rate=args.drift_false_alarm_rate)
         return 0
     serve_export(
         export_dir,
@@ -104,6 +140,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             control_url=args.control,
             drift_check_every=args.drift_check_every,
             drift_sustain_requests=args.drift_sustain,
+            drift_false_alarm_rate=args.drift_false_alarm_rate,
+            drift_warmup=args.drift_warmup,
             tensor_parallel_size=args.tensor_parallel_size,
         ),
     )

@@ -7,8 +7,9 @@ Routes:
   row and feature. Answers: per row, the predicted label with every class's probability, or the value.
 - `GET /v1/schema`: the feature schema, and one row as JSON Schema.
 - `GET /v1/drift`: feature drift of the recent inputs against training (serve/feature_drift.py): PSI per
-  numeric feature, Jensen-Shannon divergence per categorical one, each with its sample-size-aware
-  threshold.
+  numeric feature, Jensen-Shannon divergence per categorical one, each with its threshold for the window
+  size judged at the stated false-alarm rate (all features corrected together), how a drifting feature's
+  summary moved, and the drift events so far.
 - `GET /v1/models`, `GET /healthz`, `GET /metrics` (Prometheus).
 
 The model runs in FastAPI's worker threads behind a lock (a prediction is short; the lock keeps LightGBM
@@ -31,6 +32,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE
 from runyard.serve.errors import InvalidRequest
 from runyard.serve.feature_drift import FeatureDriftMonitor
 from runyard.serve.predict_export import KIND_TABLE, Predictor, image_drift_features, load_predictor
@@ -69,10 +71,16 @@ def _answers(predictor: Predictor, output: np.ndarray) -> list[dict[str, Any]]:
 
 
 def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-                       drift_window: int = 1000) -> FastAPI:
+                       drift_window: int = 1000, false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> FastAPI:
     """The FastAPI app serving `predictor` under `model_name`."""
     app = FastAPI(title="runyard predict", description=f"POST /v1/predict for a {predictor.kind} model ({predictor.task})")
-    monitor = FeatureDriftMonitor(predictor.reference, window=drift_window) if predictor.reference else None
+    monitor = None
+    if predictor.reference:
+        names = ({f.name: list(f.categories) for f in predictor.table_schema.features if f.kind == "categorical"}
+                 if predictor.kind == KIND_TABLE else {})
+        monitor = FeatureDriftMonitor(predictor.reference, window=drift_window, false_alarm_rate=false_alarm_rate,
+                                      category_names=names)
+        threading.Thread(target=monitor.warm, name="runyard-drift-null", daemon=True).start()
     metrics = _Metrics(monitor)
     lock = threading.Lock()
 
@@ -167,8 +175,9 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
 
 
 def serve_predictor(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-                    device: str = "cpu") -> None:
+                    device: str = "cpu", false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> None:
     """Load a table or image export and serve it until interrupted."""
     predictor = load_predictor(export_dir, device=device)
     name = model_name or predictor.record.get("extra", {}).get("run_name") or Path(export_dir).resolve().parent.name
-    uvicorn.run(create_predict_app(predictor, name), host=host, port=port, log_level="info", access_log=False)
+    app = create_predict_app(predictor, name, false_alarm_rate=false_alarm_rate)
+    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)

@@ -19,7 +19,8 @@ from fastapi import FastAPI
 from runyard.data.chat import load_chat_template
 from runyard.model.hf.export import ExportError, export_eos_ids, load_export, read_export_config
 from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
-from runyard.serve.drift import DriftMonitor, DriftReference
+from runyard.serve.chat import chat_prompt
+from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE, DriftMonitor, DriftReference
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
@@ -50,6 +51,8 @@ class ServeOptions:
     control_url: str | None = None
     drift_check_every: int = 5
     drift_sustain_requests: int = 20
+    drift_false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
+    drift_warmup: int = 50
     tensor_parallel_size: int = 1
 
 
@@ -76,6 +79,10 @@ def check_options(export_dir: Path, options: ServeOptions) -> None:
         raise ServeConfigError(f"{export_dir} has no drift reference, so drift cannot trigger retraining")
     if options.drift_sustain_requests < 0 or options.drift_check_every < 1:
         raise ServeConfigError("--drift-sustain must be >= 0 and --drift-check-every >= 1")
+    if not 0 < options.drift_false_alarm_rate < 0.5:
+        raise ServeConfigError(f"--drift-false-alarm-rate must be in (0, 0.5), got {options.drift_false_alarm_rate}")
+    if options.drift_warmup < 0:
+        raise ServeConfigError(f"--drift-warmup must be >= 0, got {options.drift_warmup}")
 
 
 def build_engine(export_dir: Path, options: ServeOptions):
@@ -97,11 +104,38 @@ def build_engine(export_dir: Path, options: ServeOptions):
     return engine.start()
 
 
-def build_watch(export_dir: Path, options: ServeOptions) -> TrafficWatch | None:
+CHAT_MARK = "\u2063runyard-turn\u2063"  # stands for a user turn's text when the template's framing is measured
+
+
+def chat_framing(export_dir: Path, encode) -> tuple[list[int], list[int]] | None:
+    """The token ids a chat template puts before and after a one-turn conversation's text, which drift's
+    null keeps verbatim around its excerpts (a chat request is a turn, not a document); None without a
+    template or when the framing does not tokenize apart from the text."""
+    template = load_chat_template(export_dir)
+    if template is None:
+        return None
+    try:
+        text = chat_prompt(template, [{"role": "user", "content": CHAT_MARK}])
+    except Exception:  # a template that refuses a bare user turn: judge chat prompts unframed
+        return None
+    if text.count(CHAT_MARK) != 1:
+        return None
+    before, after = text.split(CHAT_MARK)
+    return (list(encode(before)) if before else []), (list(encode(after)) if after else [])
+
+
+def build_watch(export_dir: Path, options: ServeOptions, engine=None) -> TrafficWatch | None:
     """Drift monitoring (when the export has a drift reference), request logging and retraining, as
-    the options ask."""
+    the options ask. `engine` (its tokenizer) lets the monitor decode what moved and see chat framing."""
     reference = DriftReference.load(export_dir)
-    monitor = DriftMonitor(reference) if reference is not None else None
+    monitor = None
+    if reference is not None:
+        tokenizer = getattr(engine, "tokenizer", None)
+        monitor = DriftMonitor(
+            reference, false_alarm_rate=options.drift_false_alarm_rate, warmup=options.drift_warmup,
+            framing=chat_framing(export_dir, engine.encode) if engine is not None else None,
+            decode=tokenizer.decode if tokenizer is not None else None,
+        )
     request_log = RequestLog(options.log_requests) if options.log_requests is not None else None
     retrainer = None
     if options.retrain_spec is not None:
@@ -123,7 +157,7 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
     engine = build_engine(export_dir, options)
     closers = [engine]
     try:
-        watch = build_watch(export_dir, options)
+        watch = build_watch(export_dir, options, engine)
         if watch is not None:
             closers.append(watch)
         app = create_app(

@@ -2,7 +2,8 @@
 feed the drift monitor, and act on sustained drift.
 
 Work happens on one background thread, so a request only enqueues its prompt. Every `check_every`
-prompts the monitor is judged; drift that stays past its threshold on every judgement across
+prompts the monitor is judged (each judgement at the monitor's stated false-alarm rate, serve/drift.py);
+drift that stays past its threshold on every judgement across
 `sustain_requests` prompts is a **drift event**: logged, listed in `/v1/drift`, and, when a
 retrainer is configured, answered by one retraining job on the control plane (at most
 `max_retrains` per server; later events are recorded but submit nothing). Drift that clears re-arms
@@ -26,6 +27,27 @@ from runyard.serve.retrain import Retrainer
 log = logging.getLogger("runyard.serve")
 
 MAX_PENDING = 10_000  # prompts waiting for the watcher; past this they are counted and dropped
+BACKLOG_SKIP = 1_000  # prompts waiting past which a due judgement is skipped (judging is the slow part)
+
+
+def _judgement(report: DriftReport) -> dict[str, Any]:
+    """What a report says, as /v1/drift and an event record show it: the worst window's statistic, value,
+    threshold and size, every window, and what moved it."""
+    worst = report.worst
+    return {
+        "statistic": "token_js_bits",
+        "judged": bool(report.windows),
+        "reason": report.reason,
+        "token_js": worst.token_js if worst else None,
+        "token_js_threshold": worst.token_js_threshold if worst else None,
+        "window_requests": worst.requests if worst else None,
+        "windows": [asdict(w) for w in report.windows],
+        "false_alarm_rate": report.false_alarm_rate,
+        "null_draws": report.null_draws,
+        "distinct_prompts": report.distinct_prompts,
+        "moved_tokens": list(report.moved_tokens),
+        "divergent_prompts": list(report.divergent_prompts),
+    }
 
 
 class TrafficWatch:
@@ -84,11 +106,18 @@ class TrafficWatch:
                 "pending": self._queue.unfinished_tasks,
                 "dropped": self.dropped,
                 "drifting": bool(report and report.drifting),
+                "statistic": "token_js_bits",
                 "token_js": None,
                 "token_js_threshold": None,
-                "length_psi": None,
-                "length_psi_threshold": None,
+                "window_requests": None,
+                "length_psi": None,  # prompt length is no longer judged (requests are not documents)
                 "windows": [],
+                "judged": False,
+                "reason": "no judgement yet",
+                "false_alarm_rate": self.monitor.false_alarm_rate if self.monitor else None,
+                "warmup_requests": self.monitor.warmup if self.monitor else None,
+                "moved_tokens": [],
+                "divergent_prompts": [],
                 "event_rule": {"check_every": self.check_every, "sustain_requests": self.sustain_requests},
                 "drift_since_request": self._drift_since,
                 "events": events,
@@ -96,11 +125,7 @@ class TrafficWatch:
                 "retraining": self.retrainer is not None,
             }
         if report is not None:
-            worst = report.worst
-            if worst is not None:
-                out["token_js"], out["token_js_threshold"] = worst.token_js, worst.token_js_threshold
-            out["length_psi"], out["length_psi_threshold"] = report.length_psi, report.length_psi_threshold
-            out["windows"] = [asdict(w) for w in report.windows]
+            out.update(_judgement(report))
         return out
 
     def _run(self) -> None:
@@ -123,8 +148,10 @@ class TrafficWatch:
             seen = self._seen
         if self.monitor is None:
             return
-        self.monitor.observe(prompt_ids)
+        self.monitor.observe(prompt_ids, text)
         if seen % self.check_every:
+            return
+        if self._queue.qsize() >= BACKLOG_SKIP:  # behind: catch up on prompts first, judge at a later check
             return
         report = self.monitor.report()
         event = None
@@ -143,23 +170,21 @@ class TrafficWatch:
             self._act(event)
 
     def _event(self, report: DriftReport, seen: int) -> dict[str, Any]:
-        worst = report.worst
         return {
             "time": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "requests_seen": seen,
             "drift_since_request": self._drift_since,
-            "token_js": worst.token_js if worst else None,
-            "token_js_threshold": worst.token_js_threshold if worst else None,
-            "window_requests": worst.requests if worst else None,
-            "length_psi": report.length_psi,
-            "length_psi_threshold": report.length_psi_threshold,
+            **_judgement(report),
             "retrain": None,
         }
 
     def _act(self, event: dict[str, Any]) -> None:
+        moved = ", ".join(repr(t.get("text", t["token_id"])) for t in event["moved_tokens"][:5])
         log.warning(
-            "drift event: recent prompts past the drift threshold since request %s (token JS %s > %s over %s requests)",
+            "drift event: recent prompts past the drift threshold since request %s (token JS %s > %s over %s "
+            "requests, false-alarm rate %s per judgement); tokens that moved it most: %s",
             event["drift_since_request"], event["token_js"], event["token_js_threshold"], event["window_requests"],
+            event["false_alarm_rate"], moved or "none",
         )
         if self.retrainer is None or self.retrains >= self.max_retrains:
             return
