@@ -48,7 +48,6 @@ class ServerMetrics:
         self.drift_threshold = Gauge(
             "runyard_drift_token_js_threshold", "JS divergence same-size training samples stay under", registry=r
         )
-        self.drift_psi = Gauge("runyard_drift_length_psi", "PSI of recent prompt lengths against the first requests", registry=r)
         self.drift_alert = Gauge("runyard_drift_alert", "1 while recent prompts are past the drift threshold", registry=r)
         self.drift_events = Gauge("runyard_drift_events", "sustained drift events recorded since start", registry=r)
         self._lock = threading.Lock()

@@ -432,6 +432,5 @@ def _watch_drift(metrics: ServerMetrics, traffic: TrafficObserver) -> None:
 
     metrics.drift_js.set_function(value("token_js"))
     metrics.drift_threshold.set_function(value("token_js_threshold"))
-    metrics.drift_psi.set_function(value("length_psi"))
     metrics.drift_alert.set_function(lambda: float(bool(traffic.status().get("drifting"))))
     metrics.drift_events.set_function(lambda: float(len(traffic.status().get("events", []))))

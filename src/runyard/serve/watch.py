@@ -110,7 +110,6 @@ class TrafficWatch:
                 "token_js": None,
                 "token_js_threshold": None,
                 "window_requests": None,
-                "length_psi": None,  # prompt length is no longer judged (requests are not documents)
                 "windows": [],
                 "judged": False,
                 "reason": "no judgement yet",
