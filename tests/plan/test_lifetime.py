@@ -46,7 +46,7 @@ def test_a_small_case_end_to_end_by_hand():
     assert "overtakes training on day 3" in text and "| 30 | 216.00 USD | 15.00 USD |" in text
 
 
-def test_the_cheapest_serving_kind_wins_and_cpu_images_stop_at_sixteen_cores():
+def test_the_cheapest_serving_kind_wins_for_every_family():
     costs = CostsSpec(prices={"cpu": 1, "t4": 35})
     # 1,000,000 images a day at peak 2x: 23.1 images/s. A core does 1/s -> 24 cores (24 c/h); a T4 100/s -> 1
     # (35 c/h).
@@ -54,9 +54,13 @@ def test_the_cheapest_serving_kind_wins_and_cpu_images_stop_at_sixteen_cores():
     caps = [Capacity("cpu", 1, 1.0, "x"), Capacity("t4", 1, 100.0, "x")]
     training = cost_of("t4", 1, 3600, costs)
     image = lifetime_of("image_classification", training, caps, traffic, costs)
-    assert image.serving.capacity.kind == "t4"  # 24 cores would be cheaper but exceed 16 cores
+    assert (image.serving.capacity.kind, image.serving.devices) == ("cpu", 24)  # no core cap: cost decides
     tabular = lifetime_of("tabular_classification", training, caps, traffic, costs)
-    assert tabular.serving.capacity.kind == "cpu" and tabular.serving.devices == 24
+    assert tabular.serving.capacity.kind == "cpu" and tabular.serving.devices == 24 and tabular.check == ""
+    # Ten times the traffic: 231 cores (231 c/h) against 3 T4s (105 c/h): the T4s.
+    busy = lifetime_of("tabular_classification", training, caps, Traffic(10_000_000, 1, "row"), costs)
+    assert (busy.serving.capacity.kind, busy.serving.devices) == ("t4", 3)
+    assert "the table says CPU for a tabular model" in busy.check
 
 
 def test_no_traffic_provisions_nothing():

@@ -18,6 +18,7 @@ from runyard.plan.sizing import human_bytes
 from runyard.plan.weights_in import check_weights_in
 from runyard.run.execute import default_run_dir
 from runyard.run.preflight import preflight
+from runyard.run.serving_probe import predict_probe
 from runyard.spec.job import load_spec
 from runyard.system.files import atomic_write_json
 
@@ -25,7 +26,7 @@ DESCRIPTION = """\
 Plan a spec before any work: the data's facts and the model family they call for; per stage its parameters,
 tokens (or samples) and FLOPs, its wall time here (data preparation, training, evaluation, checkpoints, the
 final evaluation and export) and its memory (framework, model state, activations, evaluation batch, loader);
-the training and serving hardware the seed's table recommends; time, energy (kWh) and cost (the spec's
+the training hardware the seed's table recommends; time, energy (kWh) and cost (the spec's
 `costs`) on that hardware by the device table; and the requirement (accelerators, devices, duration) a market
 or scheduler acts on, which --requirement-out writes for `runyard market demand --requirement`.
 
@@ -38,8 +39,12 @@ fixed costs (start-up, reports, plots, export) are stated constants, so their ti
 --no-calibrate measures nothing (the device table and stated rates; a table or images are still read).
 
 With --traffic (or the spec's `traffic` section) it also prints the inference cost per day on the
-recommended serving hardware and the day cumulative inference overtakes the training cost, as a table and
-a PNG. Before any of it, the sources must resolve (a path or glob that matches no file is an error, exit 2),
+serving hardware and the day cumulative inference overtakes the training cost, as a table and a PNG. Every
+kind in the device table, a CPU core included, is a candidate and the cheapest day at the traffic's peak
+wins. A table or image model's capacity is its POST /v1/predict measured here on loopback (one row and
+1,000-row requests, one core; cached per machine) and scaled to GPUs by the device table; a language
+model's is its decoding measured here on a CPU, else the device table's roofline. The plan prints the
+figure it used and how it was found. Before any of it, the sources must resolve (a path or glob that matches no file is an error, exit 2),
 the initial weights and every sft/dpo record must be usable (data.on_bad_record: error lists every bad
 record, exit 2), a table or images must be usable as the run will read them (no target column, one class,
 a column mixing numbers and text, a missing value a policy refuses, an empty class folder, images of
@@ -104,7 +109,7 @@ def cmd_plan(args) -> int:
     scans = check_records_in(spec)  # every sft/dpo record parsed and checked (or exit 2, listing the bad ones)
     traffic = traffic_from(spec, args.traffic, args.tokens_per_request, args.rows_per_request)
     plan = make_plan(spec, pre.files, run_dir, calibrate=not args.no_calibrate, traffic=traffic,
-                     budget_s=args.budget_s)
+                     budget_s=args.budget_s, serving_probe=predict_probe)
     png = None
     if plan.lifetime is not None:
         png = plot_lifetime(plan.lifetime, args.png or Path(f"{spec.name}-lifetime.png"))

@@ -1,16 +1,22 @@
-"""Training against a lifetime of inference: what serving the model costs per day on the recommended
-hardware, and the day on which its cumulative cost overtakes what training it cost.
+"""Training against a lifetime of inference: what serving the model costs per day on the hardware that serves
+it cheapest, and the day on which its cumulative cost overtakes what training it cost.
 
 Serving is provisioned for the busiest hour (`traffic.peak_to_mean` times the day's mean) and paid around
-the clock: devices = ceil(peak units/s / one device's capacity), at least one while there is traffic, and
-a day costs devices x 24 h at the price per device-hour. A device's capacity comes from a measurement on
-the machine at hand where that is the serving hardware (a CPU), or else from the device table:
+the clock: devices = ceil(peak units/s / one replica's capacity) x its devices, at least one replica while
+there is traffic, and a day costs devices x 24 h at the price per device-hour. Every kind in the device table
+is a candidate for every family, a CPU core included; the cheapest day wins (ties: the table's order).
+A replica's capacity:
 
-- a decoder's tokens/s by the roofline of batched decoding: one step reads the weights (bf16) and every
-  sequence's KV cache at `decode_bandwidth` of the memory bandwidth, or computes each token's forward
-  FLOPs at `decode_compute` of peak, whichever is slower; the batch is as large as memory allows (at
-  most 256 sequences of tokens_per_request each);
-- any other model's rows/s: its forward FLOPs per row at `train_other` of peak.
+- a table or image model's rows/s: its POST /v1/predict measured on this machine at one row and at a batch,
+  scaled to other kinds by the device table (serving_capacity.py); stated figures when nothing was measured;
+- a decoder's tokens/s: measured decoding here on a CPU where the plan calibrated, else the roofline of
+  batched decoding: one step reads the weights (bf16) and every sequence's KV cache at `decode_bandwidth` of
+  the memory bandwidth, or computes each token's forward FLOPs at `decode_compute` of peak, whichever is
+  slower; the batch is as large as memory allows (at most 256 sequences of tokens_per_request each).
+
+The seed's table (tables serve on CPU; images on CPU, or a modest GPU when traffic needs one; language
+models on GPUs sized to concurrency) is a check, not a rule: where the arithmetic chooses otherwise the
+lifetime says so (`Lifetime.check`).
 
 The crossover day is the first whole day at whose end cumulative inference cost exceeds the training cost:
 floor(training / per_day) + 1; no day when serving costs nothing.
@@ -27,8 +33,9 @@ from matplotlib.figure import Figure
 
 from runyard.model.registry import Sizing
 from runyard.plan.cost import Cost, cost_of, format_money
-from runyard.plan.devices import UTILISATION, Device, device, usable_memory
-from runyard.plan.recommend import CPU_SERVING_MAX_CORES, DATA_KINDS, SERVE_KINDS
+from runyard.plan.devices import DEVICES, UTILISATION, Device, device, usable_memory
+from runyard.plan.recommend import DATA_KINDS
+from runyard.plan.serving_capacity import PredictTiming, predict_rows_per_s, stated_timing
 from runyard.spec.job import CostsSpec
 from runyard.system.files import atomic_write_bytes
 
@@ -86,6 +93,7 @@ class Lifetime:
     crossover_day: int | None
     table: list[dict] = field(default_factory=list)
     candidates: list[dict] = field(default_factory=list)
+    check: str = ""  # the seed's table against the choice
 
     def to_dict(self) -> dict:
         return {
@@ -104,6 +112,7 @@ class Lifetime:
             "crossover_day": self.crossover_day,
             "table": self.table,
             "candidates": self.candidates,
+            "check": self.check,
         }
 
     @property
@@ -123,11 +132,14 @@ class Lifetime:
             f"({self.training.devices} x {self.training.kind}, {self.training.device_hours:,.2f} device-hours, "
             f"{self.training.energy_kwh:,.2f} kWh)",
             f"serving: {s.devices} x {s.capacity.kind} ({s.replicas} replica{'s' if s.replicas != 1 else ''} of "
-            f"{s.capacity.devices_per_replica}; {s.capacity.units_per_s:,.1f} {t.unit}s/s each, {s.capacity.how})",
+            f"{s.capacity.devices_per_replica}; {s.capacity.units_per_s:,.1f} {t.unit}s/s each)",
+            f"serving capacity: {s.capacity.units_per_s:,.1f} {t.unit}s/s per replica of {s.capacity.kind}: "
+            f"{s.capacity.how}",
             f"inference cost per day: {format_money(s.cost_per_day.minor_units, cur)} "
             f"({s.cost_per_day.energy_kwh:,.2f} kWh/day)"
             + (f", {format_money(self.cost_per_million_requests, cur)} per million requests"
                if self.cost_per_million_requests is not None else ""),
+            *([f"check against the seed's table: {self.check}"] if self.check else []),
             "cumulative inference overtakes training on "
             + (f"day {self.crossover_day:,}" if self.crossover_day is not None else "no day (serving costs nothing)"),
             "",
@@ -170,11 +182,13 @@ def decoder_capacity(d: Device, sizing: Sizing, tokens_per_request: int) -> Capa
     return Capacity(d.kind, per_replica, batch / step, how)
 
 
-def flops_capacity(d: Device, sizing: Sizing) -> Capacity:
-    """Rows/s of one device from the model's forward FLOPs per row at the stated utilisation."""
-    util = UTILISATION["cpu_of_matmul_peak" if not d.gpu else "train_other"]
-    rate = d.peak_flops * util / max(1.0, sizing.forward_flops_per_unit)
-    return Capacity(d.kind, 1, rate, f"device table: forward FLOPs at {util:.0%} of peak")
+def predict_capacity(d: Device, sizing: Sizing, traffic: Traffic, timing: PredictTiming | None,
+                     forward_on_device: bool) -> Capacity:
+    """Rows/s of one replica (one device) of a table or image model: its /v1/predict timing (measured here,
+    else stated) scaled to `d` (serving_capacity.py)."""
+    timing = timing or stated_timing(sizing, device("cpu"))
+    rate, how = predict_rows_per_s(d, timing, sizing, traffic.units_per_request, forward_on_device)
+    return Capacity(d.kind, 1, rate, how)
 
 
 def serving_for(capacity: Capacity, traffic: Traffic, costs: CostsSpec) -> Serving:
@@ -188,14 +202,26 @@ def serving_for(capacity: Capacity, traffic: Traffic, costs: CostsSpec) -> Servi
 
 
 def choose_serving(task: str, capacities: list[Capacity], traffic: Traffic, costs: CostsSpec) -> tuple[Serving, list[Serving]]:
-    """The cheapest day among the candidate kinds, in the table's order (ties: the first). An image model
-    stays on CPU only while the peak needs at most CPU_SERVING_MAX_CORES cores."""
+    """The cheapest day among the candidate kinds (ties: the first, in the table's order)."""
     options = [serving_for(c, traffic, costs) for c in capacities]
-    allowed = [o for o in options
-               if not (o.capacity.kind == "cpu" and DATA_KINDS[task] == "image" and o.devices > CPU_SERVING_MAX_CORES)]
-    pool = allowed or options
-    best = min(pool, key=lambda o: (o.cost_per_day.minor_units, options.index(o)))
+    best = min(options, key=lambda o: (o.cost_per_day.minor_units, options.index(o)))
     return best, options
+
+
+def seed_check(task: str, best: Serving, options: list[Serving]) -> str:
+    """What the seed's table would serve on, against the arithmetic's choice: empty where they agree."""
+    kind = DATA_KINDS[task]
+    on_cpu = best.capacity.kind == "cpu"
+    gpu = [o for o in options if o.capacity.kind != "cpu"]
+    cheapest_gpu = min(gpu, key=lambda o: o.cost_per_day.minor_units) if gpu else None
+    if kind == "tabular" and not on_cpu:
+        return (f"the table says CPU for a tabular model; {best.capacity.kind} is cheaper at this traffic "
+                f"({best.devices} of them)")
+    if kind == "text" and on_cpu and cheapest_gpu is not None:
+        return (f"the table says GPUs for a language model; {best.devices} CPU core{'s' if best.devices != 1 else ''} "
+                f"carry this traffic for less than {cheapest_gpu.devices} x {cheapest_gpu.capacity.kind} "
+                f"({cheapest_gpu.cost_per_day.minor_units:,} against {best.cost_per_day.minor_units:,} minor units a day)")
+    return ""
 
 
 def lifetime_of(task: str, training: Cost, capacities: list[Capacity], traffic: Traffic, costs: CostsSpec) -> Lifetime:
@@ -204,22 +230,25 @@ def lifetime_of(task: str, training: Cost, capacities: list[Capacity], traffic: 
     per_day = best.cost_per_day.minor_units
     days = sorted({d for d in TABLE_DAYS if d <= traffic.horizon_days} | {traffic.horizon_days})
     table = [{"day": d, "inference": per_day * d, "training": training.minor_units} for d in days]
-    candidates = [{"kind": o.capacity.kind, "devices": o.devices, "cost_per_day": o.cost_per_day.minor_units,
-                   "how": o.capacity.how} for o in options]
-    return Lifetime(traffic, training, best, crossover_day(training.minor_units, per_day), table, candidates)
+    candidates = [{"kind": o.capacity.kind, "devices": o.devices, "units_per_s_per_replica": o.capacity.units_per_s,
+                   "cost_per_day": o.cost_per_day.minor_units, "how": o.capacity.how} for o in options]
+    return Lifetime(traffic, training, best, crossover_day(training.minor_units, per_day), table, candidates,
+                    seed_check(task, best, options))
 
 
 def serving_kinds(task: str) -> tuple[str, ...]:
-    """The kinds a task may serve on, cheapest first (recommend.SERVE_KINDS)."""
-    return SERVE_KINDS[DATA_KINDS[task]]
+    """The kinds any task may serve on: every kind in the device table, a CPU core first."""
+    return tuple(DEVICES)
 
 
-def table_capacity(kind: str, task: str, sizing: Sizing, traffic: Traffic) -> Capacity:
-    """A kind's capacity from the device table alone."""
+def table_capacity(kind: str, task: str, sizing: Sizing, traffic: Traffic, timing: PredictTiming | None = None,
+                   forward_on_device: bool = True) -> Capacity:
+    """A kind's capacity from the device table: a decoder's roofline, or a table or image model's /v1/predict
+    timing (`timing`, measured here; else the stated one) scaled to the kind."""
     d = device(kind)
     if sizing.cache_bytes_per_unit and traffic.unit == "token":
         return decoder_capacity(d, sizing, traffic.units_per_request)
-    return flops_capacity(d, sizing)
+    return predict_capacity(d, sizing, traffic, timing, forward_on_device)
 
 
 def plot_lifetime(lifetime: Lifetime, path: Path) -> Path:

@@ -55,6 +55,7 @@ from runyard.plan.disk import checkpoint_bytes, export_bytes
 from runyard.plan.layout_choice import LayoutChoice, run_interconnect, stage_layout, target_hardware
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, DataFacts, FamilyChoice, Hardware, recommend_family
+from runyard.plan.serving_capacity import PredictProbe, measured_timing
 from runyard.plan.weights_in import run_vocab
 from runyard.spec.job import JobSpec, resolved_stage, with_family
 from runyard.system.cpus import choose_threads
@@ -147,9 +148,11 @@ def run_threads(spec: JobSpec) -> int:
 
 
 def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate: bool = True,
-              traffic: Traffic | None = None, cache_dir: Path | None = None, budget_s: float = 3.0) -> Plan:
+              traffic: Traffic | None = None, cache_dir: Path | None = None, budget_s: float = 3.0,
+              serving_probe: PredictProbe | None = None) -> Plan:
     """The whole plan (see the module doc). `calibrate=False` measures nothing and uses the device table
-    for the machine at hand too."""
+    for the machine at hand too. `serving_probe` times a table or image model's /v1/predict here
+    (run/serving_probe.py; the serving stack sits above the planner)."""
     started = time.perf_counter()
     framework = resident_bytes()
     if calibrate:
@@ -202,7 +205,7 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     plan = Plan(spec.name, spec.task, machine, data, choice, stages, final, peak, memory_how, hardware,
                 training_seconds, training_cost, here, requirement, warnings=warnings, layouts=layouts)
     if traffic is not None:
-        plan.lifetime = lifetime_for(spec, plan, traffic)
+        plan.lifetime = lifetime_for(spec, plan, traffic, serving_probe if calibrate else None)
     plan.calibration_s = time.perf_counter() - started
     return plan
 
@@ -367,22 +370,27 @@ def _here_cost(spec: JobSpec, machine: Machine, seconds: float) -> Cost:
     return cost_of(machine.kind, machine.devices, seconds, spec.costs)
 
 
-def lifetime_for(spec: JobSpec, plan: Plan, traffic: Traffic) -> Lifetime:
-    """Training cost against serving on the cheapest fitting hardware for the traffic."""
+def lifetime_for(spec: JobSpec, plan: Plan, traffic: Traffic, probe: PredictProbe | None = None) -> Lifetime:
+    """Training cost against serving on the cheapest hardware for the traffic; a table or image model's
+    capacity from its /v1/predict timed here by `probe` (else stated figures)."""
     last = plan.stages[-1]
     stage = resolved_stage(spec, last.plan.stage)
     facts = dict(plan.data.facts.config_facts(spec.task))
     facts.setdefault("vocab_size", run_vocab(spec))
     family, config = sizing.stage_config(spec, stage, facts)
     size = family.sizing(config)
+    timing = None
+    if probe is not None and traffic.unit == "row":
+        timing = measured_timing(probe, spec.task, family.name, config, family.config_to_dict(config))
     capacities = []
     for kind in serving_kinds(spec.task):
-        capacities.append(_measured_capacity(kind, plan, traffic) or table_capacity(kind, spec.task, size, traffic))
+        capacities.append(_measured_capacity(kind, plan, traffic)
+                          or table_capacity(kind, spec.task, size, traffic, timing, family.trains_with_loop))
     return lifetime_of(spec.task, plan.training_cost, capacities, traffic, spec.costs)
 
 
 def _measured_capacity(kind: str, plan: Plan, traffic: Traffic) -> Capacity | None:
-    """A CPU's capacity from the calibration here, when the machine at hand is a CPU."""
+    """A CPU core's decoding rate from the calibration here, when the machine at hand is a CPU."""
     cal = plan.stages[-1].calibration
     if kind != "cpu" or plan.machine.kind != "cpu" or cal is None or not plan.machine.calibrated:
         return None
@@ -390,10 +398,6 @@ def _measured_capacity(kind: str, plan: Plan, traffic: Traffic) -> Capacity | No
     if traffic.unit == "token" and cal.decode_token_s:
         return Capacity("cpu", 1, 1 / cal.decode_token_s / cores,
                         f"measured here: {1 / cal.decode_token_s:,.0f} tokens/s decoding one sequence on {cores} cores")
-    if traffic.unit == "row":
-        rate = cal.micro_batch / cal.forward_s
-        return Capacity("cpu", 1, rate / cores, f"measured here: {rate:,.0f} rows/s in batches of {cal.micro_batch} "
-                        f"on {cores} cores")
     return None
 
 

@@ -1,7 +1,9 @@
 """Recommendations from the data and the model's size: which model family, and which hardware to train
 and to serve on.
 
-The rules are the seed material's table, sized by the plan's own figures:
+The family follows the seed material's table; training hardware is sized by the plan's own figures along
+it. Serving hardware is not chosen here: every kind, a CPU core included, is a candidate and the cheapest
+day at the traffic wins (lifetime.py), with this table as a check. The seed's table:
 
 | workload | family | train on | serve on |
 | --- | --- | --- | --- |
@@ -40,14 +42,6 @@ TRAIN_KINDS = {
     "image": ("l4", "l40s", "a100-80gb", "h100-80gb"),
     "text": ("h100-80gb", "h200-141gb", "b200-192gb"),
 }
-# Serving hardware per data kind, cheapest first. An image model serves on CPU while the peak traffic needs
-# at most CPU_SERVING_MAX_CORES cores, else on the first GPU kind.
-SERVE_KINDS = {
-    "tabular": ("cpu",),
-    "image": ("cpu", "t4", "l4"),
-    "text": ("l4", "l40s", "a100-80gb", "h100-80gb", "h200-141gb", "b200-192gb"),
-}
-CPU_SERVING_MAX_CORES = 16
 DEFAULT_CPU_CORES = 4  # a tabular run's cores when resources.threads leaves it to the machine
 TARGET_TRAINING_HOURS = 24.0  # more devices (data parallel) while one run would take longer than this
 

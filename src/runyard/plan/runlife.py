@@ -3,9 +3,10 @@ what serving it will cost, when the spec gives `traffic`.
 
 Training is measured: the data stage's timings and each stage's span in its metrics log (first to last
 step, plus one step for the first), on the devices this run used (the CPU threads, or one GPU), priced at
-`costs`. Serving per request is measured on the exported model here where the recommended serving hardware
-is this machine's kind (a CPU: single-sequence decoding for a language model, a forward pass of a batch
-otherwise) and estimated from the device table for the other kinds; the cheapest day wins (system/processes.py).
+`costs`. Serving a language model is measured on the exported model here for a CPU core (single-sequence
+decoding) when this machine is a CPU, and estimated from the device table for the other kinds; every kind is
+a candidate and the cheapest day wins (lifetime.py). Only language-model runs report a lifetime here; a table
+or image model's serving capacity is measured by `runyard plan` on its /v1/predict (serving_capacity.py).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Any
 import torch
 
 from runyard.model.registry import get_family
-from runyard.plan.calibrate import decode_token_seconds, forward_seconds
+from runyard.plan.calibrate import decode_token_seconds
 from runyard.plan.cost import cost_of
 from runyard.plan.devices import kind_of_cuda_name
 from runyard.plan.lifetime import Capacity, Lifetime, lifetime_of, serving_kinds, table_capacity
@@ -55,24 +56,16 @@ def run_lifetime(spec: JobSpec, model: torch.nn.Module, config: Any, device: tor
     size = family.sizing(config)
     capacities = []
     for serve_kind in serving_kinds(spec.task):
-        measured = _measured(serve_kind, kind, devices, model, config, family, device, traffic.unit)
+        measured = _measured(serve_kind, kind, devices, model, device, traffic.unit)
         capacities.append(measured or table_capacity(serve_kind, spec.task, size, traffic))
     return lifetime_of(spec.task, training, capacities, traffic, spec.costs)
 
 
-def _measured(serve_kind: str, here: str, cores: int, model, config, family, device, unit: str) -> Capacity | None:
-    if serve_kind != here or here != "cpu":
+def _measured(serve_kind: str, here: str, cores: int, model, device, unit: str) -> Capacity | None:
+    if serve_kind != here or here != "cpu" or unit != "token":
         return None
-    if unit == "token":
-        seconds = decode_token_seconds(model, device)
-        if seconds:
-            return Capacity("cpu", 1, 1 / seconds / cores,
-                            f"measured on the export here: {1 / seconds:,.0f} tokens/s decoding one sequence on "
-                            f"{cores} cores")
+    seconds = decode_token_seconds(model, device)
+    if not seconds:
         return None
-    batch = family.synthetic_batch(config, 32, torch.Generator().manual_seed(0))
-    if batch is None:
-        return None
-    seconds = forward_seconds(model, batch[0].to(device), device, "fp32")
-    return Capacity("cpu", 1, 32 / seconds / cores,
-                    f"measured on the export here: {32 / seconds:,.0f} rows/s in batches of 32 on {cores} cores")
+    return Capacity("cpu", 1, 1 / seconds / cores,
+                    f"measured on the export here: {1 / seconds:,.0f} tokens/s decoding one sequence on {cores} cores")
