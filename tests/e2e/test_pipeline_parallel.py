@@ -2,9 +2,9 @@
 CPU with gloo, each holding two of the decoder's four blocks (embeddings on the first, final norm and head
 on the last), driven by torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe with two micro-batches
 of accumulation. Per-step losses, gradient norms and held-out losses equal the one-process run within fp32
-tolerance, the gates pass on the model gathered to rank 0, and the checkpoint holds the whole model under
-its own names: a one-process job resumes it (pp 2 -> 1) and ends on the one-process curve. A layout or a
-stage pipeline parallel does not train is refused naming the field."""
+tolerance; the gates pass and the export is written from the model gathered to rank 0; the checkpoint
+holds the whole model under its own names, so a one-process job resumes it (pp 2 -> 1) and ends on the
+one-process curve. A layout or a stage pipeline parallel does not train is refused naming the field."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
 from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import checkpoint as ckpt
@@ -33,10 +34,10 @@ SPEC = {
 }
 
 
-def run(tmp: Path, name: str, patch: dict, *extra: str) -> Path:
+def run(tmp: Path, name: str, patch: dict, *extra: str, verb: str = "train") -> Path:
     spec = tmp / f"{name}.yaml"
     spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), patch)))
-    runyard("train", str(spec), "--run-dir", str(tmp / name), "--no-progress", *extra, check=True, timeout=400)
+    runyard(verb, str(spec), "--run-dir", str(tmp / name), "--no-progress", *extra, check=True, timeout=400)
     return tmp / name
 
 
@@ -71,7 +72,9 @@ def one_process(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def pp_1f1b(tmp_path_factory) -> Path:
-    return run(tmp_path_factory.mktemp("pp_1f1b"), "pp", {"resources": {"parallel": {"pp": 2}}}, "--nproc", "2")
+    # `run`: also the final evaluation and the export, from the whole model gathered to rank 0
+    return run(tmp_path_factory.mktemp("pp_1f1b"), "pp", {"resources": {"parallel": {"pp": 2}}}, "--nproc", "2",
+               verb="run")
 
 
 @pytest.mark.slow
@@ -81,6 +84,11 @@ def test_two_stages_under_1f1b_match_one_process(one_process, pp_1f1b):
     gates = json.loads((pp_1f1b / "stages/main/gates.json").read_text())
     assert gates["passed"], gates  # judged on the whole model gathered to rank 0 against its checkpoint
     assert_same_weights(weights(one_process), weights(pp_1f1b))  # every stage's tensors, under global names
+    exported = load_file(pp_1f1b / "export/model.safetensors")  # Hugging Face names, Q/K/V split
+    trained = weights(pp_1f1b)
+    assert sum(t.numel() for t in exported.values()) == sum(t.numel() for t in trained.values())
+    assert torch.equal(exported["model.embed_tokens.weight"], trained["tok_emb.weight"])  # first stage's
+    assert torch.equal(exported["lm_head.weight"], trained["lm_head.weight"])  # last stage's
 
 
 @pytest.mark.slow
