@@ -14,12 +14,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from runyard.model import hf
 from runyard.model.config import ModelConfig
 from runyard.model.registry import (
     ExportError,
     ModelFamily,
+    NoPipelinePlan,
     NoTensorParallelPlan,
     Sizing,
     TensorParallelPlan,
@@ -40,6 +42,57 @@ def activation_bytes(cfg: ModelConfig, micro_batch: int, bytes_per_value: int = 
     tokens = micro_batch * cfg.context_length
     logits = tokens * cfg.vocab_size * bytes_per_value * 2
     return cfg.n_layers * block_activation_bytes(cfg, micro_batch, bytes_per_value) + logits
+
+
+def stage_blocks(n_layers: int, stages: int) -> list[range]:
+    """Consecutive blocks of each pipeline stage, as even as the count allows (earlier stages take one
+    more when it does not divide)."""
+    per, extra = divmod(n_layers, stages)
+    bounds = [0]
+    for s in range(stages):
+        bounds.append(bounds[-1] + per + (1 if s < extra else 0))
+    return [range(bounds[s], bounds[s + 1]) for s in range(stages)]
+
+
+class DecoderStage(nn.Module):
+    """One pipeline stage of a `Transformer`: its blocks (under their own indices, so every parameter keeps
+    the whole model's name), with the token embedding on the first stage and the final norm and head on
+    the last. Shares the model's modules (no copy). Maps token ids (first stage) or the residual stream
+    to the residual stream, or (last stage) to logits."""
+
+    def __init__(self, model: Transformer, blocks: range, first: bool, last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.tok_emb = model.tok_emb if first else None
+        self.drop = model.drop if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in blocks})
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if self.tok_emb is not None:
+            x = self.drop(self.tok_emb(x))
+        for i, block in self.blocks.items():
+            x = block(x, cos, sin, None, int(i))
+        if self.lm_head is not None:
+            x = self.lm_head(self.norm(x))
+        return x
+
+    def param_groups(self, weight_decay: float, decay_norms_and_biases: bool = False,
+                     decay_embeddings: bool = False) -> list[dict]:
+        """The whole model's groups (Transformer.param_groups), restricted to this stage's parameters."""
+        embedding = self.tok_emb.weight if self.tok_emb is not None else None
+        decay, no_decay = [], []
+        for p in self.parameters():
+            is_decayed = decay_embeddings if p is embedding else (decay_norms_and_biases if p.ndim < 2 else True)
+            (decay if is_decayed else no_decay).append(p)
+        groups = [{"name": "decay", "params": decay, "weight_decay": weight_decay},
+                  {"name": "no_decay", "params": no_decay, "weight_decay": 0.0}]
+        return [g for g in groups if g["params"]]
 
 
 class DecoderFamily(ModelFamily):
@@ -110,6 +163,18 @@ class DecoderFamily(ModelFamily):
             local[f"{b}.attn.n_heads"] = cfg.n_heads // tp
             local[f"{b}.attn.n_kv_heads"] = cfg.n_kv_heads // tp
         return TensorParallelPlan(styles, fused, local)
+
+    def pipeline_stage(self, model: torch.nn.Module, stage: int, stages: int) -> DecoderStage:
+        """Stages by blocks: the embedding with the first blocks, the final norm and head (whose output the
+        loss scores) with the last."""
+        cfg = model.cfg
+        if cfg.n_layers < stages:
+            raise NoPipelinePlan(f"pipeline parallel over {stages} stages needs model.n_layers ({cfg.n_layers}) of "
+                                 f"at least {stages}")
+        if cfg.tie_embeddings and stages > 1:
+            raise NoPipelinePlan("pipeline parallel cannot split a model whose head shares the token embedding "
+                                 "(model.tie_embeddings: true): they would live on the first and the last stage")
+        return DecoderStage(model, stage_blocks(cfg.n_layers, stages)[stage], stage == 0, stage == stages - 1)
 
     def config_from_weights(self, spec: Any, weights_config: ModelConfig) -> ModelConfig:
         return ModelConfig.from_spec_and_weights(spec, weights_config)

@@ -108,6 +108,10 @@ class NoTensorParallelPlan(RunyardError):
     """A layout asks for tensor parallelism that the model family (or this model's shape) does not allow."""
 
 
+class NoPipelinePlan(RunyardError):
+    """A layout asks for pipeline stages that the model family (or this model's shape) cannot be split into."""
+
+
 class ModelFamily(ABC):
     """One kind of model. Configs are the family's own frozen dataclasses (with to_dict/from_dict)."""
 
@@ -160,6 +164,13 @@ class ModelFamily(ABC):
         """How the model splits over `tp` processes; NoTensorParallelPlan naming why it cannot."""
         raise NoTensorParallelPlan(f"model family {self.name!r} has no tensor-parallel plan; use resources.parallel: "
                                    "ddp or fsdp")
+
+    def pipeline_stage(self, model: torch.nn.Module, stage: int, stages: int) -> torch.nn.Module:
+        """The part of `model` that pipeline stage `stage` (0-based, of `stages`) runs, sharing `model`'s
+        parameters and keeping their names (so a checkpoint is the same whatever the layout): the first
+        stage takes the model's input, the last returns its output (what the loss scores); each other
+        stage maps one activation tensor to the next. NoPipelinePlan naming why it cannot be split."""
+        raise NoPipelinePlan(f"model family {self.name!r} has no pipeline plan; use resources.parallel: ddp or fsdp")
 
     def checkpoint_units(self, model: torch.nn.Module) -> list[torch.nn.Module]:
         """The submodules whose activations `train.activation_checkpointing` recomputes in backward, in

@@ -437,8 +437,9 @@ class CheckpointSpec(_Strict):
 
 
 class ParallelSpec(_Strict):
-    """A layout on one device mesh (torchtitan's): data-parallel replicas, FSDP2 shards and tensor
-    parallelism; dp_replicate x dp_shard x tp must equal the world size. `ddp` and `fsdp` are shorthands."""
+    """A layout on one device mesh (torchtitan's): data-parallel replicas, FSDP2 shards, tensor and
+    pipeline parallelism; dp_replicate x dp_shard x tp x pp must equal the world size. `ddp` and `fsdp`
+    are shorthands."""
 
     dp_replicate: int = Field(default=1, ge=1, description="full replicas (DDP's axis)")
     dp_shard: int = Field(default=1, ge=1, description="processes that shard parameters, gradients and optimizer state (FSDP2)")
@@ -448,6 +449,34 @@ class ParallelSpec(_Strict):
         description="tensor-parallel degree: each block's projections split column- and row-wise over this many "
         "processes (the family's plan; for the decoder its heads and its feed-forward width must divide by it)",
     )
+    pp: int = Field(
+        default=1,
+        ge=1,
+        description="pipeline-parallel degree: the model's blocks split into this many consecutive stages, one per "
+        "process (the decoder: embeddings on the first, final norm, head and loss on the last), driven by "
+        "torch.distributed.pipelining; pretrain stages only, not yet combined with data or tensor parallelism",
+    )
+    pp_microbatches: int | None = Field(
+        default=None,
+        ge=1,
+        description="micro-batches each `train.batch_size` batch is split into along the batch for the pipeline "
+        "schedule (it must divide train.batch_size; 1f1b needs at least pp of them). null: pp",
+    )
+    pp_schedule: Literal["1f1b", "gpipe"] = Field(
+        default="1f1b",
+        description="the pipeline schedule: `1f1b` (one forward, one backward: at most pp micro-batches' "
+        "activations alive) or `gpipe` (every forward, then every backward)",
+    )
+
+    @model_validator(mode="after")
+    def _pipeline_fields_need_a_pipeline(self) -> ParallelSpec:
+        if self.pp == 1 and self.pp_microbatches is not None:
+            raise ValueError("resources.parallel.pp_microbatches is set but resources.parallel.pp is 1 (no pipeline)")
+        if self.pp > 1 and self.pp_microbatches is not None and self.pp_schedule == "1f1b" \
+                and self.pp_microbatches < self.pp:
+            raise ValueError(f"resources.parallel.pp_microbatches ({self.pp_microbatches}) must be at least "
+                             f"resources.parallel.pp ({self.pp}) under pp_schedule 1f1b")
+        return self
 
 
 class ResourcesSpec(_Strict):
@@ -464,9 +493,10 @@ class ResourcesSpec(_Strict):
     parallel: Literal["ddp", "fsdp"] | ParallelSpec = Field(
         default="ddp",
         description="with several processes: `ddp` (a full replica each), `fsdp` (parameters, gradients and "
-        "optimizer state sharded; FSDP2), or a layout `{dp_replicate, dp_shard, tp}` whose product is the world "
-        "size (`{tp: 2}`: tensor parallel over two processes; tensor parallel trains pretrain stages without "
-        "LoRA, and is not yet combined with data parallelism)",
+        "optimizer state sharded; FSDP2), or a layout `{dp_replicate, dp_shard, tp, pp}` whose product is the "
+        "world size (`{tp: 2}`: tensor parallel over two processes; `{pp: 2}`: two pipeline stages; tensor and "
+        "pipeline parallel train pretrain stages without LoRA, and are not yet combined with data parallelism "
+        "or with each other)",
     )
     deterministic: bool = Field(
         default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"

@@ -38,7 +38,7 @@ from runyard.model.registry import get_family
 from runyard.model.stage_model import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
-from runyard.train import batches, checkpoint, finetune_eval, layout, parallel, tensor_parallel
+from runyard.train import batches, checkpoint, finetune_eval, layout, parallel, pipeline, tensor_parallel
 from runyard.train.init_weights import load_initial_weights, load_state_checked
 from runyard.train.lora import AdapterSet, LoRAError, apply_lora, attach_trained_adapters, merged_state_dict
 from runyard.train.metrics import MetricsLog, device_peak_flops, mfu
@@ -86,6 +86,7 @@ class TrainSetup:
     loader: Any  # the objective's loader (a TokenLoader or ImageLoader, a SampleLoader for sft and dpo)
     objective: Any = None  # PretrainObjective, SFTObjective or DPOObjective (train/stage_kinds.py)
     adapters: AdapterSet | None = None  # LoRA: the only parameters that train and are checkpointed
+    pipeline: pipeline.Pipeline | None = None  # pipeline parallel: `model` is this rank's stage (train/pipeline.py)
 
     @property
     def trained(self) -> torch.nn.Module:
@@ -121,13 +122,19 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     """The stage's model (from build_model), its adapters, optimizer and objective. The same for a fresh
     start and a resume: a resume then restores its checkpoint over it."""
     family = get_family(stage.model.family)
+    shape = parallel.layout_of(spec.resources.parallel, ctx.world_size)
+    if ctx.pp > 1:  # refused before any work
+        pipeline.refuse_unsupported(stage, spec.resources, shape)
     model, config = build_model(spec, stage, prepared, ctx, run_dir)
+    pipe = None
+    if ctx.pp > 1:  # from here on the model is this rank's stage, under the whole model's names
+        model = pipeline.split_model(model, family, ctx)
+        pipe = pipeline.Pipeline(model, ctx, shape)
     reference = None
     if stage.kind == "dpo":  # the stage's initial weights, before anything trains them
         reference = dpo_reference(model, uses_lora=stage.lora is not None)
     adapters = None
     if stage.lora is not None:
-        shape = parallel.layout_of(spec.resources.parallel, ctx.world_size)
         if ctx.distributed and (shape.dp_shard > 1 or shape.tp > 1):
             raise LoRAError("LoRA stages train with ddp (the adapters are small); set resources.parallel: ddp")
         adapters = apply_lora(model, stage.lora, derive_seed(spec.seed, "lora", stage.name))
@@ -158,7 +165,7 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
             stage.kind, instruct, stage.train.batch_size, spec.eval.batches * stage.train.batch_size, data_seed,
             derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
             stage.dpo.beta, reference)
-    return TrainSetup(model, module, config, optimizer, objective.loader, objective, adapters)
+    return TrainSetup(model, module, config, optimizer, objective.loader, objective, adapters, pipe)
 
 
 @torch.no_grad()
@@ -211,6 +218,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
         return autocast_for(device, precision)
 
     def heldout_loss_of(module, batches):
+        if setup.pipeline is not None:
+            return setup.pipeline.heldout_loss(batches, autocast)
         return evaluate_loss(module, batches, device, precision)
 
     ckpt_dir = stage_dir / "checkpoints"
@@ -272,6 +281,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "last_heldout_loss": last_heldout,
             "world_size": ctx.data.world_size,  # the processes that read data: the global batch's factor
             "tp": ctx.tp,
+            "pp": ctx.pp,  # stages keep the model's names: any layout resumes it
             "tp_fused_rows": tp_fused_rows,  # whole-weight readers restore the model's row order (checkpoint/reader.py)
             "grad_accum": grad_accum,
             "kind": stage.kind,
@@ -351,12 +361,16 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             loss_scale = ctx.data.world_size / count
             if isinstance(loss_scale, torch.Tensor):  # computed in float64, applied as a Python scale would be
                 loss_scale = loss_scale.float()
-            for micro, batch in enumerate(micro_batches):
-                with parallel.grad_sync(setup.module, ctx, micro == grad_accum - 1):
-                    loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
-                    loss.backward()
-                step_loss += loss.detach()
-            grad_norm = parallel.plain_tensor(parallel.clip_grad_norm(params, clip if clip else math.inf))
+            if setup.pipeline is not None:  # the schedule runs forward and backward of every stage
+                step_loss = setup.pipeline.step(micro_batches, loss_scale, autocast)
+                grad_norm = setup.pipeline.clip_grad_norm(params, clip if clip else math.inf)
+            else:
+                for micro, batch in enumerate(micro_batches):
+                    with parallel.grad_sync(setup.module, ctx, micro == grad_accum - 1):
+                        loss = objective.loss_sum(setup.module, batch, device, autocast) * loss_scale
+                        loss.backward()
+                    step_loss += loss.detach()
+                grad_norm = parallel.plain_tensor(parallel.clip_grad_norm(params, clip if clip else math.inf))
             stepped = guard.should_step(step + 1, step_loss, grad_norm, ctx)  # before the optimizer step
             if stepped:
                 setup.optimizer.step()
@@ -381,7 +395,9 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput
-    if ctx.tp > 1:
+    if setup.pipeline is not None:
+        model = setup.pipeline.consolidated_model(lambda: family.build(setup.config))
+    elif ctx.tp > 1:
         model = tensor_parallel.consolidated_model(setup.model, family.tensor_parallel_plan(setup.model, ctx.tp),
                                                    lambda: family.build(setup.config), ctx)
     else:

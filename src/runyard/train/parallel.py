@@ -48,6 +48,7 @@ class DistContext:
     # thread) never interleave with the training loop's on the default group.
     ckpt_group: Any = None
     tp: int = 1  # tensor-parallel degree: consecutive ranks form one tensor-parallel group
+    pp: int = 1  # pipeline-parallel degree: consecutive ranks hold consecutive stages (train/pipeline.py)
 
     @property
     def is_main(self) -> bool:
@@ -60,11 +61,13 @@ class DistContext:
     @property
     def data(self) -> DistContext:
         """The data-parallel view: the rank and world size that read data and normalise the loss. Under
-        tensor parallelism every rank of a group reads the same batch (so pure tp is one data rank)."""
-        if self.tp == 1:
+        tensor or pipeline parallelism every rank of a group reads the same batch (so pure tp or pure pp is one
+        data rank)."""
+        group = self.tp * self.pp
+        if group == 1:
             return self
-        return dataclasses.replace(self, rank=self.rank // self.tp, world_size=self.world_size // self.tp,
-                                   ckpt_group=None, tp=1)
+        return dataclasses.replace(self, rank=self.rank // group, world_size=self.world_size // group,
+                                   ckpt_group=None, tp=1, pp=1)
 
 
 class LayoutError(RunyardError):
@@ -76,19 +79,28 @@ class Layout:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
+    pp_microbatches: int | None = None  # null: pp
+    pp_schedule: str = "1f1b"
 
 
 def layout_of(setting: Any, world_size: int) -> Layout:
     """`resources.parallel` as mesh sizes: `ddp` replicates over every process, `fsdp` shards over them,
-    a `{dp_replicate, dp_shard, tp}` layout must multiply to the world size."""
+    a `{dp_replicate, dp_shard, tp, pp}` layout must multiply to the world size."""
     if setting == "ddp" or setting is None:
         return Layout(world_size, 1, 1)
     if setting == "fsdp":
         return Layout(1, world_size, 1)
-    layout = Layout(setting.dp_replicate, setting.dp_shard, setting.tp)
-    if layout.dp_replicate * layout.dp_shard * layout.tp != world_size:
-        raise LayoutError(f"resources.parallel {layout.dp_replicate} x {layout.dp_shard} x {layout.tp} "
-                          f"(dp_replicate x dp_shard x tp) does not equal the {world_size} processes")
+    pp = getattr(setting, "pp", 1)
+    layout = Layout(setting.dp_replicate, setting.dp_shard, setting.tp, pp, getattr(setting, "pp_microbatches", None),
+                    getattr(setting, "pp_schedule", "1f1b"))
+    if layout.dp_replicate * layout.dp_shard * layout.tp * layout.pp != world_size:
+        raise LayoutError(f"resources.parallel {layout.dp_replicate} x {layout.dp_shard} x {layout.tp} x {layout.pp} "
+                          f"(dp_replicate x dp_shard x tp x pp) does not equal the {world_size} processes")
+    if layout.pp > 1 and layout.pp != world_size:
+        raise LayoutError(f"resources.parallel: pipeline parallel (pp {layout.pp}) is not yet combined with data or "
+                          f"tensor parallelism; use pp equal to the processes ({world_size}) with dp_replicate, "
+                          "dp_shard and tp 1")
     if layout.tp > 1 and layout.tp != world_size:
         raise LayoutError(f"resources.parallel: tensor parallel (tp {layout.tp}) is not yet combined with data "
                           f"parallelism; use tp equal to the processes ({world_size}) or ddp/fsdp")
@@ -98,9 +110,11 @@ def layout_of(setting: Any, world_size: int) -> Layout:
 
 
 def with_layout(ctx: DistContext, resources) -> DistContext:
-    """`ctx` knowing its tensor-parallel degree (from `resources.parallel`)."""
+    """`ctx` knowing its tensor- and pipeline-parallel degrees (from `resources.parallel`)."""
     layout = layout_of(getattr(resources, "parallel", "ddp"), ctx.world_size)
-    return ctx if layout.tp == ctx.tp else dataclasses.replace(ctx, tp=layout.tp)
+    if (layout.tp, layout.pp) == (ctx.tp, ctx.pp):
+        return ctx
+    return dataclasses.replace(ctx, tp=layout.tp, pp=layout.pp)
 
 
 def _attempt_store(rank: int, world_size: int) -> dict:
@@ -244,7 +258,7 @@ def wrap_model(model: torch.nn.Module, ctx: DistContext, resources,
     if not ctx.distributed:
         return model
     layout = layout_of(getattr(resources, "parallel", "ddp"), ctx.world_size)
-    if layout.tp > 1:  # tensor parallel over every process (train/tensor_parallel.py): no data parallelism
+    if layout.tp > 1 or layout.pp > 1:  # tensor or pipeline parallel over every process: no data parallelism
         return model
     seed_rank_stream(ctx)
     if layout.dp_shard > 1:

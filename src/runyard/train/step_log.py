@@ -61,7 +61,10 @@ class PendingSteps:
                            for s in steps])
         values = torch.cat([parallel.all_reduce_sum_tensor(summed, ctx), own.reshape(-1)]).tolist()
         stats, stop_votes, own_values = values[n: n + n * width], values[n + n * width], values[n + n * width + 1:]
-        logged = [LoggedStep(s["step"], s["lr"], values[i] / ctx.world_size, own_values[2 * i], own_values[2 * i + 1],
+        # Each data-parallel or tensor-parallel rank holds its share of the loss (scaled by the data world
+        # size); under pipeline parallelism only the last stage holds it, the others add 0.
+        holders = ctx.world_size // ctx.pp
+        logged = [LoggedStep(s["step"], s["lr"], values[i] / holders, own_values[2 * i], own_values[2 * i + 1],
                              stats[i * width: (i + 1) * width], s["stepped"], s["skipped"], s["time"])
                   for i, s in enumerate(steps)]
         self._steps = []

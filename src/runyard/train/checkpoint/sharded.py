@@ -38,6 +38,12 @@ from runyard.train.parallel import DistContext
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
 MODEL_KEY, OPTIM_KEY = "model", "optim"
+# The optimizer's state and hyperparameters keyed by parameter name ("optim.param_groups.<name>.lr"), as
+# torchtitan saves them: a rank holding part of the model (a pipeline stage) writes its parameters' groups
+# itself, so any layout restores them. Checkpoints written before hold the groups by index
+# ("optim.param_groups.0.params" lists the first group's parameters).
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+NESTED_GROUPS = f"{OPTIM_KEY}.param_groups.0.params"
 
 # DCP warns on every save or load without a process group that it "assumes the intent" is one process;
 # runyard asks for that on purpose (no_dist), so the warning says nothing.
@@ -96,7 +102,7 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
     """Every rank calls this for the same `tmp`. Returns once the state is copied out of the model
     (async) or written (sync); the write goes on in the background when async."""
     rng_entry = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     state_dict = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     writer = RawFileSystemWriter(tmp / DCP_DIR)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
@@ -116,11 +122,14 @@ def _mkparent(path: Path) -> Path:
 
 def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, ctx: DistContext) -> None:
     """Model and optimizer from a sharded checkpoint, resharded onto this job's ranks."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
+    reader = RawFileSystemReader(path / DCP_DIR)
+    options = StateDictOptions() if NESTED_GROUPS in reader.read_metadata().state_dict_metadata else FLAT
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     sd = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    dcp.load(sd, storage_reader=RawFileSystemReader(path / DCP_DIR), planner=_SafeLoadPlanner(),
-             process_group=ctx.ckpt_group, no_dist=not ctx.distributed)
-    set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY])
+    dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=ctx.ckpt_group,
+             no_dist=not ctx.distributed)
+    set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
+                   options=options)
 
 
 def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:

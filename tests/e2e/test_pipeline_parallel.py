@@ -1,0 +1,179 @@
+"""Pipeline parallel (resources.parallel: {pp: 2}) through the real command line: two torchrun workers on
+CPU with gloo, each holding two of the decoder's four blocks (embeddings on the first, final norm and head
+on the last), driven by torch.distributed.pipelining's Schedule1F1B or ScheduleGPipe with two micro-batches
+of accumulation. Per-step losses, gradient norms and held-out losses equal the one-process run within fp32
+tolerance; the gates pass and the export is written from the model gathered to rank 0; the checkpoint
+holds the whole model under its own names, so a one-process job resumes it (pp 2 -> 1) and ends on the
+one-process curve. A layout or a stage pipeline parallel does not train is refused naming the field."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from runyard.spec.job import parse_spec, resolved_stage
+from runyard.train import checkpoint as ckpt
+from runyard.train import parallel, pipeline
+
+from .conftest import TINY_SPEC, merge, runyard
+
+STEPS = 12
+SPEC = {
+    "model": {"dropout": 0.0, "n_layers": 4, "tie_embeddings": False},
+    "train": {"steps": STEPS, "batch_size": 4, "grad_accum": 2},
+    "stages": [{"name": "main", "gates": {"min_loss_drop": None}}],
+    "eval": {"interval": 6},
+    "checkpoint": {"interval": 3, "keep_last": 10},
+}
+
+
+def run(tmp: Path, name: str, patch: dict, *extra: str, verb: str = "train") -> Path:
+    spec = tmp / f"{name}.yaml"
+    spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), patch)))
+    runyard(verb, str(spec), "--run-dir", str(tmp / name), "--no-progress", *extra, check=True, timeout=400)
+    return tmp / name
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "stages/main/metrics.jsonl").read_text().splitlines()]
+
+
+def weights(run_dir: Path) -> dict[str, torch.Tensor]:
+    return ckpt.read_model_weights(ckpt.latest_good(run_dir / "stages/main/checkpoints").path)
+
+
+def assert_same_curve(a: list[dict], b: list[dict]) -> None:
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b, strict=True):
+        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
+        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4), ra["step"]
+        assert ("heldout_loss" in ra) == ("heldout_loss" in rb), ra["step"]
+        if "heldout_loss" in ra:
+            assert rb["heldout_loss"] == pytest.approx(ra["heldout_loss"], rel=1e-5), ra["step"]
+
+
+def assert_same_weights(w1: dict, w2: dict) -> None:
+    assert w1.keys() == w2.keys()
+    for name in w1:
+        assert torch.allclose(w1[name], w2[name], rtol=0, atol=1e-4), name
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    return run(tmp_path_factory.mktemp("pp_one"), "one", {})
+
+
+@pytest.fixture(scope="module")
+def pp_1f1b(tmp_path_factory) -> Path:
+    # `run`: also the final evaluation and the export, from the whole model gathered to rank 0
+    return run(tmp_path_factory.mktemp("pp_1f1b"), "pp", {"resources": {"parallel": {"pp": 2}}}, "--nproc", "2",
+               verb="run")
+
+
+@pytest.mark.slow
+def test_two_stages_under_1f1b_match_one_process(one_process, pp_1f1b):
+    assert_same_curve(rows(one_process), rows(pp_1f1b))
+    assert len(rows(one_process)) == STEPS
+    gates = json.loads((pp_1f1b / "stages/main/gates.json").read_text())
+    assert gates["passed"], gates  # judged on the whole model gathered to rank 0 against its checkpoint
+    assert_same_weights(weights(one_process), weights(pp_1f1b))  # every stage's tensors, under global names
+    exported = load_file(pp_1f1b / "export/model.safetensors")  # Hugging Face names, Q/K/V split
+    trained = weights(pp_1f1b)
+    assert sum(t.numel() for t in exported.values()) == sum(t.numel() for t in trained.values())
+    assert torch.equal(exported["model.embed_tokens.weight"], trained["tok_emb.weight"])  # first stage's
+    assert torch.equal(exported["lm_head.weight"], trained["lm_head.weight"])  # last stage's
+
+
+@pytest.mark.slow
+def test_two_stages_under_gpipe_with_four_microbatches_match_one_process(one_process, tmp_path):
+    pp = run(tmp_path, "gpipe", {"resources": {"parallel": {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}}},
+             "--nproc", "2")
+    assert_same_curve(rows(one_process), rows(pp))
+    assert_same_weights(weights(one_process), weights(pp))
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_resumes_on_one_process(one_process, pp_1f1b, tmp_path):
+    """pp 2 -> 1: the one-process job finds the two-stage job's step-6 checkpoint (model, optimizer, loader
+    position) and ends on the one-process curve."""
+    resumed = tmp_path / "resumed"
+    (resumed / "stages/main/checkpoints").mkdir(parents=True)
+    for ref in ckpt.list_checkpoints(pp_1f1b / "stages/main/checkpoints"):
+        if ref.step == 6:
+            shutil.copytree(ref.path, resumed / "stages/main/checkpoints" / ref.path.name)
+    lines = (pp_1f1b / "stages/main/metrics.jsonl").read_text().splitlines()
+    (resumed / "stages/main/metrics.jsonl").write_text("\n".join(lines[:6]) + "\n")
+    assert [r.step for r in ckpt.list_checkpoints(resumed / "stages/main/checkpoints")] == [6]
+    run(tmp_path, "resumed", {})
+    assert rows(resumed)[6]["step"] == 7
+    assert_same_curve(rows(one_process), rows(resumed))
+    assert_same_weights(weights(one_process), weights(resumed))
+
+
+# -- refusals, by the field that asks (no processes needed) ----------------------------------------------
+def spec_with(patch: dict):
+    return parse_spec(merge(merge(TINY_SPEC, SPEC), patch))
+
+
+def test_a_layout_that_does_not_fill_the_world_or_mixes_pp_with_tp_is_refused_by_name():
+    with pytest.raises(parallel.LayoutError, match=r"dp_replicate x dp_shard x tp x pp"):
+        parallel.layout_of(spec_with({"resources": {"parallel": {"pp": 2}}}).resources.parallel, 3)
+    with pytest.raises(parallel.LayoutError, match=r"pipeline parallel \(pp 2\) is not yet combined"):
+        parallel.layout_of(spec_with({"resources": {"parallel": {"pp": 2, "tp": 2}}}).resources.parallel, 4)
+    from runyard.errors import SpecError
+
+    with pytest.raises(SpecError, match=r"pp_microbatches"):
+        spec_with({"resources": {"parallel": {"pp_microbatches": 2}}})
+    with pytest.raises(SpecError, match=r"pp_microbatches \(1\) must be at least"):
+        spec_with({"resources": {"parallel": {"pp": 2, "pp_microbatches": 1}}})
+
+
+@pytest.mark.parametrize("patch, field", [
+    ({"train": {"activation_checkpointing": "full"}}, "train.activation_checkpointing"),
+    ({"resources": {"compile": True}}, "resources.compile"),
+    ({"resources": {"parallel": {"pp": 2, "pp_microbatches": 3}}}, "train.batch_size"),
+])
+def test_what_pipeline_parallel_does_not_train_is_refused_by_name(patch, field):
+    spec = spec_with(merge({"resources": {"parallel": {"pp": 2}}}, patch))
+    layout = parallel.layout_of(spec.resources.parallel, 2)
+    with pytest.raises(parallel.LayoutError, match=field.replace(".", r"\.")):
+        pipeline.refuse_unsupported(resolved_stage(spec, "main"), spec.resources, layout)
+
+
+def test_sft_and_lora_stages_are_refused_under_pipeline_parallel():
+    spec = spec_with({"resources": {"parallel": {"pp": 2}}})
+    layout = parallel.layout_of(spec.resources.parallel, 2)
+    stage = resolved_stage(spec, "main")
+    with pytest.raises(parallel.LayoutError, match="pretrain stages only, not sft"):
+        pipeline.refuse_unsupported(stage.model_copy(update={"kind": "sft"}), spec.resources, layout)
+    with pytest.raises(parallel.LayoutError, match=r"LoRA adapters \(lora\)"):
+        pipeline.refuse_unsupported(stage.model_copy(update={"lora": object()}), spec.resources, layout)
+
+
+def test_the_decoder_splits_by_blocks_under_the_whole_models_names():
+    from runyard.model.decoder import DECODER
+    from runyard.model.registry import NoPipelinePlan
+
+    spec = spec_with({})
+    cfg = DECODER.config_from_spec(resolved_stage(spec, "main").model, vocab_size=64)
+    model = DECODER.build(cfg)
+    first, last = DECODER.pipeline_stage(model, 0, 2), DECODER.pipeline_stage(model, 1, 2)
+    names = set(first.state_dict()) | set(last.state_dict())
+    assert names == set(model.state_dict()) and not set(first.state_dict()) & set(last.state_dict())
+    assert "tok_emb.weight" in first.state_dict() and "lm_head.weight" in last.state_dict()
+    assert {"blocks.0.attn.wqkv.weight", "blocks.1.attn.wqkv.weight"} <= set(first.state_dict())
+    x = torch.randint(0, 64, (2, 8))
+    with torch.no_grad():
+        assert torch.equal(last(first(x)), model(x))  # the stages compose to the model
+    with pytest.raises(NoPipelinePlan, match="model.n_layers"):
+        DECODER.pipeline_stage(model, 0, 5)
+    tied = DECODER.build(dataclasses.replace(cfg, tie_embeddings=True))
+    with pytest.raises(NoPipelinePlan, match="model.tie_embeddings"):
+        DECODER.pipeline_stage(tied, 0, 2)
