@@ -146,3 +146,13 @@ def test_restart_from_names_a_stage_of_the_spec(tmp_path):
         open_run_dir(spec(), tmp_path / "run", restart_from="nope")
     assert "one of the spec's stages ['base', 'sft']" in str(info.value)
     assert json.loads(json.dumps(info.value.problems))[0][0] == "--restart-from"
+
+
+def test_a_layout_change_continues_and_a_precision_change_does_not():
+    change = compare(spec(), spec(resources__parallel={"tp": 2}, resources__nproc=2, resources__threads=1))
+    assert [c.path for c in change.layout] == ["resources.nproc", "resources.parallel", "resources.threads"]
+    assert not change.altering and change.first_changed_stage is None
+    priced = compare(spec(), spec(resources__requirement={"device_count": 2}))
+    assert not priced.altering and [c.path for c in priced.judgement] == ["resources.requirement.device_count"]
+    precision = compare(spec(), spec(resources__precision="bf16"))
+    assert precision.every_stage and precision.first_changed_stage == 0

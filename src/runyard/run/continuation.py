@@ -64,6 +64,9 @@ def open_run_dir(spec: JobSpec, run_dir: Path, restart_from: str | None = None) 
     mf.write_manifest(run_dir, manifest)
     for c in change.judgement:
         log.info("spec change %s: judged again, nothing retrained", c)
+    for c in change.layout:
+        log.info("spec change %s: a stage in progress continues from its last checkpoint under the new layout "
+                 "(equal to an uninterrupted run within fp32 tolerance, not bitwise)", c)
     if moved:
         log.warning("restarting from stage %s: the earlier work is in %s", names[keep], moved)
     return change

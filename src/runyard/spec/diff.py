@@ -7,8 +7,11 @@ work already done depends on what changed:
   prompts and sampling (the final evaluation runs again in every session), retention, costs, traffic;
 - a stage's own settings (its resolved model, optimizer, schedule, training, data, kind, LoRA): that
   stage and every later one, since each starts from its predecessor's weights;
-- anything else (the data, the seed, the task, resources, in-training evaluation): every stage, and the
-  data.
+- the layout (processes, the device mesh, threads, compile): nothing already computed changes; a stage in
+  progress continues from its last checkpoint under the new layout (equal within fp32 tolerance, not bitwise,
+  to an uninterrupted run); the requirement only plans and prices;
+- anything else (the data, the seed, the task, device, precision, in-training evaluation): every stage, and
+  the data.
 Stages are matched by position; a stage renamed or inserted at position i changes stage i.
 """
 
@@ -30,6 +33,11 @@ JUDGEMENT_PATHS = (
     "eval.min_reward_margin", "eval.stall_fraction", "eval.prompts", "eval.sample_tokens", "eval.temperature",
     "eval.top_k", "eval.prediction", "tracking",
 )
+# The layout a run trains under: a checkpoint reshards across layouts (runyard.train.checkpoint), so a
+# change continues from the last one; recorded, never refused.
+LAYOUT_PATHS = ("resources.nproc", "resources.parallel", "resources.threads", "resources.compile")
+# What only plans and prices the run.
+PRICING_PATHS = ("resources.requirement",)
 # Top-level sections that stages inherit (and may override): a change to one matters only where a
 # stage's resolved value changed.
 INHERITED = ("model", "optim", "schedule", "train")
@@ -56,6 +64,8 @@ class SpecChange:
     every_stage: bool = False
     # Changes that do not alter work (gates judged again, the final evaluation's settings).
     judgement: list[FieldChange] = field(default_factory=list)
+    # Changes of the layout (processes, mesh, threads, compile): a stage in progress continues under it.
+    layout: list[FieldChange] = field(default_factory=list)
     # Each change that alters work, with the stage index (edited spec) it first alters.
     altering: list[tuple[FieldChange, int]] = field(default_factory=list)
 
@@ -74,6 +84,9 @@ def compare(old: JobSpec, new: JobSpec) -> SpecChange:
     result = SpecChange(changes=field_changes(old, new))
     stage_changed = _changed_stages(old, new)
     for change in result.changes:
+        if _under(change.path, LAYOUT_PATHS):
+            result.layout.append(change)
+            continue
         if _is_judgement(change.path, rejudged_gates=new.task == "language_model"):
             result.judgement.append(change)
             continue
@@ -108,10 +121,14 @@ def _walk(path: str, a: Any, b: Any):
         yield FieldChange(path, a, b)
 
 
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    return any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in prefixes)
+
+
 def _is_judgement(path: str, rejudged_gates: bool) -> bool:
     """`rejudged_gates`: a language model's stage gates are judged again from its records (a table's
     or an image model's stage is trained again to judge other gates)."""
-    if any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in JUDGEMENT_PATHS):
+    if _under(path, JUDGEMENT_PATHS + PRICING_PATHS):
         return True
     index = _stage_index(path)
     return rejudged_gates and index is not None and path.startswith(f"stages[{index}].gates")
