@@ -279,7 +279,7 @@ def create_console(
             form = {}
         if not csrf_ok(session, forms.first(form, "csrf")):
             return error(request, Forbidden("the sign-in form's CSRF token is missing or stale; reload the page"),
-                         sessions.anonymous(None))  # fmt: skip
+                         session or sessions.anonymous(None))  # fmt: skip
         token = (forms.first(form, "token") or "").strip()
         try:
             principal = await run_in_threadpool(identity.authenticate, market, token)
