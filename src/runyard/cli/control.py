@@ -1,4 +1,4 @@
-"""Verbs of the provider's control plane: `control start|stop|status`, `submit`, `queue`, `job ...`."""
+"""Verbs of the provider's control plane: `control start|stop|status|ui`, `submit`, `queue`, `job ...`."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from runyard.control.lease_retention import DEFAULT_KEEP_FINISHED_S
 from runyard.control.loop import ControlConfig
 from runyard.control.retry import ClassBudget, RetryPolicy
 from runyard.control.states import JobState
+from runyard.control.ui import serve_ui
 from runyard.spec.job import load_spec
 
 DEFAULT_STATE_DIR = os.environ.get("RUNYARD_CONTROL_DIR", str(Path.home() / ".runyard" / "control"))
@@ -131,6 +132,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     status = verbs.add_parser("status", help="is the daemon running, and how busy it is")
     _state_dir_arg(status)
     status.set_defaults(handler=_control_status)
+
+    ui = verbs.add_parser("ui", help="the control plane's web console on loopback (sign in with its API token)")
+    _state_dir_arg(ui)
+    ui.add_argument("--host", default="127.0.0.1", choices=["127.0.0.1", "::1", "localhost"],
+                    help="the loopback address to bind (default %(default)s)")
+    ui.add_argument("--port", type=int, default=8471, help="the console's port (default %(default)s)")
+    ui.set_defaults(handler=lambda args: serve_ui(args.state_dir, args.host, args.port) or 0)
 
     submit = subparsers.add_parser("submit", help="queue a job spec on the control plane")
     submit.add_argument("spec", help="the job spec (YAML)")

@@ -44,6 +44,8 @@ from runyard.market import (
     statements,
     usage,
 )
+from runyard.market.console import create_console
+from runyard.market.console.app import PREFIX as CONSOLE_PREFIX
 from runyard.market.errors import BadRequest, MarketError, NotFound, PayloadTooLarge
 from runyard.market.jobs import MAX_DEMAND_BODY_BYTES
 from runyard.market.models import MAX_ID
@@ -171,8 +173,10 @@ class BodyLimit:
     `route_limits` gives some paths their own limit), and bodies that are not strict JSON
     (`parse_body`), with 422 in the error envelope."""
 
-    def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None):  # type: ignore[no-untyped-def]
+    def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None,  # type: ignore[no-untyped-def]
+                 form_prefixes: tuple[str, ...] = ()):
         self.app, self.default_limit, self.route_limits = app, limit, route_limits or {}
+        self.form_prefixes = form_prefixes  # HTML forms (the console): limited in size, parsed by their own app
 
     async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
@@ -193,7 +197,7 @@ class BodyLimit:
                 return await _error(send, PayloadTooLarge(f"request body exceeds {limit} bytes"))
             more = message.get("more_body", False)
         body = b"".join(chunks)
-        if body:
+        if body and not scope.get("path", "").startswith(self.form_prefixes):
             try:
                 parse_body(body)
             except BadRequest as exc:
@@ -238,7 +242,8 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
     )
     # A demand may carry its job's files (runyard.market.jobs): that one route takes larger bodies.
     app.add_middleware(BodyLimit, limit=max_body_bytes,
-                       route_limits={"/v1/demands": max(max_body_bytes, MAX_DEMAND_BODY_BYTES)})
+                       route_limits={"/v1/demands": max(max_body_bytes, MAX_DEMAND_BODY_BYTES)},
+                       form_prefixes=(CONSOLE_PREFIX + "/",))
 
     @app.exception_handler(MarketError)
     async def _market_error(_: Request, exc: MarketError) -> JSONResponse:
@@ -288,6 +293,8 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
     dependencies = {"account": who, "operator": operator, "rail": rail_checked}
     for op in OPERATIONS:
         _add_route(app, market, op, HANDLERS[op.name], dependencies)
+    # The web console: the same handlers, the same operator check (docs/console.md).
+    app.mount(CONSOLE_PREFIX, create_console(market, HANDLERS, operator, CONSOLE_PREFIX))
     return app
 
 
