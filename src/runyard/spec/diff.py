@@ -4,7 +4,8 @@ would make the run compute again.
 A run directory keeps its spec (spec.yaml). Running it again with an edited spec may continue when no
 work already done depends on what changed:
 - judgement: a language model stage's gates (judged again from its records), the final verdict's bounds,
-  prompts and sampling (the final evaluation runs again in every session), retention, costs, traffic;
+  prompts and sampling (the final evaluation runs again in every session), retention, costs, traffic; and
+  the layout (resources.parallel, resources.nproc: a stage resumes its checkpoint under any layout);
 - a stage's own settings (its resolved model, optimizer, schedule, training, data, kind, LoRA): that
   stage and every later one, since each starts from its predecessor's weights;
 - anything else (the data, the seed, the task, resources, in-training evaluation): every stage, and the
@@ -30,6 +31,9 @@ JUDGEMENT_PATHS = (
     "eval.min_reward_margin", "eval.stall_fraction", "eval.prompts", "eval.sample_tokens", "eval.temperature",
     "eval.top_k", "eval.prediction", "tracking",
 )
+# How the work is laid out over processes (the device mesh, the processes per node): a checkpoint written
+# under one layout resumes under any other (train/checkpoint/sharded.py), so changing it alters no work done.
+LAYOUT_PATHS = ("resources.parallel", "resources.nproc")
 # Top-level sections that stages inherit (and may override): a change to one matters only where a
 # stage's resolved value changed.
 INHERITED = ("model", "optim", "schedule", "train")
@@ -111,7 +115,7 @@ def _walk(path: str, a: Any, b: Any):
 def _is_judgement(path: str, rejudged_gates: bool) -> bool:
     """`rejudged_gates`: a language model's stage gates are judged again from its records (a table's
     or an image model's stage is trained again to judge other gates)."""
-    if any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in JUDGEMENT_PATHS):
+    if any(path == p or path.startswith(p + ".") or path.startswith(p + "[") for p in JUDGEMENT_PATHS + LAYOUT_PATHS):
         return True
     index = _stage_index(path)
     return rejudged_gates and index is not None and path.startswith(f"stages[{index}].gates")

@@ -205,7 +205,7 @@ def load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, A
     size and parallelism, whatever wrote it. Returns the plain values saved with it."""
     values = store.read_state_json(path)
     if sharded.is_sharded(path):
-        sharded.load_shards(state.model, state.optimizer, path, ctx)
+        sharded.load_shards(state.model, state.optimizer, path, ctx, stored=sharded.stored_order(values))
         _restore_rank_rng(state, path, ctx.rank, values["step"])
     else:
         # Keyed by parameter name, the one-process state lands on DDP replicas or FSDP shards alike.
