@@ -1,92 +1,176 @@
 """Tensor parallel (resources.parallel: {tp: 2}) through the real command line: two torchrun workers on CPU
 with gloo split every block by the decoder family's plan (Q/K/V and gate/up column-wise, the attention
-output and down projection row-wise, through DTensor's parallelize_module). Per-step losses and held-out
-losses equal the one-process run within fp32 tolerance, the stage's gates pass (its checkpoint reloads
-bitwise as the consolidated model), and the checkpoint's whole weights are in the model's own order."""
+output and down projection row-wise, through DTensor's parallelize_module).
+
+- For 20 steps, per-step losses, gradient norms and held-out losses equal the one-process run's within fp32
+  tolerance, and so do the gradients of step 1 (read from the step-1 checkpoints: AdamW's first moment
+  after one step is (1 - beta1) x the clipped gradient, whole and by parameter name).
+- The checkpoint holds the model's own tensors whatever the layout (fused rows in the model's order), so a
+  run stopped under tp 2 resumes under one process and one stopped under one process resumes under tp 2,
+  each ending where the uninterrupted run ends.
+- The export is the same Hugging Face directory whatever the layout wrote it."""
 
 from __future__ import annotations
 
 import json
+import signal
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
+from safetensors.torch import load_file
 
+from runyard.errors import EXIT_PREEMPTED
+from runyard.model.hf.config import read_config
+from runyard.model.registry import get_family
+from runyard.spec.job import load_spec, resolved_stage
 from runyard.train import checkpoint as ckpt
+from runyard.train.checkpoint import sharded
 
 from .conftest import TINY_SPEC, merge, runyard
+from .test_distributed import start, wait_for_step
 
 pytestmark = pytest.mark.slow
 
-STEPS = 6
+STEPS = 20
 SPEC = {
     "model": {"dropout": 0.0},
     "train": {"steps": STEPS, "batch_size": 4},
     "stages": [{"name": "main", "gates": {"min_loss_drop": None}}],
-    "eval": {"interval": 3},
-    "checkpoint": {"interval": 3, "keep_last": 2},
+    "eval": {"interval": 5},
+    # Every step checkpointed and kept: step 1's holds the first gradients, and a stop loses no step.
+    "checkpoint": {"interval": 1, "keep_last": STEPS},
 }
+TP = {"resources": {"parallel": {"tp": 2}}}
+LOSS_RTOL, GRAD_ATOL, WEIGHT_ATOL = 1e-5, 1e-6, 1e-4
 
 
-def run(tmp: Path, name: str, patch: dict, *extra: str) -> Path:
+def write(tmp: Path, name: str, patch: dict) -> Path:
     spec = tmp / f"{name}.yaml"
     spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), patch)))
-    runyard("train", str(spec), "--run-dir", str(tmp / name), "--no-progress", *extra, check=True, timeout=400)
-    return tmp / name
+    return spec
+
+
+def run(spec: Path, run_dir: Path, *extra: str) -> Path:
+    runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", *extra, check=True, timeout=400)
+    return run_dir
+
+
+def stop_with_sigterm(spec: Path, run_dir: Path, nproc: int, after_step: int = 3) -> int:
+    proc = start("train", str(spec), "--run-dir", str(run_dir), "--nproc", str(nproc))
+    wait_for_step(run_dir, after_step, proc)
+    proc.send_signal(signal.SIGTERM)
+    _out, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    stopped = ckpt.list_checkpoints(run_dir / "stages/main/checkpoints")[-1].step
+    assert after_step <= stopped < STEPS
+    return stopped
 
 
 def rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "stages/main/metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_tensor_parallel_processes_match_one_process(tmp_path):
-    one = run(tmp_path, "one", {})
-    tp = run(tmp_path, "tp", {"resources": {"parallel": {"tp": 2}}}, "--nproc", "2")
-    a, b = rows(one), rows(tp)
-    assert [r["step"] for r in a] == [r["step"] for r in b] == list(range(1, STEPS + 1))
-    for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
-        assert rb["grad_norm"] == pytest.approx(ra["grad_norm"], rel=1e-4), ra["step"]
-        if "heldout_loss" in ra:
-            assert rb["heldout_loss"] == pytest.approx(ra["heldout_loss"], rel=1e-5)
+def assert_same_curve(a: Path, b: Path) -> None:
+    ra, rb = rows(a), rows(b)
+    assert [r["step"] for r in ra] == [r["step"] for r in rb] == list(range(1, STEPS + 1))
+    for x, y in zip(ra, rb, strict=True):
+        assert y["loss"] == pytest.approx(x["loss"], rel=LOSS_RTOL), x["step"]
+        assert y["grad_norm"] == pytest.approx(x["grad_norm"], rel=1e-4), x["step"]
+        if "heldout_loss" in x:
+            assert y["heldout_loss"] == pytest.approx(x["heldout_loss"], rel=LOSS_RTOL), x["step"]
+
+
+def checkpoint_at(run_dir: Path, step: int) -> Path:
+    return next(c.path for c in ckpt.list_checkpoints(run_dir / "stages/main/checkpoints") if c.step == step)
+
+
+def assert_same_final_weights(a: Path, b: Path) -> None:
+    wa, wb = (ckpt.read_model_weights(checkpoint_at(d, STEPS)) for d in (a, b))
+    assert wa.keys() == wb.keys()
+    for name in wa:
+        assert torch.allclose(wa[name], wb[name], rtol=0, atol=WEIGHT_ATOL), name
+
+
+def assert_same_export(a: Path, b: Path) -> None:
+    """The same Hugging Face directory: the same files, config and tokenizer byte for byte, the same
+    tensors under the same names (values within fp32 tolerance: the layouts sum in different orders)."""
+    ea, eb = a / "export", b / "export"
+    files = sorted(p.name for p in ea.iterdir())
+    assert files == sorted(p.name for p in eb.iterdir())
+    for name in files:  # runyard.json names the spec's hash, and the specs differ by their layout
+        if name == "config.json" or name.startswith(("tokenizer", "special_tokens", "generation", "chat_template")):
+            assert (ea / name).read_bytes() == (eb / name).read_bytes(), name
+    ta, tb = load_file(ea / "model.safetensors"), load_file(eb / "model.safetensors")
+    assert ta.keys() == tb.keys()
+    for name in ta:
+        assert ta[name].shape == tb[name].shape and ta[name].dtype == tb[name].dtype, name
+        assert torch.allclose(ta[name], tb[name], rtol=0, atol=WEIGHT_ATOL), name
+
+
+def first_moments(run_dir: Path, spec: Path) -> dict[str, torch.Tensor]:
+    """AdamW's exp_avg after step 1, by parameter name, whichever format the step-1 checkpoint has."""
+    path = checkpoint_at(run_dir, 1)
+    if ckpt.is_sharded(path):
+        return {name: s["exp_avg"] for name, s in sharded.read_optimizer_state(path).items()}
+    # One process: the state is numbered in the optimizer's group order, which the family's groups give.
+    family = get_family("decoder")
+    model = family.build(read_config(run_dir / "export"))
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = family.optimizer_groups(model, resolved_stage(load_spec(spec), "main").optim)
+    order = [names[id(p)] for g in groups for p in g["params"]]
+    state = ckpt.read_checkpoint(path)[0]["optimizer"]["state"]
+    return {order[int(i)]: s["exp_avg"] for i, s in state.items()}
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> tuple[Path, Path]:
+    """The uninterrupted one-process run (spec, run directory) every test compares with."""
+    tmp = tmp_path_factory.mktemp("tp-one")
+    spec = write(tmp, "one", {})
+    return spec, run(spec, tmp / "one")
+
+
+def test_two_tensor_parallel_processes_match_one_process(one_process, tmp_path):
+    spec_one, one = one_process
+    # with every block recomputed in backward too: recomputed tensor-parallel blocks give the same curve
+    tp = run(write(tmp_path, "tp", merge(TP, {"train": {"activation_checkpointing": "full"}})), tmp_path / "tp",
+             "--nproc", "2")
+    assert_same_curve(one, tp)
     gates = json.loads((tp / "stages/main/gates.json").read_text())
     assert gates["passed"], gates
-    w1 = ckpt.read_model_weights(ckpt.latest_good(one / "stages/main/checkpoints").path)
-    w2 = ckpt.read_model_weights(ckpt.latest_good(tp / "stages/main/checkpoints").path)
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        assert torch.allclose(w1[name], w2[name], rtol=0, atol=1e-4), name
+    # The gradients of step 1, consolidated (whole tensors in the model's order) by parameter name.
+    ga, gb = first_moments(one, spec_one), first_moments(tp, tmp_path / "tp.yaml")
+    assert ga.keys() == gb.keys() and len(ga) > 4
+    for name in ga:
+        assert ga[name].abs().sum() > 0, name
+        assert torch.allclose(ga[name], gb[name], rtol=1e-4, atol=GRAD_ATOL), name
+    assert_same_final_weights(one, tp)
+    assert_same_export(one, tp)
 
 
-def test_a_tensor_parallel_run_stopped_by_sigterm_resumes_on_the_same_curve(tmp_path):
-    """SIGTERM mid-run: every rank checkpoints its shards (fused rows rank by rank) and exits 4; `resume`
-    under the same layout loads them and the curve continues the one-process run's (here with every
-    block recomputed in backward as well)."""
-    import signal
+def test_a_run_stopped_under_tensor_parallel_resumes_in_one_process(one_process, tmp_path):
+    """tp 2 -> 1: the checkpoint written by two ranks' shards loads into one whole model and optimizer."""
+    _spec_one, one = one_process
+    run_dir = tmp_path / "run"
+    stop_with_sigterm(write(tmp_path, "tp", TP), run_dir, 2)
+    run(write(tmp_path, "one", {}), run_dir)  # the layout edited in the spec: the run continues
+    events = json.loads((run_dir / "recovery.json").read_text())["events"]
+    assert [e["world_size"] for e in events] == [1]
+    assert_same_curve(one, run_dir)
+    assert_same_final_weights(one, run_dir)
+    assert_same_export(one, run_dir)
 
-    from runyard.errors import EXIT_PREEMPTED
 
-    from .test_distributed import start, wait_for_step
-
-    steps = 12
-    longer = {"train": {"steps": steps}, "checkpoint": {"interval": 2}}
-    one = run(tmp_path, "one", longer)
-    spec = tmp_path / "tp.yaml"
-    # with activation checkpointing too: recomputed tensor-parallel blocks give the same curve
-    tp_patch = {"train": {"steps": steps, "activation_checkpointing": "full"}, "checkpoint": {"interval": 2},
-                "resources": {"parallel": {"tp": 2}}}
-    spec.write_text(yaml.safe_dump(merge(merge(TINY_SPEC, SPEC), tp_patch)))
-    run_dir = tmp_path / "tp"
-    proc = start("train", str(spec), "--run-dir", str(run_dir), "--nproc", "2")
-    wait_for_step(run_dir, 3, proc)
-    proc.send_signal(signal.SIGTERM)
-    _out, err = proc.communicate(timeout=120)
-    assert proc.returncode == EXIT_PREEMPTED, err
-    stopped = ckpt.list_checkpoints(run_dir / "stages/main/checkpoints")[-1].step
-    assert 3 <= stopped < steps
-    runyard("resume", str(run_dir), "--no-progress", "--nproc", "2", check=True, timeout=400)
-    a, b = rows(one), rows(run_dir)
-    assert [r["step"] for r in b] == list(range(1, steps + 1))
-    for ra, rb in zip(a, b, strict=True):
-        assert rb["loss"] == pytest.approx(ra["loss"], rel=1e-5), ra["step"]
+def test_a_one_process_run_resumes_under_tensor_parallel(one_process, tmp_path):
+    """1 -> tp 2: the one-process checkpoint's whole tensors are split by rows, fused ones rank by rank."""
+    _spec_one, one = one_process
+    run_dir = tmp_path / "run"
+    stop_with_sigterm(write(tmp_path, "one", {}), run_dir, 1)
+    run(write(tmp_path, "tp", TP), run_dir, "--nproc", "2")
+    events = json.loads((run_dir / "recovery.json").read_text())["events"]
+    assert [e["world_size"] for e in events] == [2]
+    assert_same_curve(one, run_dir)
+    assert_same_final_weights(one, run_dir)
+    assert_same_export(one, run_dir)

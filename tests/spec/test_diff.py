@@ -72,6 +72,13 @@ def test_data_and_seed_alter_every_stage():
         assert change.first_changed_stage == 0 and change.every_stage, edit
 
 
+def test_a_new_layout_alters_no_work_done():
+    # A checkpoint resumes under any layout (tests/e2e/test_tensor_parallel.py), so a run continues.
+    change = compare(spec(), spec(resources__parallel={"tp": 2}, resources__nproc=2))
+    assert change.first_changed_stage is None and not change.every_stage
+    assert {c.path for c in change.judgement} == {"resources.parallel", "resources.nproc"}
+
+
 def test_added_and_removed_stages():
     raw = copy.deepcopy(BASE)
     raw["stages"].append({"name": "more"})

@@ -234,3 +234,16 @@ def test_a_format_1_checkpoint_still_resumes(tmp_path):
     for k, v in state.model.state_dict().items():
         assert torch.equal(fresh.model.state_dict()[k], v), k
     assert torch.equal(fresh.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_rank_restores_the_random_stream_of_its_tensor_parallel_group(tmp_path, tp):
+    """Rank 1 of a job resuming a one-process checkpoint: under tp 2 it shares rank 0's tensor-parallel group,
+    so it draws what rank 0 draws (dropout on activations both hold whole); with tp 1 it gets its own stream."""
+    saved = tiny_training_state()
+    torch.manual_seed(123)
+    path = ckpt.save(saved, tmp_path / "checkpoints", 3, {}, CPU_CTX)
+    expected = torch.rand(4)
+    rank1 = DistContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), tp=tp)
+    ckpt.load_from(tiny_training_state(seed=1), path, rank1)
+    assert torch.equal(torch.rand(4), expected) == (tp == 2)

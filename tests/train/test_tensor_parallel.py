@@ -11,7 +11,7 @@ from runyard.model.transformer import ModelConfig
 from runyard.spec.job import parse_spec
 from runyard.train.checkpoint.reader import model_order
 from runyard.train.parallel import Layout, LayoutError, layout_of
-from runyard.train.tensor_parallel import rank_major_rows
+from runyard.train.tensor_parallel import FusedRows, rank_major_rows
 
 CFG = ModelConfig(vocab_size=97, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, context_length=16)
 
@@ -37,6 +37,24 @@ def test_each_rank_holds_its_share_of_every_fused_part():
     assert order.tolist() == [0, 1, 4, 6, 2, 3, 5, 7]
     w = torch.arange(8.0).reshape(8, 1)
     assert torch.equal(model_order({"w": w[order]}, {"w": [4, 2, 2]}, 2)["w"], w)  # a reader undoes it
+
+
+def test_fused_rows_move_between_any_two_layouts_orders():
+    # What a checkpoint load does: rows stored in one order (the model's, or an older tp job's rank by rank)
+    # come out in the loading layout's order, and a save puts them back in the model's.
+    parts = (8, 4, 4)
+    w = torch.arange(16.0).reshape(16, 1)
+    tp2, tp4, model_order_ = FusedRows({"w": parts}, 2), FusedRows({"w": parts}, 4), FusedRows({}, 1)
+    state = {"w": w}
+    tp4.reorder(state, None)
+    assert torch.equal(state["w"], w[rank_major_rows(parts, 4)])
+    moments = {"state": {"w": {"exp_avg": w[rank_major_rows(parts, 2)], "step": torch.tensor(3.0)}}}
+    saved = {"w": w[rank_major_rows(parts, 2)]}
+    model_order_.reorder(saved, moments, stored=tp2)  # a tp 2 job saving
+    assert torch.equal(saved["w"], w) and torch.equal(moments["state"]["w"]["exp_avg"], w)
+    legacy = {"w": w[rank_major_rows(parts, 2)]}
+    tp4.reorder(legacy, None, stored=tp2)  # an old rank-by-rank tp 2 checkpoint onto tp 4
+    assert torch.equal(legacy["w"], w[rank_major_rows(parts, 4)])
 
 
 def test_the_decoder_states_its_plan_and_refuses_a_split_its_shape_cannot_take():

@@ -4,7 +4,8 @@ would make the run compute again.
 A run directory keeps its spec (spec.yaml). Running it again with an edited spec may continue when no
 work already done depends on what changed:
 - judgement: a language model stage's gates (judged again from its records), the final verdict's bounds,
-  prompts and sampling (the final evaluation runs again in every session), retention, costs, traffic;
+  prompts and sampling (the final evaluation runs again in every session), retention, costs, traffic; and
+  the layout (resources.parallel, resources.nproc: a stage resumes its checkpoint under any layout);
 - a stage's own settings (its resolved model, optimizer, schedule, training, data, kind, LoRA): that
   stage and every later one, since each starts from its predecessor's weights;
 - the layout (processes, the device mesh, threads, compile): nothing already computed changes; a stage in

@@ -235,10 +235,6 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     if restored is not None and restored.values.get("lora_base_sha256") != base_hash:
         raise LoRAError(f"stage {stage.name}: the checkpoint's adapters were trained on a base with sha256 "
                         f"{restored.values.get('lora_base_sha256')}, this stage's base is {base_hash}")
-    if restored is not None and int(restored.values.get("tp") or 1) != ctx.tp:
-        raise parallel.LayoutError(f"stage {stage.name}: the checkpoint {restored.ref.path} was written with tensor "
-                                   f"parallel {restored.values.get('tp') or 1}, this job lays out tp {ctx.tp}; "
-                                   "resuming across tensor-parallel layouts is not yet supported")
     recovery = RecoveryTracker(stage_dir.parent.parent, stage.name, enabled=ctx.is_main)
     if restored is not None:
         saved = restored.values
@@ -269,9 +265,6 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     guard = NonFiniteGuard(stage.name, train_cfg.nonfinite, train_cfg.nonfinite_budget,
                            int(restored.values.get("nonfinite_skipped") or 0) if restored else 0)
 
-    tp_fused_rows = ({k: list(v) for k, v in family.tensor_parallel_plan(setup.model, ctx.tp).fused_rows.items()}
-                     if ctx.tp > 1 else None)
-
     def checkpoint_now(at_step: int) -> Path:
         nonlocal last_path
         values = {
@@ -280,9 +273,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             "best_step": best_step,
             "last_heldout_loss": last_heldout,
             "world_size": ctx.data.world_size,  # the processes that read data: the global batch's factor
-            "tp": ctx.tp,
+            "tp": ctx.tp,  # the layout that wrote it; any layout resumes it (train/checkpoint/sharded.py)
             "pp": ctx.pp,  # stages keep the model's names: any layout resumes it
-            "tp_fused_rows": tp_fused_rows,  # whole-weight readers restore the model's row order (checkpoint/reader.py)
             "grad_accum": grad_accum,
             "kind": stage.kind,
             "lora_base_sha256": base_hash,

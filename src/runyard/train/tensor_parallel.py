@@ -7,11 +7,18 @@ by contiguous rows as it is: rank 0 would get all of Q. Its rows are first reord
 contiguous chunk holds its share of every part ([q_r | k_r | v_r]); the model's forward then sees the
 local heads (`local_attributes`). `whole_state_dict` undoes the order, so a consolidated model (gates,
 evaluation, the export) is exactly the model's own layout.
+
+Checkpoints never hold the rank-by-rank order: `FusedRows` turns a laid-out model's state (its weights and
+the optimizer's moments) into the model's own order before a save and back after a load, so a checkpoint
+holds the same global tensors under the same names whatever tp wrote it, and any layout resumes it.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -35,10 +42,78 @@ def rank_major_rows(parts: tuple[int, ...], tp: int) -> torch.Tensor:
     return torch.cat([c[r] for r in range(tp) for c in chunks])
 
 
+@dataclass(frozen=True)
+class FusedRows:
+    """Which parameters of a model hold fused rows (path -> sizes of the parts) and the tp they are
+    ordered for: 1 is the model's own order."""
+
+    parts: dict[str, tuple[int, ...]]
+    tp: int
+
+    def rows_from(self, name: str, stored: FusedRows | None) -> torch.Tensor | None:
+        """The row index that turns `name` held in `stored`'s order (None: the model's own) into this
+        order; None when nothing moves."""
+        parts = self.parts.get(name) or (stored.parts.get(name) if stored else None)
+        if parts is None:
+            return None
+        src = stored.tp if stored is not None and name in stored.parts else 1
+        if src == self.tp:
+            return None
+        # stored S = M[rm(src)], so M = S[argsort(rm(src))] and M[rm(tp)] = S[argsort(rm(src))[rm(tp)]]
+        return torch.argsort(rank_major_rows(tuple(parts), src))[rank_major_rows(tuple(parts), self.tp)]
+
+    def reorder(self, model_sd: dict[str, Any], optim_sd: dict[str, Any] | None,
+                stored: FusedRows | None = None) -> None:
+        """Reorder, in the dicts (values replaced, never written into), every fused parameter and its
+        optimizer moments from `stored`'s order into this one. Collective when the values are DTensors
+        (every rank of the tensor-parallel group calls it)."""
+        for name in sorted({*self.parts, *(stored.parts if stored else ())}):
+            rows = self.rows_from(name, stored)
+            if rows is None:
+                continue
+            if name in model_sd:
+                model_sd[name] = reorder_rows(model_sd[name], rows)
+            state = (optim_sd or {}).get("state", {})
+            if name in state:  # a new dict: the optimizer's state_dict shares its per-parameter dicts with it
+                state[name] = {k: reorder_rows(v, rows) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                               for k, v in state[name].items()}
+            # the flat form (torch.distributed.checkpoint.state_dict's flatten_optimizer_state_dict):
+            # `state.<name>.<moment>` keys
+            for key in [k for k in (optim_sd or {}) if k.startswith(f"state.{name}.")]:
+                value = optim_sd[key]
+                if isinstance(value, torch.Tensor) and value.dim() > 0:
+                    optim_sd[key] = reorder_rows(value, rows)
+
+
+def reorder_rows(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """`value[rows]`; for a row-sharded DTensor the whole tensor is gathered, reordered and each rank keeps
+    its own chunk again (a save or load moment: one whole matrix at a time)."""
+    if not isinstance(value, DTensor):
+        return value[rows.to(value.device)]
+    if tuple(p.is_shard(0) for p in value.placements) != (True,):
+        raise ValueError(f"fused rows are expected sharded by rows over one mesh dimension, got {value.placements}")
+    mesh = value.device_mesh
+    whole = value.full_tensor()[rows.to(value.device)]
+    local = whole.chunk(mesh.size())[mesh.get_local_rank()].clone()
+    return DTensor.from_local(local, mesh, value.placements, run_check=False, shape=whole.shape,
+                              stride=whole.stride())
+
+
+# The models `apply_tensor_parallel` laid out, with their fused rows' order (read by the checkpoint code,
+# which sees only the model); weak, so a model dropped is forgotten.
+_LAID_OUT: weakref.WeakKeyDictionary[torch.nn.Module, FusedRows] = weakref.WeakKeyDictionary()
+
+
+def fused_rows_of(model: torch.nn.Module) -> FusedRows | None:
+    """The fused rows' order of a model split by `apply_tensor_parallel`; None for any other model."""
+    return _LAID_OUT.get(model)
+
+
 @torch.no_grad()
 def apply_tensor_parallel(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
     """Split `model` over `mesh` by `plan`, in place (before activation checkpointing, compile and FSDP)."""
     tp = mesh.size()
+    _LAID_OUT[model] = FusedRows(dict(plan.fused_rows), tp)
     for path, parts in plan.fused_rows.items():
         param = model.get_parameter(path)
         param.copy_(param[rank_major_rows(parts, tp)])

@@ -9,7 +9,7 @@ import torch
 
 from runyard.errors import CheckpointCorrupt
 from runyard.train.checkpoint import plain, sharded, store
-from runyard.train.tensor_parallel import rank_major_rows
+from runyard.train.tensor_parallel import FusedRows
 
 
 def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tuple[dict[str, Any], dict[str, Any]]:
@@ -27,12 +27,11 @@ def read_checkpoint(path: Path, map_location: str | torch.device = "cpu") -> tup
 
 
 def model_order(weights: dict[str, torch.Tensor], fused_rows: dict[str, list[int]], tp: int) -> dict[str, torch.Tensor]:
-    """A tensor-parallel checkpoint holds fused projections' rows rank by rank (train/tensor_parallel.py);
-    whoever reads whole weights gets the model's own order."""
+    """Checkpoints written by a tensor-parallel job before they were layout-independent hold fused
+    projections' rows rank by rank (train/tensor_parallel.py); whoever reads whole weights gets the
+    model's own order."""
     out = dict(weights)
-    for name, parts in fused_rows.items():
-        if name in out:
-            out[name] = out[name][torch.argsort(rank_major_rows(tuple(parts), tp))]
+    sharded.MODEL_ORDER.reorder(out, None, stored=FusedRows({k: tuple(v) for k, v in fused_rows.items()}, tp))
     return out
 
 

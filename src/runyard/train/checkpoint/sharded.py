@@ -11,8 +11,10 @@ write results (with their files' checksums) to rank 0, which writes `.metadata`:
 completes, all shards are down. Rank 0 then commits the directory (store.commit), so verification and
 `latest_good` treat sharded and one-process checkpoints alike.
 
-Loading reshards: a checkpoint written by N ranks, or by one process, loads onto any world size, DDP or
-FSDP, with its optimizer state.
+Loading reshards: a checkpoint written by N ranks, or by one process, loads onto any world size and
+layout (DDP, FSDP, tensor parallel), with its optimizer state. Every tensor is stored whole-model-shaped
+under its plain name and in the model's own row order (a tensor-parallel model's fused rows are put back
+in order before the save and reordered for the loading layout after the load: train/tensor_parallel.py).
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from runyard.train.checkpoint import tensorfile
 from runyard.train.checkpoint.checksums import FileEntry
 from runyard.train.checkpoint.dcp_storage import RawFileSystemReader, RawFileSystemWriter
 from runyard.train.parallel import DistContext
+from runyard.train.tensor_parallel import FusedRows, fused_rows_of
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -103,6 +106,9 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
     (async) or written (sync); the write goes on in the background when async."""
     rng_entry = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
+    laid_out = fused_rows_of(model)
+    if laid_out is not None:  # stored in the model's own order: any layout can load it
+        MODEL_ORDER.reorder(model_sd, optim_sd, stored=laid_out)
     state_dict = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     writer = RawFileSystemWriter(tmp / DCP_DIR)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
@@ -120,27 +126,46 @@ def _mkparent(path: Path) -> Path:
     return path
 
 
-def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, ctx: DistContext) -> None:
-    """Model and optimizer from a sharded checkpoint, resharded onto this job's ranks."""
+MODEL_ORDER = FusedRows({}, 1)
+
+
+def stored_order(values: dict[str, Any]) -> FusedRows | None:
+    """The fused rows' order a checkpoint's tensors are in: None (the model's own) unless it was written
+    before checkpoints were layout-independent, by a tensor-parallel job that stored them rank by rank."""
+    fused = values.get("tp_fused_rows")
+    return FusedRows({k: tuple(v) for k, v in fused.items()}, int(values["tp"])) if fused else None
+
+
+def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: Path, ctx: DistContext,
+                stored: FusedRows | None = None) -> None:
+    """Model and optimizer from a sharded checkpoint, resharded onto this job's ranks and layout.
+    `stored`: the fused rows' order of the checkpoint (`stored_order`)."""
     reader = RawFileSystemReader(path / DCP_DIR)
     options = StateDictOptions() if NESTED_GROUPS in reader.read_metadata().state_dict_metadata else FLAT
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     sd = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
+    # The placeholders have the global shapes and placements; the rows they receive are in `stored`'s order.
     dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=ctx.ckpt_group,
              no_dist=not ctx.distributed)
+    (fused_rows_of(model) or MODEL_ORDER).reorder(sd[MODEL_KEY], sd[OPTIM_KEY], stored=stored)
     set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
                    options=options)
 
 
 def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_sd: dict, optim_sd: dict) -> None:
     """A one-process checkpoint's model and optimizer (parameters numbered in group order) placed onto
-    DDP or FSDP shards: the path a job that grew from one process to several takes."""
+    DDP or FSDP shards or a tensor-parallel split: the path a job that grew from one process to several
+    takes."""
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {
-        "state": {order[int(i)]: v for i, v in optim_sd["state"].items()},
+        "state": {order[int(i)]: dict(v) for i, v in optim_sd["state"].items()},
         "param_groups": [{**g, "params": [order[int(i)] for i in g["params"]]} for g in optim_sd["param_groups"]],
     }
+    laid_out = fused_rows_of(model)
+    if laid_out is not None:  # whole tensors in the model's order, split by rows below: rank by rank first
+        model_sd = dict(model_sd)
+        laid_out.reorder(model_sd, by_name)
     set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=by_name,
                    options=StateDictOptions(full_state_dict=True))
 
@@ -148,16 +173,32 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
 def read_model(path: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """The whole model state dict of a sharded checkpoint, in this process alone (no collectives):
     for gates, export and tests."""
+    return {".".join(k): v for k, v in _read_tensors(path, MODEL_KEY, map_location).items()}
+
+
+def read_optimizer_state(path: Path, map_location: str | torch.device = "cpu") -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's per-parameter state of a sharded checkpoint (parameter name -> its whole tensors,
+    `exp_avg`, `exp_avg_sq`, `step` for AdamW), in this process alone: for tests and inspection."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in _read_tensors(path, OPTIM_KEY, map_location).items():
+        if key[0] == "state":
+            out.setdefault(".".join(key[1:-1]), {})[key[-1]] = value
+    return out
+
+
+def _read_tensors(path: Path, part: str, map_location) -> dict[tuple[str, ...], torch.Tensor]:
     reader = RawFileSystemReader(path / DCP_DIR)
     metadata = reader.read_metadata()
-    prefix = MODEL_KEY + "."
-    # DCP flattens {"model": {name: tensor}} to "model.<name>"; the planner data maps each back.
+    prefix = part + "."
+    # DCP flattens {"model": {name: tensor}} to "model.<name>"; the planner data maps each back to its path.
     paths = metadata.planner_data or {}
-    model_sd: dict[str, torch.Tensor] = {}
+    flat: dict[str, torch.Tensor] = {}
+    keys: dict[str, tuple[str, ...]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
         if not fqn.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
             continue
-        key_path = paths.get(fqn, (MODEL_KEY, fqn[len(prefix) :]))
-        model_sd[".".join(str(p) for p in key_path[1:])] = torch.empty(md.size, dtype=md.properties.dtype)
-    dcp.load({MODEL_KEY: model_sd}, storage_reader=reader, planner=_SafeLoadPlanner(), no_dist=True)
-    return {k: v.to(map_location) for k, v in model_sd.items()}
+        key_path = paths.get(fqn, (part, fqn[len(prefix):]))
+        flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
+        keys[fqn] = tuple(str(p) for p in key_path[1:])
+    dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    return {keys[fqn]: v.to(map_location) for fqn, v in flat.items()}

@@ -204,17 +204,20 @@ def load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, A
     """Restore `state` from the checkpoint at `path` (verified by the caller), onto this job's world
     size and parallelism, whatever wrote it. Returns the plain values saved with it."""
     values = store.read_state_json(path)
+    # The ranks of one tensor-parallel group draw the same numbers (dropout on activations every rank holds
+    # whole), so each restores the stream of its group's first rank.
+    rng_rank = ctx.rank - ctx.rank % ctx.tp
     if sharded.is_sharded(path):
-        sharded.load_shards(state.model, state.optimizer, path, ctx)
-        _restore_rank_rng(state, path, ctx.rank, values["step"])
+        sharded.load_shards(state.model, state.optimizer, path, ctx, stored=sharded.stored_order(values))
+        _restore_rank_rng(state, path, rng_rank, values["step"])
     else:
         # Keyed by parameter name, the one-process state lands on DDP replicas or FSDP shards alike.
         parts = plain.read_parts(path, store.read_manifest(path))
         sharded.load_whole(state.model, state.optimizer, parts["model"], parts["optimizer"])
-        if ctx.rank == 0:  # the one process that wrote it was rank 0
+        if rng_rank == 0:  # the one process that wrote it was rank 0
             state.rng.load_state_dict(plain.legacy_rng(parts, values))
         else:
-            _fresh_rank_rng(values["step"], ctx.rank)
+            _fresh_rank_rng(values["step"], rng_rank)
     state.loader.load_state_dict(values["loader"])
     return values
 
