@@ -76,7 +76,7 @@ def test_a_new_layout_alters_no_work_done():
     # A checkpoint resumes under any layout (tests/e2e/test_tensor_parallel.py), so a run continues.
     change = compare(spec(), spec(resources__parallel={"tp": 2}, resources__nproc=2))
     assert change.first_changed_stage is None and not change.every_stage
-    assert {c.path for c in change.judgement} == {"resources.parallel", "resources.nproc"}
+    assert {c.path for c in change.layout} == {"resources.parallel", "resources.nproc"}
 
 
 def test_added_and_removed_stages():
