@@ -297,6 +297,28 @@ def test_records_outside_a_period_and_of_the_wrong_kind_are_refused(world):
     assert_audit_ok(market)
 
 
+def test_availability_sequence_numbers_are_consecutive(world):
+    """An availability record's seq is the last accepted one plus 1, as a usage record's is: a gap or a
+    replay is 409 usage_rejected naming the seq expected, and changes nothing."""
+    p, t, ops, market = world["p"], world["t"], world["ops"], world["market"]
+    p.create_listing(**standing_listing())
+    lease = _running(world, term=2)
+    s0 = lease["started_at"]
+    ops.advance_clock(300)
+    p.report_availability(lease["id"], 1, s0, s0 + 100, 100, 10, 10, 0)
+    before = fingerprint(market)
+    for seq, words in ((3, "skips seq 2"), (9, "skips seq 2"), (1, "not above")):
+        with pytest.raises(MarketClientError) as refused:
+            p.report_availability(lease["id"], seq, s0 + 100, s0 + 200, 100, 10, 10, 0)
+        err = refused.value
+        assert (err.status, err.code) == (409, "usage_rejected") and words in err.message, err
+        assert err.detail == {"expected_seq": 2}, err.detail
+    assert fingerprint(market)["counts"]["usage_records"] == before["counts"]["usage_records"]
+    p.report_availability(lease["id"], 2, s0 + 100, s0 + 200, 100, 10, 10, 0)
+    assert [r["seq"] for r in t.usage(lease["id"])["records"]] == [1, 2]
+    assert_audit_ok(market)
+
+
 @pytest.mark.parametrize(
     "body, words",
     [

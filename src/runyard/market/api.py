@@ -113,10 +113,10 @@ HANDLERS: dict[str, Handler] = {
     "decide_held_earnings": lambda m, p, a: revocation.decide_held(m, p, a.lease_id, a.body, a.key),
     "credit": lambda m, p, a: funds.credit(m, p, a.body, a.key),
     "resolve_dispute": lambda m, p, a: disputes.resolve(m, p, a.dispute_id, a.body, a.key),
-    "set_fee": lambda m, p, a: {"fee_bps": m.set_fee(a.body.fee_bps, p.actor)["fee_bps"]},
-    "advance_clock": lambda m, p, a: {"now": m.advance_clock(a.body.seconds, p.actor)},
-    "sweep": lambda m, p, a: deadlines.sweep(m),
-    "audit": lambda m, p, a: invariants.audit_market(m),
+    "set_fee": lambda m, p, a: {"fee_bps": m.set_fee(a.body.fee_bps, p.actor, principal=p)["fee_bps"]},
+    "advance_clock": lambda m, p, a: {"now": m.advance_clock(a.body.seconds, p.actor, principal=p)},
+    "sweep": lambda m, p, a: deadlines.sweep(m, p),
+    "audit": lambda m, p, a: invariants.audit_market(m, p),
 }
 
 ERROR_TEXT = {

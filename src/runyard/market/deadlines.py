@@ -17,12 +17,12 @@ from collections.abc import Callable
 from sqlalchemy import Connection, or_, select
 
 from runyard.market import escrow, periods
-from runyard.market.errors import MarketError
+from runyard.market.errors import MarketError, NotVerified
 from runyard.market.leases import end_before_start
 from runyard.market.matcher import release_capacity
 from runyard.market.rows import lock_demand, lock_lease
 from runyard.market.schema import demands, leases
-from runyard.market.service import Market
+from runyard.market.service import Market, Principal
 from runyard.market.settlement import settle_in_tx
 from runyard.market.states import SYSTEM, transition
 from runyard.market.states.demand import DEMAND
@@ -98,18 +98,27 @@ def _expire_demand(conn: Connection, demand_id: int, now: int) -> int:
 log = logging.getLogger("runyard.market.deadlines")
 
 
-def sweep(market: Market) -> dict:
+def sweep(market: Market, principal: Principal | None = None) -> dict:
     """Apply every deadline that has passed; returns how many of each were applied, and the
-    leases whose step failed (`failed`: lease or demand id, error code, message)."""
+    leases whose step failed (`failed`: lease or demand id, error code, message). `principal`: the
+    operator asking over the API (None: the market's own sweeper), whose verification is read again
+    inside every transaction, so a revocation that commits mid-sweep stops it there."""
     now = market.now()
-    todo = market.read(_due(now))
+
+    def verified(conn: Connection, lock: bool = True) -> None:
+        if principal is not None:
+            principal.require_verified("sweep", conn, lock=lock)
+
+    todo = market.read(lambda conn, n: (verified(conn, lock=False), _due(now)(conn, n))[1])
     failed: list[dict] = []
 
     def each(ids: list[int], step: Callable[[Connection, int, int], object], what: str) -> list[object]:
         results = []
         for entity_id in ids:
             try:
-                results.append(market.store.write(lambda c, i=entity_id: step(c, i, now)))
+                results.append(market.store.write(lambda c, i=entity_id: (verified(c), step(c, i, now))[1]))
+            except NotVerified:
+                raise  # the operator was revoked: nothing more is applied in its name
             except Exception as exc:  # one bad lease must not stop the others; reported below
                 code = exc.code if isinstance(exc, MarketError) else type(exc).__name__
                 log.error(

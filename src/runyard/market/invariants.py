@@ -49,7 +49,7 @@ from runyard.market.schema import (
     transitions,
     usage_records,
 )
-from runyard.market.service import Market
+from runyard.market.service import Market, Principal
 from runyard.market.settlement import position
 from runyard.market.states.demand import CANCELLED as D_CANCELLED
 from runyard.market.states.demand import EXPIRED as D_EXPIRED
@@ -268,10 +268,13 @@ def _periods(conn: Connection, lease: dict) -> list[str]:
     return problems
 
 
-def audit_market(market: Market) -> dict:
-    """Run every check in one consistent snapshot; returns {'ok', 'violations', 'counts'}."""
+def audit_market(market: Market, principal: Principal | None = None) -> dict:
+    """Run every check in one consistent snapshot; returns {'ok', 'violations', 'counts'}.
+    `principal`: the operator asking over the API, whose verification is read in that snapshot."""
 
     def tx(conn: Connection, now: int) -> dict:
+        if principal is not None:
+            principal.require_verified("audit the market", conn, lock=False)
         problems = check(conn)
         counts = {
             name: conn.execute(select(func.count()).select_from(table)).scalar_one()

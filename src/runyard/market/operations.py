@@ -66,16 +66,16 @@ class Operation:
 
     @property
     def errors(self) -> tuple[int, ...]:
-        """The error statuses this operation can answer (each with the error envelope)."""
-        codes = {422, 503}
+        """The error statuses this operation can answer (each with the error envelope). 413 and 422
+        for every operation: the body limit and the strict-JSON parse run on any request that sends
+        a body, before routing, whether or not the operation reads one."""
+        codes = {413, 422, 503}
         if self.auth in ("account", "operator"):
             codes |= {401, 403}
         if self.auth == "rail":
             codes |= {401, 404}
         if self.path_params or self.method == "POST":
             codes |= {404, 409}
-        if self.body is not None:
-            codes.add(413)
         return tuple(sorted(codes))
 
 

@@ -161,12 +161,15 @@ class Market:
         """The market's time: Unix seconds, plus the test clock's offset."""
         return int(self.clock()) + self._offset
 
-    def advance_clock(self, seconds: int, actor: Actor) -> int:
-        """Move a test clock forward (only markets created with test_clock=True)."""
+    def advance_clock(self, seconds: int, actor: Actor, principal: Principal | None = None) -> int:
+        """Move a test clock forward (only markets created with test_clock=True). `principal`: the
+        operator calling over the API, whose verification is read again inside the transaction."""
         if seconds < 0 or seconds > 10 * 366 * 86400:
             raise BadRequest(f"advance must be between 0 and ten years of seconds, got {seconds}")
 
         def tx(conn: Connection) -> int:
+            if principal is not None:
+                principal.require_verified("move the clock", conn)
             if not self.config(conn)["test_clock"]:
                 raise Conflict("this market runs on the real clock; its time cannot be moved")
             conn.execute(
@@ -185,11 +188,14 @@ class Market:
     def config(conn: Connection) -> dict:
         return dict(conn.execute(select(market_config)).mappings().one())
 
-    def set_fee(self, fee_bps: int, actor: Actor) -> dict:
+    def set_fee(self, fee_bps: int, actor: Actor, principal: Principal | None = None) -> dict:
+        """Set the fee for new leases. `principal`: as for `advance_clock`."""
         if not 0 <= fee_bps <= 5000:
             raise BadRequest(f"fee_bps must be between 0 and 5000 (50%), got {fee_bps}")
 
         def tx(conn: Connection) -> dict:
+            if principal is not None:
+                principal.require_verified("set the fee", conn)
             conn.execute(update(market_config).values(fee_bps=fee_bps))
             audit(conn, actor, "market.fee", "market", self.now(), fee_bps=fee_bps)
             return self.config(conn)
