@@ -397,3 +397,23 @@ def test_endpoint_is_published_for_the_parties_only(world):
         t.publish_endpoint(lease["id"], "http://evil:1")
     assert refused.value.status == 403
     assert ops.lease(lease["id"]).get("deployment") is None  # operators never see a deployment
+
+
+def test_a_clock_jump_renews_past_the_term_one_period_per_call(world):
+    """A sweep that runs a year late catches up the prepaid term but renews past it one period per call
+    (periods.renew_or_close): the sweep's settlement then judges the period the catch-up opened, which
+    holds no record, so the lease ends by the no-availability rule -- in one bounded sweep, with no year of
+    silent periods renewed and funded."""
+    p, t, ops, market = world["p"], world["t"], world["ops"], world["market"]
+    p.create_listing(**standing_listing())  # available until FAR: a year of periods could be renewed
+    lease = _running(world, term=3)
+    ops.advance_clock(60)
+    p.report_availability(lease["id"], 1, lease["started_at"], lease["started_at"] + 60, 60, 6, 6, 0)
+    ops.advance_clock(365 * 24 * PERIOD)
+    ops.sweep()
+    ended = t.lease(lease["id"])
+    assert [x["funding"] for x in t.lease_periods(lease["id"])] == ["prepaid", "prepaid", "prepaid"]
+    assert (ended["state"], ended["end_reason"]) == ("settled", "no_availability")
+    assert [e for e in t.statement()["entries"] if e["reason"] == "renewal_fund"] == []
+    assert t.statement()["totals"]["reconciles"]
+    assert_audit_ok(market)

@@ -117,14 +117,23 @@ def _why_it_ends(conn: Connection, lease: dict, closing: dict, close: int, next_
 def renew_or_close(conn: Connection, lease: dict, now: int) -> int:
     """Close every period of a running standing lease whose end has passed, renewing the lease into
     the next one or ending it at that close (see the module docstring). `lease` is locked by the
-    caller. Returns how many periods closed."""
+    caller. Returns how many periods closed.
+
+    A sweep that runs late catches up the committed term's prepaid periods at once, but renews past the
+    term one period per call: the period it opened could take no availability record yet, so the next
+    call judges it by the no-availability rule. A clock that jumps a year thus never renews (and locks)
+    a year of periods in one call, and one call's work is bounded by the term."""
     closed = 0
+    current = next(p for p in reversed(periods_of(conn, lease["id"])) if p["state"] == PERIOD_RUNNING) \
+        if lease["state"] == RUNNING and lease["window_end"] <= now else None
     while lease["state"] == RUNNING and lease["window_end"] <= now:
-        current = next(p for p in reversed(periods_of(conn, lease["id"])) if p["state"] == PERIOD_RUNNING)
+        seq = current["seq"] + 1
+        if closed and seq > lease["term_periods"]:
+            break  # past the term: the next call judges the period this one opened
         close = lease["window_end"]
         transition(conn, PERIOD, current["id"], CLOSED, SYSTEM, "its end passed", now)
         closed += 1
-        ending = _why_it_ends(conn, lease, current, close, current["seq"] + 1, reportable=closed == 1)
+        ending = _why_it_ends(conn, lease, current, close, seq, reportable=closed == 1)
         if ending is not None:
             code, why = ending
             transition(conn, LEASE, lease["id"], WINDOW_CLOSED, SYSTEM, why, now, end_reason=code)
@@ -132,12 +141,11 @@ def renew_or_close(conn: Connection, lease: dict, now: int) -> int:
             audit(conn, SYSTEM, "lease.standing_end", f"lease:{lease['id']}", now, reason=code, at=close)
             lease["state"] = WINDOW_CLOSED
             break
-        seq = current["seq"] + 1
         funding = "prepaid" if seq <= lease["term_periods"] else "renewal"
         if funding == "renewal":
             escrow.top_up(conn, lease, lease["renewal_price"], SYSTEM, now)
             audit(conn, SYSTEM, "lease.renew", f"lease:{lease['id']}", now, period=seq, funded=lease["renewal_price"])
-        open_period(conn, lease, seq, close, close + lease["period_s"], funding, now)
+        current = {"id": open_period(conn, lease, seq, close, close + lease["period_s"], funding, now), "seq": seq}
         conn.execute(update(leases).where(leases.c.id == lease["id"]).values(window_end=close + lease["period_s"]))
         lease.update(conn.execute(select(leases).where(leases.c.id == lease["id"])).mappings().one())
     return closed
