@@ -49,40 +49,44 @@ def test_tabular_trains_on_cpu_cores():
     assert training_hardware("tabular_regression", 10**6, 10**5, 1e12, 0.5, threads=12).devices == 12
 
 
-def test_a_small_language_model_trains_on_one_high_memory_gpu():
+def test_a_small_language_model_trains_on_the_cheapest_gpu_that_holds_it_and_the_seed_table_is_a_check():
+    # 1e15 FLOPs: a T4 takes ~44 s plus the lease's start for 0.04 USD; 4 CPU cores ~1.5 h for 0.24 USD.
     hw = training_hardware("language_model", 2 * GIB, GIB, 1e15, 0.35, None)
-    assert (hw.kind, hw.devices, hw.interconnect) == ("h100-80gb", 1, "ethernet")
+    assert (hw.kind, hw.devices, hw.interconnect) == ("t4", 1, "ethernet")
+    assert "the table says high-memory GPUs for a language model" in hw.check and hw.check in hw.why
 
 
 def test_a_large_language_model_is_sharded_over_as_many_gpus_as_its_state_needs():
     # 13e9 parameters x 16 bytes of state, 20 GiB of activations; little compute so time adds none.
     states, activations = 16 * 13 * 10**9, 20 * GIB
     hw = training_hardware("language_model", states + activations, states, 1e18, 0.35, None)
-    room = usable_memory(DEVICES["b200-192gb"]) - activations  # the largest kind cannot hold it alone
-    assert hw.kind == "b200-192gb" and hw.devices == math.ceil(states / room) == 1 + states // room
+    room = usable_memory(DEVICES["h100-80gb"]) - activations  # the cheapest per FLOP of the kinds buyers can get
+    assert hw.kind == "h100-80gb" and hw.devices == math.ceil(states / room) == 4
     assert hw.interconnect == "nvlink"
 
 
 def test_more_gpus_while_training_would_take_longer_than_a_day():
-    # 1e21 FLOPs on h100s at 35% of 989 TFLOP/s: 802 h on one; doubling to <= 24 h gives 64, 8 per node.
+    # 1e21 FLOPs on h100s at 35% of 989 TFLOP/s: 802 h on one; 34 finish in 24 h, rounded to whole nodes of 8.
     flops = 1e21
     hw = training_hardware("language_model", 10 * GIB, 5 * GIB, flops, UTILISATION["train_transformer"], None)
     hours_on_one = flops / (989e12 * 0.35) / 3600
-    expected = 2 ** math.ceil(math.log2(hours_on_one / 24))
-    assert hw.devices == expected == 64 and hw.interconnect == "infiniband"
+    assert math.ceil(hours_on_one / 24) == 34
+    assert (hw.kind, hw.devices, hw.interconnect) == ("h100-80gb", 40, "infiniband")
 
 
-def test_image_models_take_the_smallest_gpu_that_holds_them():
-    assert training_hardware("image_classification", 4 * GIB, GIB, 1e15, 0.2, None).kind == "l4"
-    assert training_hardware("image_classification", 30 * GIB, GIB, 1e15, 0.2, None).kind == "l40s"
+def test_image_models_take_the_cheapest_gpu_that_holds_them():
+    assert training_hardware("image_classification", 4 * GIB, GIB, 1e15, 0.2, None).kind == "t4"
+    # 30 GiB: no 16 or 24 GiB card holds it; an a100-40gb (35.5 GiB usable) is the cheapest that does.
+    assert training_hardware("image_classification", 30 * GIB, GIB, 1e15, 0.2, None).kind == "a100-40gb"
 
 
 def test_the_requirement_takes_the_recommendation_where_the_spec_leaves_it_open():
     base = {"name": "p", "data": {"sources": [{"path": "x"}]},
             "model": {"d_model": 64, "n_layers": 2, "n_heads": 4, "context_length": 32}}
     plan = plan_run(parse_spec(base), vocab_size=512)
-    assert plan["requirement"]["accelerator_kinds"] == ["h100-80gb"]
-    assert plan["requirement"]["device_count"] == 1 == plan["recommended_training"]["devices"]
+    # A 0.1M-parameter decoder's 200 steps: CPU cores, the cheapest (issue 28: not an H100 for "under 1 s").
+    assert plan["requirement"]["accelerator_kinds"] == ["cpu"]
+    assert plan["requirement"]["device_count"] == 4 == plan["recommended_training"]["devices"]
     mine = parse_spec({**base, "resources": {"requirement": {"accelerator_kinds": ["l4"], "duration_s": 60}}})
     req = plan_run(mine, vocab_size=512)["requirement"]
     assert req["accelerator_kinds"] == ["l4"]  # stated by the spec: kept

@@ -6,6 +6,11 @@ tensor FLOP/s, memory and its bandwidth, and board power (TDP), which the plan t
 load. Prices are list on-demand rates of public GPU clouds in 2025, in US cents per device-hour (AWS,
 GCP, Lambda, RunPod; the lowest common list price of each kind); `costs.prices` in a spec overrides them.
 
+`available` says whether buyers can realistically rent the kind on demand (stated, 2025): B200 and MI300X are
+listed by few clouds and mostly sold as reserved capacity, so their list price is not a price a buyer can
+count on paying today. The training choice (recommend.py) takes a scarce kind only when no available kind
+finishes the run within its time; serving, where capacity is held for months, treats every kind alike.
+
 `cpu` is one CPU core: its peak is measured on the machine at hand when the plan calibrates
 (`calibrate.cpu_matmul_flops`); the table's figure is a stated fallback (one AVX2 core, fp32 FMA).
 
@@ -41,6 +46,7 @@ class Device:
     gpu: bool = True
     cuda_names: tuple[str, ...] = ()  # substrings of torch.cuda.get_device_name that mean this kind
     nvlink: bool = False  # NVLink-class links between the devices of a node (SXM/OAM boards; PCIe cards have none)
+    available: bool = True  # rentable on demand by most buyers (False: scarce, see the module doc)
 
 
 DEVICES: dict[str, Device] = {
@@ -57,8 +63,10 @@ DEVICES: dict[str, Device] = {
         Device("a100-80gb", 312e12, 80 * GIB, 2039e9, 400.0, 179, cuda_names=("A100",), nvlink=True),
         Device("h100-80gb", 989e12, 80 * GIB, 3350e9, 700.0, 299, cuda_names=("H100",), nvlink=True),
         Device("h200-141gb", 989e12, 141 * GIB, 4800e9, 700.0, 359, cuda_names=("H200",), nvlink=True),
-        Device("b200-192gb", 2250e12, 192 * GIB, 8000e9, 1000.0, 599, cuda_names=("B200",), nvlink=True),
-        Device("mi300x", 1307e12, 192 * GIB, 5300e9, 750.0, 249, cuda_names=("MI300X",), nvlink=True),
+        Device("b200-192gb", 2250e12, 192 * GIB, 8000e9, 1000.0, 599, cuda_names=("B200",), nvlink=True,
+               available=False),
+        Device("mi300x", 1307e12, 192 * GIB, 5300e9, 750.0, 249, cuda_names=("MI300X",), nvlink=True,
+               available=False),
     )
 }
 assert set(DEVICES) == set(ACCELERATOR_KINDS), "the device table and the market's kinds must agree"

@@ -12,7 +12,9 @@ A replica's capacity:
 - a decoder's tokens/s: measured decoding here on a CPU where the plan calibrated, else the roofline of
   batched decoding: one step reads the weights (bf16) and every sequence's KV cache at `decode_bandwidth` of
   the memory bandwidth, or computes each token's forward FLOPs at `decode_compute` of peak, whichever is
-  slower; the batch is as large as memory allows (at most 256 sequences of tokens_per_request each).
+  slower, and never faster than the step's fixed part (`decode_step_floor_s`: sampling, the scheduler's
+  Python and a host sync, plus the kernel launches of every block), which bounds a tiny model; the batch is
+  as large as memory allows (at most 256 sequences of tokens_per_request each).
 
 The seed's table (tables serve on CPU; images on CPU, or a modest GPU when traffic needs one; language
 models on GPUs sized to concurrency) is a check, not a rule: where the arithmetic chooses otherwise the
@@ -41,6 +43,12 @@ from runyard.system.files import atomic_write_bytes
 
 SECONDS_PER_DAY = 86400
 MAX_DECODE_BATCH = 256
+# A decode step's fixed part, whatever the model's size (stated): sampling, the batching scheduler's Python and
+# one host-device sync per step; and per block ~12 kernels (norms, projections, attention, MLP) at ~8 us a
+# launch. A 2-block model steps at most every 2.2 ms (256 sequences: ~116k tokens/s on any device), where
+# the bandwidth roofline alone gave a T4 86M tokens/s; a 32-block one every 5.2 ms.
+DECODE_STEP_BASE_S = 2e-3
+DECODE_STEP_PER_BLOCK_S = 1e-4
 TABLE_DAYS = (1, 7, 30, 90, 180, 365, 730, 1095, 1825, 3650)
 
 
@@ -174,12 +182,23 @@ def decoder_capacity(d: Device, sizing: Sizing, tokens_per_request: int) -> Capa
     step_bytes = weights + batch * per_sequence / 2
     memory_s = step_bytes / (d.bandwidth_bytes_s * per_replica * UTILISATION["decode_bandwidth"])
     compute_s = batch * sizing.forward_flops_per_unit / (d.peak_flops * per_replica * UTILISATION["decode_compute"])
-    step = max(memory_s, compute_s)
+    floor_s = decode_step_floor_s(sizing)
+    step = max(memory_s, compute_s, floor_s)
+    if floor_s >= max(memory_s, compute_s):
+        how = (f"device table: batches of {batch} sequences, bound by the step's fixed part "
+               f"({floor_s * 1e3:.1f} ms: sampling, scheduling and {sizing.recomputable_units} blocks' kernel launches)")
+        return Capacity(d.kind, per_replica, batch / step, how)
     bound = "memory bandwidth" if memory_s >= compute_s else "compute"
     how = (f"device table: batches of {batch} sequences, {bound}-bound at "
            f"{UTILISATION['decode_bandwidth' if bound == 'memory bandwidth' else 'decode_compute']:.0%} of its "
            f"{'bandwidth' if bound == 'memory bandwidth' else 'peak'}")
     return Capacity(d.kind, per_replica, batch / step, how)
+
+
+def decode_step_floor_s(sizing: Sizing) -> float:
+    """The least time one batched decode step takes, however small the model (DECODE_STEP_BASE_S and
+    DECODE_STEP_PER_BLOCK_S for each of the family's blocks)."""
+    return DECODE_STEP_BASE_S + DECODE_STEP_PER_BLOCK_S * sizing.recomputable_units
 
 
 def predict_capacity(d: Device, sizing: Sizing, traffic: Traffic, timing: PredictTiming | None,

@@ -33,7 +33,7 @@ from runyard.model import stage_model
 from runyard.model.compute import checkpointed_indices
 from runyard.model.registry import DEFAULT_FAMILY, ModelFamily, Sizing, get_family
 from runyard.plan.devices import GPU_RESERVED_BYTES, UTILISATION, device
-from runyard.plan.recommend import DATA_KINDS, Hardware, training_hardware
+from runyard.plan.recommend import DATA_KINDS, Hardware, training_hardware, training_seconds
 from runyard.spec.job import JobSpec, ResolvedStage, resolved_stage
 
 BYTES_PER_PARAM_TRAINING = 16  # fp32 weights 4 + grads 4 + AdamW m 4 + v 4
@@ -85,6 +85,9 @@ class StagePlan:
     estimated_seconds: float | None
     memory: dict
     evaluation_flops: float = 0.0
+    # The least a device holds besides model state under a layout runyard trains (layout_choice's figures:
+    # every block recomputed, or the evaluation's forward, whichever is larger).
+    least_activation_bytes: int = 0
 
 
 def count_parameters(cfg: Any, family: str = DEFAULT_FAMILY) -> tuple[int, int]:
@@ -295,27 +298,41 @@ def plan_stage(spec: JobSpec, stage_name: str, vocab_size: int | None = None, to
     seconds = units / tokens_per_s if tokens_per_s else None
     return StagePlan(stage_name, family.name, size.parameters, size.non_embedding_parameters, units, size.unit,
                      size.flops_per_unit, size.flops_per_unit * units, memory.total, seconds, memory.to_dict(),
-                     size.forward_flops_per_unit * evaluation_units(spec, stage, family, cfg))
+                     size.forward_flops_per_unit * evaluation_units(spec, stage, family, cfg),
+                     max(activation_bytes_on(size, size.recomputable_units), evaluation_bytes(size)))
 
 
 def recommended_training(spec: JobSpec, stages: list[StagePlan]) -> Hardware:
-    """The training hardware the seed's table and the stages' sizes call for (recommend.training_hardware)."""
+    """The training hardware the stages' sizes call for, every kind weighed (recommend.training_hardware)."""
     biggest = max(stages, key=lambda s: s.memory["states"] + s.memory["activations"])
     per_replica = biggest.memory["states"] * state_sharding(spec)
     need = per_replica + max(biggest.memory["activations"], biggest.memory["evaluation"]) + GPU_RESERVED_BYTES
     kind = DATA_KINDS[spec.task]
     util = UTILISATION["train_transformer" if kind == "text" else "train_other"]
     return training_hardware(spec.task, need, per_replica, sum(s.training_flops + s.evaluation_flops for s in stages),
-                             util, spec.resources.threads)
+                             util, spec.resources.threads, micro_steps=micro_steps(spec, stages), costs=spec.costs,
+                             on_device=any(get_family(s.family).trains_with_loop for s in stages),
+                             parameters=biggest.parameters,
+                             least_unsharded=biggest.least_activation_bytes + GPU_RESERVED_BYTES)
 
 
-def device_table_seconds(stages: list[StagePlan], hardware: Hardware, task: str) -> float:
-    """Training and periodic evaluation on `hardware`, by the device table: FLOPs / (peak x utilisation)."""
-    d = device(hardware.kind)
+def micro_steps(spec: JobSpec, stages: list[StagePlan]) -> int:
+    """Forward-backward passes the stages the loop trains take (steps x gradient accumulation)."""
+    out = 0
+    for s in stages:
+        if get_family(s.family).trains_with_loop:
+            t = resolved_stage(spec, s.stage).train
+            out += t.steps * t.grad_accum
+    return out
+
+
+def device_table_seconds(stages: list[StagePlan], hardware: Hardware, task: str, spec: JobSpec | None = None) -> float:
+    """Training and periodic evaluation on `hardware`, by the device table: FLOPs / (peak x utilisation), and
+    on a GPU at least recommend.GPU_TRAIN_STEP_FLOOR_S per micro-batch (given the spec)."""
     kind = DATA_KINDS[task]
-    util = UTILISATION["train_transformer" if kind == "text" else "train_other"] if d.gpu else UTILISATION["cpu_of_matmul_peak"]
     flops = sum(s.training_flops + s.evaluation_flops for s in stages)
-    return flops / (d.peak_flops * util * hardware.devices)
+    return training_seconds(device(hardware.kind), flops, UTILISATION["train_transformer" if kind == "text" else "train_other"],
+                            hardware.devices, micro_steps(spec, stages) if spec is not None else 0)
 
 
 def requirement_for(spec: JobSpec, hardware: Hardware, seconds: float, interconnect: str | None = None) -> Requirement:
@@ -350,7 +367,7 @@ def plan_run(spec: JobSpec, vocab_size: int | None = None, tokens_per_s: float |
     if tokens_per_s:
         estimate = sum(s.estimated_seconds or 0 for s in stages)
     else:
-        estimate = device_table_seconds(stages, hardware, spec.task)
+        estimate = device_table_seconds(stages, hardware, spec.task, spec)
     return {
         "stages": [asdict(s) for s in stages],
         "training_flops": sum(s.training_flops for s in stages),
