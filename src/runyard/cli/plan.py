@@ -26,7 +26,8 @@ DESCRIPTION = """\
 Plan a spec before any work: the data's facts and the model family they call for; per stage its parameters,
 tokens (or samples) and FLOPs, its wall time here (data preparation, training, evaluation, checkpoints, the
 final evaluation and export) and its memory (framework, model state, activations, evaluation batch, loader);
-the training hardware the seed's table recommends; time, energy (kWh) and cost (the spec's
+the training hardware chosen by need (the cheapest available kind, a CPU included, that holds the run and
+finishes within a day, with the seed's table printed as a check); time, energy (kWh) and cost (the spec's
 `costs`) on that hardware by the device table; and the requirement (accelerators, devices, duration) a market
 or scheduler acts on, which --requirement-out writes for `runyard market demand --requirement`.
 
