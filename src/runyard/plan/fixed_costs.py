@@ -179,7 +179,7 @@ def tiny_spec(task: str, family: str, threads: int | None, where: Path) -> Path:
         spec = {"task": task, "name": "fixed-costs", "seed": 0,
                 "data": {"sources": [{"path": str(where / "images.npz"), "format": "npz"}], "heldout_fraction": 0.2},
                 "model": {"family": family, "cnn": {"channels": [8], "hidden": 16}},
-                "train": {"steps": 4, "batch_size": 16},
+                "train": {"steps": 4, "batch_size": 16}, "schedule": {"warmup_steps": 1},
                 "stages": [{"name": "main", "gates": {"min_loss_drop": None}}],
                 "eval": {"interval": 4, "batches": 1, "prediction": {"min_accuracy": 0.0, "baseline_margin": 0.0}},
                 "checkpoint": {"interval": 4}, "resources": resources}
