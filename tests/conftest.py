@@ -68,6 +68,8 @@ def pytest_configure(config):
         os.environ["RUNYARD_CACHE_DIR"] = tempfile.mkdtemp(prefix="runyard-test-cache-")
     if "RUNYARD_ENV_CACHE" not in os.environ:  # environment locks' archive memo, rebuilt venvs
         os.environ["RUNYARD_ENV_CACHE"] = tempfile.mkdtemp(prefix="runyard-test-env-cache-")
+    if "RUNYARD_PLAN_CACHE" not in os.environ:  # the plan's machine measurements (fixed costs), never ~/.cache
+        os.environ["RUNYARD_PLAN_CACHE"] = tempfile.mkdtemp(prefix="runyard-test-plan-cache-")
     try:
         import torch
 

@@ -26,7 +26,7 @@ DECODER = get_family("decoder")
 CONFIG = ModelConfig(vocab_size=256, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=96, context_length=16)
 MACHINE = Machine("cpu", "cpu", 2, 1e10, 1e8, 300 << 20, 8 << 30)
 TIMINGS = ("forward_backward_s", "optimizer_s", "first_step_extra_s", "forward_s", "decode_token_s", "wall_s",
-           "peak_bytes")
+           "peak_bytes", "spread")
 
 
 def _calibrate(**kw) -> StageCalibration:

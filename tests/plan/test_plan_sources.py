@@ -123,6 +123,6 @@ def test_plan_help_says_what_is_calibrated_and_what_is_estimated(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "a language model's stages are calibrated on a few real training steps" in text
-    assert "Trees, the linear model and the CNN are not calibrated" in text
+    assert "every stage is calibrated here" in text and "real fits of two row samples" in text
+    assert "measured once per machine by a tiny real run" in text
     assert "read and checked in full by the run's own reader" in text

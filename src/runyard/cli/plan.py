@@ -31,12 +31,15 @@ finishes within a day, with the seed's table printed as a check); time, energy (
 `costs`) on that hardware by the device table; and the requirement (accelerators, devices, duration) a market
 or scheduler acts on, which --requirement-out writes for `runyard market demand --requirement`.
 
-What is measured and what is estimated: this machine's matmul rate and disk are measured; a language
-model's stages are calibrated on a few real training steps of each stage's own model (about 3 s a stage),
-and its text data on a sample run through the data stage's own steps. A table or images are read and
-checked in full by the run's own reader, and that reading is timed. Trees, the linear model and the CNN
-are not calibrated: their training time is estimated from FLOPs at a stated share of the matmul rate, and
-fixed costs (start-up, reports, plots, export) are stated constants, so their times are rougher.
+What is measured and what is estimated: this machine's matmul rate and disk are measured; every stage
+is calibrated here. A language model's stages and the CNN's take real training steps of the stage's own
+model at its micro-batch for a time budget (--budget-s, about 3 s a stage), and its text data a sample
+run through the data stage's own steps. A table or images are read and checked in full by the run's own
+reader, and that reading is timed; trees and the linear model are real fits of two row samples of the
+table (time = rounds x (a + b x rows), the rounds early stopping keeps). The fixed costs of a table or
+image run (start-up and imports, environment lock, reports and plots, export and ONNX) are measured once
+per machine by a tiny real run and cached ($RUNYARD_PLAN_CACHE). Each calibration prints what it measured
+and its spread across repeats.
 --no-calibrate measures nothing (the device table and stated rates; a table or images are still read).
 
 With --traffic (or the spec's `traffic` section) it also prints the inference cost per day on the
@@ -175,7 +178,11 @@ def plan_lines(plan: Plan) -> list[str]:
             f"{human_bytes(s.memory.activations)}, evaluation {human_bytes(s.memory.evaluation)}, loader "
             f"{human_bytes(s.memory.loader)}; {s.memory.how})"
         )
-    out.append("final: " + ", ".join(f"{k} {_seconds(v)}" for k, v in plan.final_phases.items()))
+    if plan.final_phases:
+        out.append("final: " + ", ".join(f"{k} {_seconds(v)}" for k, v in plan.final_phases.items()))
+    if plan.fixed is not None:
+        out.append(f"fixed costs of the run: ~{_seconds(plan.fixed.seconds)} ("
+                   + ", ".join(f"{k} {_seconds(v)}" for k, v in plan.fixed.parts.items()) + f"; {plan.fixed.how})")
     out.append(f"total here: ~{_seconds(plan.total_seconds)}; peak memory ~{human_bytes(plan.peak_memory_bytes)} "
                f"({plan.memory_how})")
     hc = plan.here_cost

@@ -159,6 +159,13 @@ class CnnFamily(ModelFamily):
     def build(self, config: CnnConfig) -> SmallCNN:
         return SmallCNN(config)
 
+    def synthetic_batch(self, config: CnnConfig, micro_batch: int,
+                        generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random pixels in [0, 1] of the prepared images' shape and random labels: `plan` times real
+        training steps on them (a step's cost depends on the shapes, not the pixels)."""
+        pixels = torch.rand((micro_batch, config.in_channels, config.height, config.width), generator=generator)
+        return pixels, torch.randint(0, config.n_classes, (micro_batch,), generator=generator)
+
     def optimizer_groups(self, model: nn.Module, optim: Any) -> list[dict[str, Any]]:
         """Convolution and linear weights decay; biases and batch-norm weights only if the spec says so."""
         decay, no_decay = [], []

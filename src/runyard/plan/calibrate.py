@@ -8,8 +8,10 @@
   KV cache) single-token decode steps. Model and batches are drawn from a fixed seed, so everything it
   reports except the timings is the same on every call.
 
-Every measurement is bounded: a stage stops after `max_steps` timed steps or `budget_s` seconds, whichever
-comes first (at least one timed step after one warm-up step). A model whose training state would not fit
+Every measurement is bounded: a stage takes timed steps until `budget_s` seconds have passed (its steps are
+timed over a time budget, not counted, so a cheap step is measured many times and the spread across steps
+is reported as the figure's stability) or `max_steps` were taken, at least one timed step after one
+warm-up step. A model whose training state would not fit
 in half the memory free here, or whose first step would take longer than the budget by the FLOP count,
 is not run; its plan falls back to the device table.
 """
@@ -69,6 +71,18 @@ class StageCalibration:
     decode_token_s: float | None  # one token of single-sequence decoding with a KV cache (median)
     wall_s: float  # what the calibration itself took
     peak_bytes: int | None = None  # memory at the peak over what was resident before the model was built
+    spread: float = 0.0  # the steps' stability: interquartile range of a step's time over its median
+
+
+def relative_spread(values: list[float]) -> float:
+    """How far repeated timings stray: the interquartile range over the median (max - min over the median
+    for fewer than 4 values); 0 for one value."""
+    if len(values) < 2:
+        return 0.0
+    ordered = sorted(values)
+    n = len(ordered)
+    low, high = (ordered[n // 4], ordered[(3 * n) // 4]) if n >= 4 else (ordered[0], ordered[-1])
+    return (high - low) / max(_median(ordered), 1e-12)
 
 
 def _median(values: list[float]) -> float:
@@ -225,7 +239,7 @@ def calibrate_stage(
     precision: str,
     threads: int | None,
     budget_s: float = 3.0,
-    max_steps: int = 3,
+    max_steps: int = 200,
     decode: bool = True,
     recompute: tuple[str, int] = ("none", 1),
 ) -> StageCalibration | None:
@@ -259,13 +273,15 @@ def calibrate_stage(
 
         first = _timed(fb, dev) + _timed(opt, dev)
         fbs, opts = [], []
-        while not fbs or (len(fbs) < max_steps and time.perf_counter() - started < budget_s):
+        timing = time.perf_counter()  # the budget is the steady steps': a slow warm-up does not eat it
+        while not fbs or (len(fbs) < max_steps and time.perf_counter() - timing < budget_s):
             fbs.append(_timed(fb, dev))
             opts.append(_timed(opt, dev))
         fwd = forward_seconds(model, x, dev, precision, started, budget_s)
         peak = memory.peak()
         decode_s = decode_token_seconds(model, dev, started, budget_s) if decode else None
     steady = _median(fbs) + _median(opts)
+    steps = [a + b for a, b in zip(fbs, opts, strict=True)]
     return StageCalibration(
         stage=stage,
         micro_batch=micro_batch,
@@ -277,6 +293,7 @@ def calibrate_stage(
         decode_token_s=decode_s,
         wall_s=time.perf_counter() - started,
         peak_bytes=peak,
+        spread=relative_spread(steps),
     )
 
 

@@ -262,7 +262,8 @@ def _estimate_other(task: str, kind: str, spec: DataSpec, seed: int, files: list
                       classes=s.classes, image_shape=s.image_shape)
     how = "the run's own reader and checks on every row, timed here; the report stated"
     return DataEstimate(facts, checked.seconds + REPORT_S, {"read": checked.seconds, "report": REPORT_S}, how, False,
-                        text_bytes=s.bytes or sum(f.size for f in files), extra={"data": checked.stats})
+                        text_bytes=s.bytes or sum(f.size for f in files),
+                        extra={"data": checked.stats, "table": checked.table})
 
 
 def with_vocab(estimate: DataEstimate, vocab_size: int) -> DataEstimate:

@@ -4,10 +4,14 @@
 1. the data's facts and its preparation time (dataprep.py, calibrated on a sample);
 2. the family recommended for the data and the hardware to train and serve on (recommend.py);
 3. per stage: parameters, units, FLOPs (sizing.py); the time of its training steps, periodic evaluations
-   and checkpoints, from a short calibration of its own model here (calibrate.py) or, where it cannot be
-   run, from FLOPs at the measured matmul rate times a stated utilisation; its memory, counting the
-   framework, model state, activations, the evaluation batch and the loader;
-4. the final phase: held-out and train-sample evaluation, the export, the samples and the report;
+   and checkpoints, from real training steps of its own model here for a time budget (calibrate.py; the
+   loop's families: decoders, the CNN), or real fits of row samples of the user's table (fit_calibration.py;
+   trees, the linear model), or, where neither can run, from FLOPs at the measured matmul rate times a
+   stated utilisation; its memory, counting the framework, model state, activations, the evaluation batch
+   and the loader;
+4. the final phase: a language model's held-out and train-sample evaluation, export, samples and report;
+   a table's or images' linear baseline fit or test predictions, and the run's fixed costs (start-up,
+   environment lock, reports and plots, export and ONNX) measured once per machine (fixed_costs.py);
 5. the same training on the recommended hardware by the device table, its energy and its cost, and the
    requirement (that hardware and a duration covering the estimate);
 5a. each stage's parallel layout on the hardware the run will get (layout_choice.py: DDP, FSDP, activation
@@ -52,17 +56,22 @@ from runyard.plan.cost import Cost, cost_of
 from runyard.plan.dataprep import DataEstimate, estimate_data
 from runyard.plan.devices import UTILISATION
 from runyard.plan.disk import checkpoint_bytes, export_bytes
+from runyard.plan.fit_calibration import FitCalibration, calibrate_fit, table_facts_of
+from runyard.plan.fixed_costs import FixedCosts, fixed_costs
 from runyard.plan.layout_choice import LayoutChoice, run_interconnect, stage_layout, target_hardware
 from runyard.plan.lifetime import Capacity, Lifetime, Traffic, lifetime_of, serving_kinds, table_capacity
 from runyard.plan.recommend import DATA_KINDS, DataFacts, FamilyChoice, Hardware, recommend_family
 from runyard.plan.serving_capacity import PredictProbe, measured_timing
+from runyard.plan.task_data import check_task_data
 from runyard.plan.weights_in import run_vocab
 from runyard.spec.job import JobSpec, resolved_stage, with_family
 from runyard.system.cpus import choose_threads
 
-# Stated costs of steps not worth timing (seconds), and rates of ones too cheap to calibrate.
+# Stated costs of a language model's steps not worth timing (seconds), and rates of ones too cheap to
+# calibrate. A table's or images' fixed costs are measured instead (plan/fixed_costs.py).
 STAGE_SETUP_S = 0.5  # building the model and optimizer, the gates record
 REPORT_S = 2.0  # report.md/json and two PNG curves (matplotlib)
+REREAD_LIMIT_S = 10.0  # a table or images read faster than this is read again, warm (task_data_phases)
 UNIGRAM_TOKENS_PER_S = 20e6  # counting the training split's tokens for the unigram baseline
 BPE_BASE_BYTES = 24 << 20  # HF tokenizers' BPE trainer: fixed part, measured on the stdlib corpus
 BPE_BYTES_PER_BYTE = 8  # ... and per byte of training text
@@ -77,6 +86,8 @@ class StageEstimate:
     how: str
     memory: sizing.MemoryEstimate
     calibration: StageCalibration | None = None
+    fit: FitCalibration | None = None  # a family fit by its own library: its fits of row samples here
+    baseline_fit: FitCalibration | None = None  # the linear baseline a trees run fits beside its model
 
     @property
     def seconds(self) -> float:
@@ -86,7 +97,9 @@ class StageEstimate:
         out = asdict(self.plan)
         out.update(estimated_seconds=self.seconds, phases=self.phases, how=self.how,
                    memory=self.memory.to_dict(), memory_per_device_bytes=self.memory.total,
-                   calibration=asdict(self.calibration) if self.calibration else None)
+                   calibration=asdict(self.calibration) if self.calibration else None,
+                   fit_calibration=asdict(self.fit) if self.fit else None,
+                   baseline_fit_calibration=asdict(self.baseline_fit) if self.baseline_fit else None)
         return out
 
 
@@ -110,11 +123,17 @@ class Plan:
     calibration_s: float = 0.0
     warnings: list[str] = field(default_factory=list)
     layouts: list[LayoutChoice] = field(default_factory=list)  # per stage trained by the loop
+    fixed: FixedCosts | None = None  # a table's or images' run: start-up, environment, reports, export
+
+    @property
+    def fixed_seconds(self) -> float:
+        return run_fixed_seconds(self.fixed)
 
     @property
     def total_seconds(self) -> float:
         """Wall time of the whole run on the machine at hand."""
-        return self.data.seconds + sum(s.seconds for s in self.stages) + sum(self.final_phases.values())
+        return (self.data.seconds + sum(s.seconds for s in self.stages) + sum(self.final_phases.values())
+                + self.fixed_seconds)
 
     def to_dict(self) -> dict:
         return {
@@ -138,7 +157,13 @@ class Plan:
             "calibration_s": self.calibration_s,
             "warnings": self.warnings,
             "layouts": [c.to_dict() for c in self.layouts],
+            "fixed_costs": asdict(self.fixed) if self.fixed else None,
         }
+
+
+def run_fixed_seconds(fixed: FixedCosts | None) -> float:
+    """A run's fixed costs outside its stages (each stage counts its own setup among its phases)."""
+    return fixed.seconds - fixed.parts.get("stage setup", 0.0) if fixed else 0.0
 
 
 def run_threads(spec: JobSpec) -> int:
@@ -166,6 +191,9 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
                              machine.devices if machine.kind == "cpu" else cpu_count(), cache_dir, measure=calibrate)
     facts = dict(data.facts.config_facts(spec.task))
     facts.setdefault("vocab_size", run_vocab(spec))
+    table = data.extra.get("table")
+    if table is not None:  # the config the run builds: the prepared table's own facts (categorical columns)
+        facts["table"] = table_facts_of(table)
     choice = recommend_family(spec.task, data.facts)
     warnings = []
     unnamed = any(resolved_stage(spec, s.name).model.family is None for s in spec.stages)
@@ -188,22 +216,30 @@ def make_plan(spec: JobSpec, files: list[InputFile], run_dir: Path, *, calibrate
     layouts = [c for c in (stage_layout(spec, s.name, target, facts) for s in spec.stages) if c is not None]
     # In the run's order: each stage's measured peak then sits on what the earlier ones left resident,
     # as it will in the run (module doc).
-    stages = [_estimate_stage(spec, p, machine, facts, calibrate, budget_s) for p in plans]
-
-    final = _final_phases(spec, stages[-1], data, machine, facts["vocab_size"])
+    stages = [_estimate_stage(spec, p, machine, facts, calibrate, budget_s, table) for p in plans]
+    fixed = None
+    if spec.task != "language_model":
+        fixed = fixed_costs(spec.task, stages[-1].plan.family, run_threads(spec), measure=calibrate)
+        data = task_data_phases(spec, data, calibrate)
+        for s in stages:
+            s.phases["setup"] = fixed.parts.get("stage setup", STAGE_SETUP_S)
+        final = task_final_phases(spec, stages[-1], data)
+    else:
+        final = _final_phases(spec, stages[-1], data, machine, facts["vocab_size"])
+    fixed_s = run_fixed_seconds(fixed)
     peak, memory_how = _peak_memory(spec, machine, framework, data, stages)
     hardware = sizing.recommended_training(spec, [s.plan for s in stages])
-    on_hardware = sizing.device_table_seconds([s.plan for s in stages], hardware, spec.task)
+    on_hardware = sizing.device_table_seconds([s.plan for s in stages], hardware, spec.task, spec)
     if hardware.kind == machine.kind and machine.calibrated:
         on_hardware = sum(s.seconds for s in stages) * machine.devices / hardware.devices
-    training_seconds = data.seconds + on_hardware + sum(final.values())
+    training_seconds = data.seconds + on_hardware + sum(final.values()) + fixed_s
     training_cost = cost_of(hardware.kind, hardware.devices, training_seconds, spec.costs)
-    here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()))
+    here = _here_cost(spec, machine, data.seconds + sum(s.seconds for s in stages) + sum(final.values()) + fixed_s)
     warnings += layout_warnings(spec, layouts)
     requirement = sizing.requirement_for(spec, hardware, training_seconds,
                                          run_interconnect(layouts)).model_dump(mode="json")
     plan = Plan(spec.name, spec.task, machine, data, choice, stages, final, peak, memory_how, hardware,
-                training_seconds, training_cost, here, requirement, warnings=warnings, layouts=layouts)
+                training_seconds, training_cost, here, requirement, warnings=warnings, layouts=layouts, fixed=fixed)
     if traffic is not None:
         plan.lifetime = lifetime_for(spec, plan, traffic, serving_probe if calibrate else None)
     plan.calibration_s = time.perf_counter() - started
@@ -251,10 +287,21 @@ def _loader_bytes(data: DataEstimate, vocab: int) -> int:
 
 
 def _estimate_stage(spec: JobSpec, plan: sizing.StagePlan, machine: Machine, facts: dict[str, Any],
-                    calibrate: bool, budget_s: float) -> StageEstimate:
+                    calibrate: bool, budget_s: float, table: Any = None) -> StageEstimate:
     stage = resolved_stage(spec, plan.stage)
     family, config = sizing.stage_config(spec, stage, facts)
     size = family.sizing(config, micro_batch=stage.train.batch_size)
+    if calibrate and not family.trains_with_loop and table is not None:
+        # A family fit by its own library: real fits of row samples of the user's table (fit_calibration.py).
+        threads = run_threads(spec)
+        fit = calibrate_fit(family, config, table, spec.seed, threads, budget_s)
+        baseline = None
+        if family.name != "linear" and plan.stage == spec.stages[-1].name:  # the run's linear baseline
+            linear = get_family("linear")
+            baseline = calibrate_fit(linear, linear.config_from_spec(stage.model, table=facts["table"]), table,
+                                     spec.seed, threads, budget_s / 3)
+        phases = {"training": fit.estimate_s, "setup": STAGE_SETUP_S}
+        return StageEstimate(plan, phases, fit.describe(), stage_memory(plan, None), fit=fit, baseline_fit=baseline)
     calibration = None
     if calibrate and family.trains_with_loop and fits_here(size.parameters, size.activation_bytes, machine):
         calibration = calibrate_stage(plan.stage, family, config, stage.optim, stage.train.batch_size, machine,
@@ -284,7 +331,8 @@ def stage_phases(spec: JobSpec, plan: sizing.StagePlan, machine: Machine,
         phases["training"] = (t.steps * step + calibration.first_step_extra_s) * shared
         phases["evaluation"] = evaluations * spec.eval.batches * calibration.forward_s * shared
         how = (f"calibrated: {calibration.steps} real step{'s' if calibration.steps != 1 else ''} of this model at "
-               f"micro-batch {t.batch_size} here ({calibration.forward_backward_s + calibration.optimizer_s:.3g} s a step)")
+               f"micro-batch {t.batch_size} here ({calibration.forward_backward_s + calibration.optimizer_s:.3g} s a step"
+               f" (median), spread {calibration.spread:.0%} across steps)")
     else:
         util = UTILISATION["cpu_of_matmul_peak"] if machine.kind == "cpu" else UTILISATION["train_other"]
         rate = machine.matmul_flops * util
@@ -334,6 +382,31 @@ def _final_phases(spec: JobSpec, last: StageEstimate, data: DataEstimate, machin
     weights = export_bytes(last.plan.parameters, vocab)
     out["export"] = 2 * weights / machine.disk_write_bytes_s  # written, then loaded back for the samples
     out["report"] = REPORT_S
+    return out
+
+
+def task_data_phases(spec: JobSpec, data: DataEstimate, measure: bool) -> DataEstimate:
+    """A table's or images' data phase as the run spends it: the pre-flight check reads every row, then the
+    data stage reads them again; the report is a fixed cost. The plan's first read paid the reader's
+    imports, which the fixed costs' start-up holds already, so a short read is timed again, warm."""
+    read = data.parts.get("read", 0.0)
+    if measure and read < REREAD_LIMIT_S:
+        read = check_task_data(spec.task, spec.data, spec.seed).seconds
+    parts = {"pre-flight read": read, "read": read}
+    return DataEstimate(data.facts, sum(parts.values()), parts, data.how.replace("; the report stated", ""),
+                        data.cached, data.bytes_per_token, data.kept_fraction, data.text_bytes, data.extra)
+
+
+def task_final_phases(spec: JobSpec, last: StageEstimate, data: DataEstimate) -> dict[str, float]:
+    """A table's or images' final phase beyond its fixed costs: the trees' linear baseline fit on the whole
+    table (calibrated like the stage), and the images' test predictions (the calibration's forward pass)."""
+    out: dict[str, float] = {}
+    if last.baseline_fit is not None:
+        out["linear baseline"] = last.baseline_fit.estimate_s
+    cal = last.calibration
+    if cal is not None and spec.task == "image_classification" and data.facts.rows:
+        test = int(data.facts.rows * spec.data.heldout_fraction)
+        out["test predictions"] = test / cal.micro_batch * cal.forward_s
     return out
 
 

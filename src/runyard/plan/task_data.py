@@ -20,7 +20,7 @@ from typing import Any
 from runyard.data.image_prep import check_images
 from runyard.data.images import read_images
 from runyard.data.sources import list_source_files
-from runyard.data.tabular import prepare_table
+from runyard.data.tabular import PreparedTable, prepare_table
 from runyard.errors import EXIT_BAD_SPEC, DataError
 from runyard.plan.families import DataSummary, table_summary
 from runyard.spec.checks import IMAGE_TASK, TABULAR_TASKS
@@ -44,6 +44,7 @@ class CheckedData:
     summary: DataSummary
     seconds: float
     stats: dict[str, Any] = field(default_factory=dict)
+    table: PreparedTable | None = None  # a table as prepared: the plan's fit calibration samples its rows
 
 
 def split_seed(seed: int) -> int:
@@ -55,6 +56,7 @@ def check_task_data(task: str, data: DataSpec, seed: int) -> CheckedData:
     """Read and check a table's or images' data as the run will (see the module's docstring); `seed` is
     the spec's. DataRefused (exit 2) naming the problem."""
     started = time.perf_counter()
+    prepared = None
     try:
         if task in TABULAR_TASKS:
             prepared = prepare_table(data, task, split_seed(seed))
@@ -72,7 +74,7 @@ def check_task_data(task: str, data: DataSpec, seed: int) -> CheckedData:
         raise
     except DataError as exc:
         raise refusal(exc) from None
-    return CheckedData(summary, time.perf_counter() - started, stats)
+    return CheckedData(summary, time.perf_counter() - started, stats, prepared)
 
 
 def refusal(exc: DataError) -> DataRefused:
