@@ -53,16 +53,16 @@ def test_the_image_template_writes_the_recipes_defaults():
     values = TEMPLATES["image_classification"]("t")
     cnn = values["model"]["cnn"]
     defaults = CnnSpec()
-    assert cnn["label_smoothing"] == defaults.label_smoothing == 0.1
+    # The template writes the defaults (measured best for short runs: no augmentation, no smoothing).
+    assert cnn["label_smoothing"] == defaults.label_smoothing == 0.0
     assert cnn["batch_norm"] is defaults.batch_norm is True
     assert cnn["augment"] == CnnAugmentSpec().model_dump() and cnn["augment"]["horizontal_flip"] is False
-    assert cnn["augment"]["shift"] > 0 and cnn["augment"]["rotate"] > 0
     assert values["schedule"]["decay"] == "cosine" and values["schedule"]["warmup_steps"] > 0
     text = render_template("image_classification", "t")
-    for line in ("label_smoothing: 0.1", "horizontal_flip: false", "shift: 0.1", "rotate: 10.0"):
+    for line in ("label_smoothing: 0.0", "horizontal_flip: false", "shift: 0.0", "rotate: 0.0", "batch_norm: true"):
         assert line in text
     spec = parse_spec(values)
-    assert spec.model.cnn.augment == CnnAugmentSpec() and spec.model.cnn.label_smoothing == 0.1
+    assert spec.model.cnn.augment == CnnAugmentSpec() and spec.model.cnn.label_smoothing == 0.0
 
 
 def test_the_recipe_fields_refuse_bad_values():
