@@ -2,7 +2,9 @@
 with the same ordering contract as the token loader (data/loader.py): epoch e visits every image once in
 a permutation drawn from (seed, e); global step s takes stream positions [s*G, (s+1)*G) with G = batch x
 world size, and rank r takes the r-th block of them. The whole position is one integer, so a checkpoint
-restores it exactly, under any world size.
+restores it exactly, under any world size. Augmentation (data/image_augment.py) warps image k of the
+stream by a hash of (seed, k), so the position restores it too; the state records the augmentation, and
+a checkpoint saved with another one is refused (its resume would not be exact).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from runyard.data.image_augment import NONE, Augment, augment_batch
 from runyard.data.image_prep import PreparedImages
 from runyard.data.loader import EvalSample
 from runyard.errors import DataError
 
-STATE_VERSION = 1
+STATE_VERSION = 2  # 2: records the augmentation (a version 1 state had none)
 SAMPLE_METHOD = "stratified over the split's order: one image drawn from each of n equal stretches"
 
 
@@ -24,7 +27,7 @@ class ImageLoader:
     """Batches [batch_size, C, H, W] float32 and labels [batch_size] int64 for one rank; never stops."""
 
     def __init__(self, prepared: PreparedImages, split: str, batch_size: int, seed: int, rank: int = 0,
-                 world_size: int = 1, shuffle: bool = True):
+                 world_size: int = 1, shuffle: bool = True, augment: Augment = NONE):
         if batch_size < 1:
             raise DataError(f"batch_size ({batch_size}) must be positive")
         if not 0 <= rank < world_size:
@@ -34,6 +37,7 @@ class ImageLoader:
         if self.num_images < 1:
             raise DataError(f"the {split} split of {prepared.directory} holds no images")
         self.batch_size, self.seed, self.rank, self.world_size, self.shuffle = batch_size, seed, rank, world_size, shuffle
+        self.augment = augment
         self.position = 0
         self._perm_epoch, self._perm = -1, np.empty(0, dtype=np.int64)
 
@@ -52,8 +56,12 @@ class ImageLoader:
             self._perm_epoch = epoch
         return self._perm
 
+    def stream_indices(self, position: int) -> np.ndarray:
+        """This rank's places in the training stream for the global step starting at `position`."""
+        return position + self.rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+
     def image_ids(self, position: int) -> np.ndarray:
-        stream = position + self.rank * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        stream = self.stream_indices(position)
         epochs = stream // self.num_images
         out = np.empty(self.batch_size, dtype=np.int64)
         for epoch in np.unique(epochs):
@@ -62,17 +70,18 @@ class ImageLoader:
         return out
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
-        ids = self.image_ids(self.position)
+        ids, stream = self.image_ids(self.position), self.stream_indices(self.position)
         self.position += self.global_batch
         order = np.argsort(ids, kind="stable")  # a sorted gather reads the memory map forwards
         rows = np.empty((len(ids), *self.x.shape[1:]), dtype=np.float32)
         rows[order] = self.x[ids[order]]
-        return torch.from_numpy(rows), torch.from_numpy(self.y[ids].astype(np.int64))
+        pixels = augment_batch(torch.from_numpy(rows), stream, self.seed, self.augment)
+        return pixels, torch.from_numpy(self.y[ids].astype(np.int64))
 
     def state_dict(self) -> dict[str, Any]:
         return {"version": STATE_VERSION, "position": int(self.position), "epoch": int(self.epoch),
                 "seed": int(self.seed), "num_images": int(self.num_images), "world_size": int(self.world_size),
-                "batch_size": int(self.batch_size), "shuffle": int(self.shuffle)}
+                "batch_size": int(self.batch_size), "shuffle": int(self.shuffle), "augment": self.augment.to_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the exact position; seed and data must match (world and batch size may differ)."""
@@ -81,6 +90,10 @@ class ImageLoader:
                 raise DataError(f"loader state has {key}={state[key]}, but this loader has {getattr(self, key)}")
         if bool(state.get("shuffle", 1)) != self.shuffle:
             raise DataError("loader state was saved with a different shuffle setting")
+        saved = Augment(**state["augment"]) if "augment" in state else NONE
+        if saved != self.augment:
+            raise DataError(f"loader state was saved with augmentation {saved.to_dict()}, but this stage augments with "
+                            f"{self.augment.to_dict()} (model.cnn.augment): a resume would not repeat the run's images")
         self.position = int(state["position"])
 
     def close(self) -> None:

@@ -154,7 +154,8 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         heldout = batches.heldout_sample(prepared, stage.model, stage.train.batch_size,
                                          spec.eval.batches * stage.train.batch_size,
                                          evaluation_seeds(spec.seed)["eval.heldout"])
-        objective = PretrainObjective(loader, heldout, unit=family.sizing(config).unit)
+        objective = PretrainObjective(loader, heldout, unit=family.sizing(config).unit,
+                                      label_smoothing=batches.label_smoothing(prepared, stage.model))
     else:
         if instruct is None:
             raise RunyardError(f"stage {stage.name} ({stage.kind}) has no prepared instruction data")

@@ -10,6 +10,8 @@ checked against a hand computation in tests/train/test_objectives.py.
   loss = -log sigmoid(beta * ((pi_c - pi_r) - (ref_c - ref_r))), where pi_* and ref_* are the summed
   log-probabilities of the response tokens under the policy and the frozen reference; the implicit
   rewards are beta * (pi - ref).
+- label smoothing (images, model.cnn.label_smoothing; Szegedy et al. 2016): the target is 1 - eps on the
+  label plus eps / K on each of the K classes, so per sample loss = (1 - eps) * -log p_y + eps * mean_k -log p_k.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 
 from runyard.data.samples import IGNORE_INDEX
 
-__all__ = ["IGNORE_INDEX", "DPOTerms", "dpo_loss", "sequence_logprobs", "supervised_tokens"]
+__all__ = ["IGNORE_INDEX", "DPOTerms", "dpo_loss", "sequence_logprobs", "smoothed_loss_sum", "supervised_tokens"]
 
 
 def supervised_tokens(labels: torch.Tensor) -> int:
@@ -62,3 +64,8 @@ def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_cho
         chosen_rewards=beta * (policy_chosen - ref_chosen).detach(),
         rejected_rewards=beta * (policy_rejected - ref_rejected).detach(),
     )
+
+
+def smoothed_loss_sum(logits: torch.Tensor, labels: torch.Tensor, smoothing: float) -> torch.Tensor:
+    """Label-smoothed cross-entropy summed over the samples (fp32): logits [B, K], labels [B]."""
+    return F.cross_entropy(logits.float(), labels, label_smoothing=smoothing, reduction="sum")

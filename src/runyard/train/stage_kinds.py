@@ -31,7 +31,7 @@ from runyard.model.compute import token_loss_sum
 from runyard.train import parallel
 from runyard.train.finetune_metrics import dpo_metrics, pair_logprobs, response_loss
 from runyard.train.lora import adapters_disabled
-from runyard.train.objectives import dpo_loss, sequence_logprobs
+from runyard.train.objectives import dpo_loss, sequence_logprobs, smoothed_loss_sum
 
 Autocast = Callable[[], AbstractContextManager]
 NO_SUPERVISED = "a step's global batch holds no supervised token (the data stage drops such samples)"
@@ -43,8 +43,9 @@ class PretrainObjective:
 
     kind = "pretrain"
 
-    def __init__(self, loader: TokenLoader | ImageLoader, heldout: EvalSample, unit: str = "token"):
-        self.loader, self.heldout, self.unit = loader, heldout, unit
+    def __init__(self, loader: TokenLoader | ImageLoader, heldout: EvalSample, unit: str = "token",
+                 label_smoothing: float = 0.0):
+        self.loader, self.heldout, self.unit, self.label_smoothing = loader, heldout, unit, label_smoothing
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.loader.next_batch()
@@ -58,6 +59,8 @@ class PretrainObjective:
         x, y = (t.to(device, non_blocking=True) for t in batch)
         with autocast():
             logits = module(x)
+        if self.label_smoothing:  # images (model.cnn.label_smoothing); the held-out loss stays plain
+            return smoothed_loss_sum(logits, y, self.label_smoothing)
         return token_loss_sum(logits, y)
 
     def step_stats(self, device: torch.device) -> torch.Tensor:
