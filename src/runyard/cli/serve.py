@@ -11,6 +11,7 @@ from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.predict import serve_predictor
 from runyard.serve.predict_export import is_predict_export
+from runyard.serve.retrain import DEFAULT_MIN_LOGGED
 from runyard.serve.server import ServeOptions, serve_export
 
 DESCRIPTION = """\
@@ -92,6 +93,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="judge no drift before N requests (default 50; a smoke test is not judged)")
     d.add_argument("--retrain-spec", type=Path, default=None, metavar="SPEC",
                    help="on a drift event, submit SPEC plus the logged traffic as a retraining job")
+    d.add_argument("--retrain-min-logged", type=int, default=DEFAULT_MIN_LOGGED, metavar="N",
+                   help="submit no retraining whose data would hold fewer than N logged records after the traffic "
+                   "filters and exact-repeat removal (default %(default)s); the drift event records why")
     d.add_argument("--control", default=None, metavar="STATE_DIR|URL",
                    help="the control plane to submit retraining to: its state directory (address and API token "
                    "are read there), or its URL with the token in $RUNYARD_CONTROL_TOKEN")
@@ -100,7 +104,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 # Options only a language-model server acts on: given to a table or image server with a value other
 # than their default they are an error, not silently dropped.
-LANGUAGE_ONLY = ("log_requests", "retrain_spec", "control", "drift_sustain", "drift_check_every", "drift_warmup",
+LANGUAGE_ONLY = ("log_requests", "retrain_spec", "retrain_min_logged", "control", "drift_sustain", "drift_check_every", "drift_warmup",
                  "engine", "kv_cache_mb", "max_batch", "max_queue", "max_prefill_tokens", "compile",
                  "tensor_parallel_size")
 
@@ -142,6 +146,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drift_sustain_requests=args.drift_sustain,
             drift_false_alarm_rate=args.drift_false_alarm_rate,
             drift_warmup=args.drift_warmup,
+            retrain_min_logged=args.retrain_min_logged,
             tensor_parallel_size=args.tensor_parallel_size,
         ),
     )

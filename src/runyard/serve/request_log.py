@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from runyard.data.pii import scrub_pii
-from runyard.spec.data import PiiSpec
+from runyard.spec.data import TRAFFIC_FILTERS, PiiSpec
 from runyard.system.files import fsync_dir, fsync_file
 
 SEGMENT_GLOB = "*.jsonl"
@@ -56,8 +56,11 @@ class RequestLog:
         self._recover()
 
     def source(self) -> dict[str, Any]:
-        """This directory as a data-stage source (a job spec's `data.sources` entry)."""
-        return {"path": str(self.directory.resolve() / SEGMENT_GLOB), "format": "jsonl", "text_field": "text"}
+        """This directory as a data-stage source (a job spec's `data.sources` entry): `kind: traffic`,
+        cleaned with the request filters (spec/data.py TRAFFIC_FILTERS), written out so the derived spec
+        shows them."""
+        return {"path": str(self.directory.resolve() / SEGMENT_GLOB), "format": "jsonl", "text_field": "text",
+                "kind": "traffic", "filters": dict(TRAFFIC_FILTERS)}
 
     def append(self, text: str) -> None:
         counts: Counter = Counter()
