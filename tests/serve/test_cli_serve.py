@@ -106,7 +106,7 @@ def image_export(tmp_path):
     ("extra", "flags"),
     [
         (["--retrain-spec", "spec.yaml", "--control", "http://127.0.0.1:9"], "--retrain-spec, --control"),
-        (["--log-requests", "traffic"], "--log-requests"),
+        (["--retrain-min-logged", "5"], "--retrain-min-logged"),
         (["--drift-sustain", "5", "--max-batch", "8"], "--drift-sustain, --max-batch"),
     ],
 )
@@ -114,6 +114,13 @@ def test_language_model_options_on_an_image_server_exit_2_naming_them(capsys, im
     code, _, err = runyard(capsys, "serve", str(image_export), *extra)
     assert code == 2, err
     assert f"cannot act on {flags} " in err and str(image_export) in err
+
+
+def test_retraining_a_table_or_image_server_is_refused_because_its_inputs_have_no_labels(capsys, image_export):
+    code, _, err = runyard(capsys, "serve", str(image_export), "--retrain-spec", "spec.yaml", "--control",
+                           "http://127.0.0.1:9", "--log-requests", "traffic")
+    assert code == 2 and "--log-requests" not in err.split("(")[0]  # logging is accepted, retraining is not
+    assert "logged rows and images carry no labels" in err
 
 
 def test_a_bad_false_alarm_rate_is_a_usage_error(capsys, export):

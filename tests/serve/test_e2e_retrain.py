@@ -1,6 +1,7 @@
 """End to end: train a model, serve it with request logging and retraining wired to a real control
 plane; traffic of the training kind submits nothing, a switch to another kind of text records a drift
-event and submits one retraining job, which runs on the logged traffic."""
+event and submits one retraining job, which runs on the logged traffic: the spec's prose filter
+(`min_words: 50`) stays on its corpus, and the logged prompts, cleaned by the traffic filters, are used."""
 
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ def control(tmp_path):
 @pytest.fixture
 def trained(tmp_path):
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(merge(TINY_SPEC, {"name": "served"})))
+    # The prose filter of a documentation corpus: no logged prompt has 50 words.
+    spec.write_text(yaml.safe_dump(merge(TINY_SPEC, {"name": "served", "data": {"filters": {"min_words": 50}}})))
     run_dir = tmp_path / "run"
     runyard("run", str(spec), "--run-dir", str(run_dir), "--no-progress", check=True, timeout=600)
     return spec, run_dir
@@ -75,7 +77,8 @@ def test_shifted_traffic_submits_one_retraining_job_that_runs(tmp_path, trained,
     with open(tmp_path / "serve.log", "wb") as log:
         server = subprocess.Popen(
             [sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port), "--log-requests", str(traffic),
-             "--retrain-spec", str(spec), "--control", control_url, "--drift-sustain", "10"],
+             "--retrain-spec", str(spec), "--control", control_url, "--drift-sustain", "10",
+             "--retrain-min-logged", "30"],
             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
         )
     try:
@@ -122,7 +125,9 @@ def test_shifted_traffic_submits_one_retraining_job_that_runs(tmp_path, trained,
             assert time.monotonic() < deadline, "the event never submitted its retraining job"
             time.sleep(0.1)
             event = http.get("/v1/drift").json()["events"][0]
-        assert "error" not in event["retrain"], event["retrain"]
+        assert event["retrain"]["submitted"], event["retrain"]
+        usable = event["retrain"]["traffic"]["records_usable"]
+        assert usable >= 30 and status["retrain_policy"]["min_logged_records"] == 30
         [job_id] = event["retrain"]["jobs"]
         send(shifted[sent + 5 : sent + 30])  # drift goes on: no second job
         assert [j["id"] for j in client.jobs()] == [job_id]
@@ -130,13 +135,18 @@ def test_shifted_traffic_submits_one_retraining_job_that_runs(tmp_path, trained,
         # The job's data includes the logged traffic, and it runs to the end.
         derived = load_spec(event["retrain"]["spec"])
         assert derived.data.sources[-1].path == str(traffic.resolve() / "*.jsonl")
-        assert derived.data.sources[-1].format == "jsonl"
+        assert derived.data.sources[-1].format == "jsonl" and derived.data.sources[-1].kind == "traffic"
+        assert derived.data.filters.min_words == 50  # the corpus keeps its prose filter
         final = client.wait(job_id, timeout_s=600, poll_s=1)
         assert final["state"] == "succeeded", client.logs(job_id)["text"][-3000:]
         base = json.loads((run_dir / "data" / "report.json").read_text())
         report = json.loads((Path(final["run_dir"]) / "data" / "report.json").read_text())
         # One sealed traffic segment beside the training files (the log is sealed when the job is submitted).
         assert report["input_files"] == base["input_files"] + 1
+        # The logged prompts were used, not filtered out: counted as read, used and removed per reason.
+        traffic_report = report["traffic"]
+        assert traffic_report["records_read"] >= usable and 0 < traffic_report["records_used"] <= usable
+        assert sum(traffic_report["removed"].values()) == traffic_report["records_read"] - traffic_report["records_used"]
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(30)

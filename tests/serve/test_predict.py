@@ -28,6 +28,7 @@ from runyard.serve.predict_export import (
     image_drift_features,
     load_predictor,
 )
+from runyard.serve.request_log import PredictLog
 from runyard.spec.job import parse_spec
 from runyard.system.http_thread import AppThread
 from runyard.train.tabular_stage import table_facts
@@ -184,8 +185,13 @@ def test_an_image_model_takes_pixel_arrays_and_png_bytes(tmp_path):
     assert predictor.record["onnx"]["written"] and predictor.record["onnx"]["matches"]
     buffer = io.BytesIO()
     Image.fromarray((pixels[0, 0] * 255).round().astype(np.uint8)).save(buffer, "PNG")
-    with AppThread(create_predict_app(predictor, "img"), lifespan="off") as srv, httpx.Client(base_url=srv.url) as client:
+    images = PredictLog(tmp_path / "images", KIND_IMAGE, predictor.schema)
+    with AppThread(create_predict_app(predictor, "img", input_log=images), lifespan="off") as srv, \
+            httpx.Client(base_url=srv.url) as client:
         body = client.post("/v1/predict", json={"images": pixels[:3, 0].tolist()}).json()  # [H, W] for one channel
+        [kept] = (tmp_path / "images").glob("images-*.npz")  # the batch as the model took it, keyed by the request
+        with np.load(kept) as logged:
+            assert np.allclose(logged["images"], pixels[:3]) and list(logged["ids"]) == [body["id"]] * 3
         got = np.array([[p["probabilities"][c] for c in ("a", "b", "c")] for p in body["predictions"]])
         assert np.allclose(got, expected[:3], atol=1e-12)
         png = client.post("/v1/predict", json={"images_base64": [base64.b64encode(buffer.getvalue()).decode()]})
@@ -194,3 +200,25 @@ def test_an_image_model_takes_pixel_arrays_and_png_bytes(tmp_path):
         assert wrong.status_code == 422 and "images[0]: shape [1, 5, 6]; the model takes [1, 6, 6]" in wrong.json()["error"]["message"]
         bright = client.post("/v1/predict", json={"images": [np.full((6, 6), 2.0).tolist()]})
         assert bright.status_code == 422 and "in [0, 1]" in bright.json()["error"]["message"]
+
+
+def test_logged_rows_keep_the_schema_are_bounded_and_cannot_retrain(table_export, tmp_path):
+    export, prepared, _ = table_export
+    predictor = load_predictor(export)
+    log = PredictLog(tmp_path / "rows", KIND_TABLE, predictor.schema, max_inputs=5)
+    rows = rows_of(prepared, prepared.test, 6)
+    rows[0]["city"] = "jane.doe@gmail.com"  # an unseen category is answered, and scrubbed before it is kept
+    with AppThread(create_predict_app(predictor, "shop", input_log=log), lifespan="off") as srv, \
+            httpx.Client(base_url=srv.url) as client:
+        first = client.post("/v1/predict", json={"rows": rows[:3]}).json()
+        assert client.post("/v1/predict", json={"rows": [{"age": "old"}]}).status_code == 422  # refused: not kept
+        client.post("/v1/predict", json={"rows": rows[3:]})  # 3 more would pass the bound of 5: dropped, counted
+        status = client.get("/v1/drift").json()["input_log"]
+    log.close()
+    assert status["inputs_logged"] == 3 and status["inputs_dropped"] == 3
+    assert status["retraining"].startswith("not available: logged rows and images carry no labels")
+    records = [json.loads(line) for path in sorted((tmp_path / "rows").glob("*.jsonl"))
+               for line in path.read_text().splitlines()]
+    assert [(r["id"], r["row"]) for r in records] == [(first["id"], 0), (first["id"], 1), (first["id"], 2)]
+    assert records[0]["features"]["city"] == "<EMAIL>" and records[1]["features"] == rows[1]
+    assert json.loads((tmp_path / "rows" / "schema.json").read_text()) == predictor.schema

@@ -11,6 +11,8 @@ from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.predict import serve_predictor
 from runyard.serve.predict_export import is_predict_export
+from runyard.serve.request_log import NO_LABELS
+from runyard.serve.retrain import DEFAULT_MIN_LOGGED
 from runyard.serve.server import ServeOptions, serve_export
 
 DESCRIPTION = """\
@@ -27,10 +29,12 @@ control plane. --engine vllm hands the export to vLLM instead (a GPU and a Huggi
 A table or image model's export is served at POST /v1/predict instead ({"rows": [...]} or
 {"images": [...]}, validated against its feature schema: a missing or mistyped feature is a 422 naming
 it), with GET /v1/schema, /v1/drift (PSI per numeric feature, JS divergence per categorical one),
-/v1/models, /healthz and /metrics. Drift is judged at --drift-false-alarm-rate for every family. The
-language-model-only options (--log-requests, --retrain-spec, --control, --drift-sustain,
+/v1/models, /healthz and /metrics. Drift is judged at --drift-false-alarm-rate for every family.
+--log-requests keeps its rows (JSONL with the feature schema) or images (.npz) in DIR, bounded. The
+language-model-only options (--retrain-spec, --control, --retrain-min-logged, --drift-sustain,
 --drift-check-every, --drift-warmup, --engine vllm, the batching options) are refused for a table or
-image export (exit 2 naming the option), not ignored.
+image export (exit 2 naming the option), not ignored: logged rows and images carry no labels, so
+there is nothing to retrain a supervised model on.
 """
 
 
@@ -79,7 +83,8 @@ def register(verbs: argparse._SubParsersAction) -> None:
     g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
     d = p.add_argument_group("traffic, drift and retraining")
     d.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
-                   help="keep every prompt, PII-scrubbed, as JSONL segments in DIR (a data-stage source)")
+                   help="keep every prompt, PII-scrubbed, as JSONL segments in DIR (a data-stage source); a table or "
+                   "image server keeps its rows or images there")
     d.add_argument("--drift-sustain", type=int, default=20, metavar="N",
                    help="drift must stay past its threshold for N requests to be an event (default 20)")
     d.add_argument("--drift-check-every", type=_positive, default=5, metavar="N",
@@ -92,6 +97,9 @@ def register(verbs: argparse._SubParsersAction) -> None:
                    help="judge no drift before N requests (default 50; a smoke test is not judged)")
     d.add_argument("--retrain-spec", type=Path, default=None, metavar="SPEC",
                    help="on a drift event, submit SPEC plus the logged traffic as a retraining job")
+    d.add_argument("--retrain-min-logged", type=int, default=DEFAULT_MIN_LOGGED, metavar="N",
+                   help="submit no retraining whose data would hold fewer than N logged records after the traffic "
+                   "filters and exact-repeat removal (default %(default)s); the drift event records why")
     d.add_argument("--control", default=None, metavar="STATE_DIR|URL",
                    help="the control plane to submit retraining to: its state directory (address and API token "
                    "are read there), or its URL with the token in $RUNYARD_CONTROL_TOKEN")
@@ -100,7 +108,7 @@ def register(verbs: argparse._SubParsersAction) -> None:
 
 # Options only a language-model server acts on: given to a table or image server with a value other
 # than their default they are an error, not silently dropped.
-LANGUAGE_ONLY = ("log_requests", "retrain_spec", "control", "drift_sustain", "drift_check_every", "drift_warmup",
+LANGUAGE_ONLY = ("retrain_spec", "retrain_min_logged", "control", "drift_sustain", "drift_check_every", "drift_warmup",
                  "engine", "kv_cache_mb", "max_batch", "max_queue", "max_prefill_tokens", "compile",
                  "tensor_parallel_size")
 
@@ -117,10 +125,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if is_predict_export(export_dir):  # a table or image model: POST /v1/predict (serve/predict.py)
         refused = _language_only_options(args)
         if refused:
+            why = ("language-model options: a predict server has no retraining or batching"
+                   + (f"; {NO_LABELS}" if args.retrain_spec is not None else ""))
             raise ServeConfigError(f"{export_dir} is a table or image model, which cannot act on {', '.join(refused)} "
-                                   "(language-model options: a predict server has no request log, retraining or batching)")
+                                   f"({why})")
         serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device,
-                        false_alarm_rate=args.drift_false_alarm_rate)
+                        false_alarm_rate=args.drift_false_alarm_rate, log_requests=args.log_requests)
         return 0
     serve_export(
         export_dir,
@@ -142,6 +152,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drift_sustain_requests=args.drift_sustain,
             drift_false_alarm_rate=args.drift_false_alarm_rate,
             drift_warmup=args.drift_warmup,
+            retrain_min_logged=args.retrain_min_logged,
             tensor_parallel_size=args.tensor_parallel_size,
         ),
     )

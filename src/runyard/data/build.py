@@ -24,7 +24,17 @@ from typing import Any
 import numpy as np
 
 from runyard.data.budget import MemoryBudget, release_freed_memory
-from runyard.data.corpus import Corpus, corpus_stats, held_out_documents, split_corpus, training_texts
+from runyard.data.corpus import (
+    EXACT_DUP,
+    HELDOUT,
+    NEAR_DUP,
+    REMOVED,
+    Corpus,
+    corpus_stats,
+    held_out_documents,
+    split_corpus,
+    training_texts,
+)
 from runyard.data.dedup_external import exact_dedup, near_dedup
 from runyard.data.shards import document_lengths
 from runyard.data.split import SPLIT_METHOD
@@ -197,6 +207,10 @@ def build_dataset(
 
     stats = _stats(spec, seed, fp, n_files, totals, dedup, corpus, held, split_totals, tok_source, vocab, eos,
                    timings, cpu)
+    stats["sources"] = source_tallies(spec, corpus, metas)
+    traffic = traffic_summary(stats["sources"])
+    if traffic is not None:
+        stats["traffic"] = traffic
     meta = {
         "fingerprint": fp,
         "vocab_size": vocab,
@@ -218,6 +232,70 @@ def build_dataset(
     }
     atomic_write_json(dataset_dir / "prepared.json", meta)  # last: its presence marks the dataset complete
     shutil.rmtree(work, ignore_errors=True)
+
+
+def source_tallies(spec: DataSpec, corpus: Corpus, metas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per source: its documents read, removed by its filters (per reason, with samples when the source has
+    its own filters), removed as exact or near duplicates, and used (train and held-out). Each part's files
+    wrote their kept documents in order, so a part's documents map to sources by the files' counts."""
+    out = [
+        {"source": i, "path": s.path, "kind": s.kind, "own_filters": s.filters is not None,
+         "filters": s.filters.model_dump(mode="json") if s.filters is not None else None,
+         "read": 0, "removed": Counter(), "removal_samples": {}, "exact_duplicates": 0, "near_duplicates": 0,
+         "train": 0, "heldout": 0}
+        for i, s in enumerate(spec.sources)
+    ]
+    for p, meta in enumerate(metas):
+        for i, c in meta.get("per_source", {}).items():
+            row = out[int(i)]
+            row["read"] += c["read"]
+            row["removed"].update(c["removed"])
+            own = spec.sources[int(i)].filters
+            for reason, samples in c["samples"].items():
+                kept = row["removal_samples"].setdefault(reason, [])
+                kept.extend(samples[: max(0, (own.samples_per_reason if own else 0) - len(kept))])
+        files = meta["files"]
+        if not all("documents" in f for f in files):
+            continue  # a part cleaned before per-file counts were kept
+        owner = np.repeat(np.array([f["source"] for f in files], dtype=np.int64),
+                          np.array([f["documents"] for f in files], dtype=np.int64))
+        flags = corpus.flags_of(p, 0, corpus.parts[p].n_docs)
+        if len(owner) != len(flags):
+            continue
+        for i in np.unique(owner):
+            f = flags[owner == i]
+            row = out[int(i)]
+            row["exact_duplicates"] += int(((f & EXACT_DUP) != 0).sum())
+            row["near_duplicates"] += int((((f & NEAR_DUP) != 0) & ((f & EXACT_DUP) == 0)).sum())
+            kept = (f & REMOVED) == 0
+            held = (f & HELDOUT) != 0
+            row["train"] += int((kept & ~held).sum())
+            row["heldout"] += int((kept & held).sum())
+    for row in out:
+        row["removed"] = dict(row["removed"])
+        row["used"] = row["train"] + row["heldout"]
+    return out
+
+
+def traffic_summary(sources: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The logged requests' fate, over every `kind: traffic` source: records read, used (train + held-out)
+    and removed, per reason (each filter rule, `exact_duplicate`, `near_duplicate`). None without one."""
+    rows = [r for r in sources if r["kind"] == "traffic"]
+    if not rows:
+        return None
+    removed: Counter = Counter()
+    for r in rows:
+        removed.update(r["removed"])
+        removed["exact_duplicate"] += r["exact_duplicates"]
+        removed["near_duplicate"] += r["near_duplicates"]
+    return {
+        "sources": [r["path"] for r in rows],
+        "records_read": sum(r["read"] for r in rows),
+        "records_used": sum(r["used"] for r in rows),
+        "records_train": sum(r["train"] for r in rows),
+        "records_heldout": sum(r["heldout"] for r in rows),
+        "removed": {k: v for k, v in sorted(removed.items()) if v},
+    }
 
 
 def write_held_out_list(corpus: Corpus, dataset_dir: Path, spec: DataSpec, seed: int) -> None:

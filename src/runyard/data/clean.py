@@ -94,27 +94,41 @@ def clean_part(files: list[InputFile], spec: DataSpec, out: Path, budget: Memory
         writer.add(batch.ids, encoded, chars, exact, sigs)
         batch.__init__()
 
+    # Per source: documents read, removed per reason and kept; a source with its own filters (a traffic
+    # source) is counted there alone, so data.filters' table names only removals by data.filters' bounds.
+    per_source: dict[int, dict[str, Any]] = {}
+    kept_per_file: list[int] = []
     try:
         for file in files:
             source = spec.sources[file.source]
+            filters = source.filters or spec.filters
+            pii_spec = source.pii or spec.pii
+            own = per_source.setdefault(file.source, {"read": 0, "kept": 0, "removed": Counter(), "samples": {}})
+            # removals by this source's own filters are reported with the source, not with data.filters'
+            into_removed, into_samples = (own["removed"], own["samples"]) if source.filters else (removed, samples)
             read_times[file.path] = time.time()
+            kept_here = 0
             for doc_id, raw in iter_file_documents(source, file, counts, limits):
                 counts["documents_read"] += 1
                 counts["chars_read"] += len(raw)
+                own["read"] += 1
                 text = normalize_text(raw, spec.normalize)
-                failed = check_document(text, spec.filters)
+                failed = check_document(text, filters)
                 if failed is not None:
-                    removed[failed.reason] += 1
-                    kept = samples.setdefault(failed.reason, [])
-                    if len(kept) < spec.filters.samples_per_reason:
+                    into_removed[failed.reason] += 1
+                    kept = into_samples.setdefault(failed.reason, [])
+                    if len(kept) < filters.samples_per_reason:
                         kept.append(failed.sample(doc_id, text[:SAMPLE_CHARS]))
                     continue
-                text = scrub_pii(text, spec.pii, pii, pii_samples)
+                text = scrub_pii(text, pii_spec, pii, pii_samples)
+                kept_here += 1
+                own["kept"] += 1
                 if batch.texts and batch.size + len(text) > budget.minhash_batch_bytes:
                     flush()  # a batch holds at most minhash_batch_bytes, or one larger document alone
                 batch.ids.append(doc_id)
                 batch.texts.append(text)
                 batch.size += len(text)
+            kept_per_file.append(kept_here)
         if batch.texts:
             flush()
         meta = {
@@ -123,10 +137,11 @@ def clean_part(files: list[InputFile], spec: DataSpec, out: Path, budget: Memory
             "pii": dict(pii),
             "samples": samples,
             "pii_samples": pii_samples,
+            "per_source": {str(i): {**c, "removed": dict(c["removed"])} for i, c in sorted(per_source.items())},
             "files": [
                 {"source": f.source, "path": f.path, "identity": f.identity, **asdict(limits.digests[f.path]),
-                 "read_at": read_times[f.path]}
-                for f in files
+                 "read_at": read_times[f.path], "documents": n}
+                for f, n in zip(files, kept_per_file, strict=True)
             ],
         }
         writer.commit(meta)

@@ -32,6 +32,7 @@ def markdown_report(stats: dict[str, Any]) -> str:
         "",
     ]
     lines += _removals_markdown(stats)
+    lines += _own_filters_markdown(stats)
     lines += _pii_markdown(stats)
     d = stats["dedup"]
     lines += [
@@ -116,6 +117,37 @@ def _removals_markdown(stats: dict[str, Any]) -> list[str]:
             snippet = _snippet(s["text"])
             lines.append(f"- `{s['id']}`: measured {s['value']}{tripped}  \n  `{snippet}`")
     return lines
+
+
+def _own_filters_markdown(stats: dict[str, Any]) -> list[str]:
+    """Sources cleaned with their own filters (a server's logged requests): what became of their records."""
+    rows = [r for r in stats.get("sources", []) if r.get("own_filters")]
+    if not rows:
+        return []
+    lines = ["", "## Sources with their own filters", ""]
+    traffic = stats.get("traffic")
+    if traffic:
+        reasons = ", ".join(f"{k} {v:,}" for k, v in traffic["removed"].items()) or "none"
+        lines += [f"Logged requests: {traffic['records_read']:,} read, {traffic['records_used']:,} used "
+                  f"({traffic['records_train']:,} train, {traffic['records_heldout']:,} held out); removed: {reasons}.", ""]
+    lines += ["| source | kind | read | removed by its filters | exact dup | near dup | used |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| `{r['path']}` | {r['kind']} | {r['read']:,} | {sum(r['removed'].values()):,} | "
+                     f"{r['exact_duplicates']:,} | {r['near_duplicates']:,} | {r['used']:,} |")
+    for r in rows:
+        bounds = {k: v for k, v in (r.get("filters") or {}).items() if v is not None and k in _BOUND_FIELDS}
+        for reason, n in sorted(r["removed"].items(), key=lambda x: -x[1]):
+            field, kind = RULE_BOUNDS.get(reason, (reason, "max"))
+            bound = bounds.get(field)
+            lines.append(f"- `{r['path']}`: {reason} (`data.sources[{r['source']}].filters.{field}`, "
+                         f"{'-' if bound is None else f'{kind} {bound}'}): {n:,}")
+            for sample in r["removal_samples"].get(reason, []):
+                lines.append(f"  - `{sample['id']}`: measured {sample['value']}  `{_snippet(sample['text'])}`")
+    return lines
+
+
+_BOUND_FIELDS = {field for field, _ in RULE_BOUNDS.values()}
 
 
 def _pii_markdown(stats: dict[str, Any]) -> list[str]:

@@ -47,3 +47,12 @@ class EngineUnavailable(ServeError):
 
 class RetrainError(ServeError):
     """A retraining submission could not be prepared or sent."""
+
+
+class RetrainRefused(RetrainError):
+    """A retraining not submitted by policy (too few logged records would be used); `traffic` holds the
+    counts that decided it."""
+
+    def __init__(self, message: str, traffic: dict):
+        super().__init__(message)
+        self.traffic = traffic

@@ -12,6 +12,10 @@ Routes:
   summary moved, and the drift events so far.
 - `GET /v1/models`, `GET /healthz`, `GET /metrics` (Prometheus).
 
+With `--log-requests DIR` every predicted row or image is also kept there (serve/request_log.py
+PredictLog: rows as JSONL with the feature schema, images as .npz, bounded), and each answer carries
+the request's `id`. Nothing retrains on them: they carry no labels (`/v1/drift` says so).
+
 The model runs in FastAPI's worker threads behind a lock (a prediction is short; the lock keeps LightGBM
 and torch from sharing one model across threads).
 """
@@ -21,6 +25,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +43,7 @@ from runyard.serve.feature_drift import FeatureDriftMonitor
 from runyard.serve.predict_export import KIND_TABLE, Predictor, image_drift_features, load_predictor
 from runyard.serve.predict_inputs import InputProblems, image_batch, table_rows
 from runyard.serve.protocol import check_content_type, check_unicode
+from runyard.serve.request_log import PredictLog
 from runyard.serve.responses import error_body
 
 MAX_BODY_BYTES = 16 * 1024 * 1024
@@ -71,8 +77,9 @@ def _answers(predictor: Predictor, output: np.ndarray) -> list[dict[str, Any]]:
 
 
 def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: int = MAX_BODY_BYTES,
-                       drift_window: int = 1000, false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> FastAPI:
-    """The FastAPI app serving `predictor` under `model_name`."""
+                       drift_window: int = 1000, false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE,
+                       input_log: PredictLog | None = None) -> FastAPI:
+    """The FastAPI app serving `predictor` under `model_name`; `input_log` keeps what it predicted."""
     app = FastAPI(title="runyard predict", description=f"POST /v1/predict for a {predictor.kind} model ({predictor.task})")
     monitor = None
     if predictor.reference:
@@ -123,8 +130,14 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
             output = predictor.predict_matrix(matrix)
         if monitor is not None:
             monitor.observe(drift_inputs, unseen)
-        return {"object": "prediction", "model": model_name, "predictions": _answers(predictor, output),
-                **({"unseen_categories": unseen} if unseen else {})}
+        request_id = f"pred-{uuid.uuid4().hex}"
+        if input_log is not None:  # only inputs the schema accepted: a refused request is not data
+            if predictor.kind == KIND_TABLE:
+                input_log.log_rows(request_id, rows)
+            else:
+                input_log.log_images(request_id, matrix)
+        return {"id": request_id, "object": "prediction", "model": model_name,
+                "predictions": _answers(predictor, output), **({"unseen_categories": unseen} if unseen else {})}
 
     @app.post("/v1/predict")
     async def predict(request: Request):
@@ -154,9 +167,10 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
 
     @app.get("/v1/drift")
     async def drift() -> dict[str, Any]:
+        logged = {"input_log": input_log.status() if input_log is not None else None}
         if monitor is None:
-            return {"enabled": False, "reason": "the export has no feature_drift.json"}
-        return {"enabled": True, **monitor.status()}
+            return {"enabled": False, "reason": "the export has no feature_drift.json", **logged}
+        return {"enabled": True, **monitor.status(), **logged}
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -175,9 +189,15 @@ def create_predict_app(predictor: Predictor, model_name: str, max_body_bytes: in
 
 
 def serve_predictor(export_dir: Path, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-                    device: str = "cpu", false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE) -> None:
-    """Load a table or image export and serve it until interrupted."""
+                    device: str = "cpu", false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE,
+                    log_requests: Path | None = None) -> None:
+    """Load a table or image export and serve it until interrupted (logging its inputs to `log_requests`)."""
     predictor = load_predictor(export_dir, device=device)
     name = model_name or predictor.record.get("extra", {}).get("run_name") or Path(export_dir).resolve().parent.name
-    app = create_predict_app(predictor, name, false_alarm_rate=false_alarm_rate)
-    uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    input_log = PredictLog(log_requests, predictor.kind, predictor.schema) if log_requests is not None else None
+    app = create_predict_app(predictor, name, false_alarm_rate=false_alarm_rate, input_log=input_log)
+    try:
+        uvicorn.run(app, host=host, port=port, log_level="info", access_log=False)
+    finally:
+        if input_log is not None:
+            input_log.close()  # seal the open segment

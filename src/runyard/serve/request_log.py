@@ -12,6 +12,7 @@ one's `.part` file.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import threading
@@ -20,9 +21,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from runyard.data.pii import scrub_pii
-from runyard.spec.data import PiiSpec
-from runyard.system.files import fsync_dir, fsync_file
+from runyard.spec.data import TRAFFIC_FILTERS, PiiSpec
+from runyard.system.files import atomic_write_bytes, atomic_write_text, fsync_dir, fsync_file
 
 SEGMENT_GLOB = "*.jsonl"
 PART_SUFFIX = ".part"
@@ -56,13 +59,21 @@ class RequestLog:
         self._recover()
 
     def source(self) -> dict[str, Any]:
-        """This directory as a data-stage source (a job spec's `data.sources` entry)."""
-        return {"path": str(self.directory.resolve() / SEGMENT_GLOB), "format": "jsonl", "text_field": "text"}
+        """This directory as a data-stage source (a job spec's `data.sources` entry): `kind: traffic`,
+        cleaned with the request filters (spec/data.py TRAFFIC_FILTERS), written out so the derived spec
+        shows them."""
+        return {"path": str(self.directory.resolve() / SEGMENT_GLOB), "format": "jsonl", "text_field": "text",
+                "kind": "traffic", "filters": dict(TRAFFIC_FILTERS)}
 
     def append(self, text: str) -> None:
         counts: Counter = Counter()
         clean = scrub_pii(text, self.pii, counts)
-        line = json.dumps({"text": clean, "time": round(time.time(), 3)}, ensure_ascii=False) + "\n"
+        self.append_record({"text": clean, "time": round(time.time(), 3)}, counts)
+
+    def append_record(self, record: dict[str, Any], scrubbed: Counter | None = None) -> None:
+        """One JSON line, already scrubbed by the caller (`scrubbed`: what its scrubbing replaced)."""
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        counts = scrubbed or Counter()
         with self._lock:
             if self._file is None:
                 self._open()
@@ -118,7 +129,7 @@ class RequestLog:
                     record = json.loads(line)
                 except (json.JSONDecodeError, UnicodeDecodeError):
                     continue  # the torn last line of a killed writer
-                if isinstance(record, dict) and isinstance(record.get("text"), str):
+                if isinstance(record, dict) and (isinstance(record.get("text"), str) or "features" in record):
                     good.append(line + b"\n")
             if good:
                 target = part.with_suffix("")
@@ -128,3 +139,64 @@ class RequestLog:
                 os.replace(tmp, target)
             part.unlink()
             fsync_dir(self.directory)
+
+
+ROWS_SCHEMA_FILE = "schema.json"
+IMAGE_PREFIX = "images-"
+NO_LABELS = ("logged rows and images carry no labels, so a supervised model cannot be retrained on them: "
+             "runyard has no way yet to attach labels to logged inputs (such as a /v1/feedback route keyed by "
+             "request id), so --retrain-spec is refused on a table or image server")
+
+
+class PredictLog:
+    """What a table or image server was asked to predict, kept in `directory` up to `max_inputs` inputs
+    (past that, counted and dropped). Rows: JSONL segments sealed as RequestLog's are, one line a row
+    `{"id": request id, "row": index in the request, "time", "features": {name: value as posted}}`, string
+    values PII-scrubbed, with the feature schema in `schema.json` beside them. Images: one `.npz` per
+    request (`images`: the batch as the model took it, float32 [n, channels, height, width]; `ids`)."""
+
+    def __init__(self, directory: Path, kind: str, schema: dict[str, Any], max_inputs: int = 100_000,
+                 pii: PiiSpec | None = None):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.kind, self.max_inputs = kind, max_inputs
+        self.pii = pii or PiiSpec(enabled=True)
+        self.logged = self.dropped = 0
+        self._lock = threading.Lock()
+        self._requests = 0
+        atomic_write_text(self.directory / ROWS_SCHEMA_FILE, json.dumps(schema, indent=1) + "\n")
+        self.rows = RequestLog(self.directory) if kind == "table" else None
+
+    def _room(self, n: int) -> bool:
+        with self._lock:
+            if self.logged + n > self.max_inputs:
+                self.dropped += n
+                return False
+            self.logged += n
+            self._requests += 1
+            return True
+
+    def log_rows(self, request_id: str, rows: list[dict[str, Any]]) -> None:
+        if not self._room(len(rows)):
+            return
+        now = round(time.time(), 3)
+        for i, row in enumerate(rows):
+            counts: Counter = Counter()
+            features = {k: scrub_pii(v, self.pii, counts) if isinstance(v, str) else v for k, v in row.items()}
+            self.rows.append_record({"id": request_id, "row": i, "time": now, "features": features}, counts)
+
+    def log_images(self, request_id: str, images: np.ndarray) -> None:
+        if not self._room(len(images)):
+            return
+        buf = io.BytesIO()
+        np.savez(buf, images=np.asarray(images, dtype=np.float32), ids=np.array([request_id] * len(images)))
+        name = f"{IMAGE_PREFIX}{time.strftime('%Y%m%dT%H%M%S')}-{os.getpid()}-{self._requests:06d}.npz"
+        atomic_write_bytes(self.directory / name, buf.getvalue())
+
+    def status(self) -> dict[str, Any]:
+        return {"directory": str(self.directory), "kind": self.kind, "inputs_logged": self.logged,
+                "inputs_dropped": self.dropped, "max_inputs": self.max_inputs, "retraining": f"not available: {NO_LABELS}"}
+
+    def close(self) -> None:
+        if self.rows is not None:
+            self.rows.close()

@@ -24,7 +24,7 @@ from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE, DriftMonitor, DriftRef
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
-from runyard.serve.retrain import Retrainer, read_spec_mapping
+from runyard.serve.retrain import DEFAULT_MIN_LOGGED, Retrainer, read_spec_mapping
 from runyard.serve.scheduler import SchedulerConfig
 from runyard.serve.vllm_engine import VllmEngine
 from runyard.serve.watch import TrafficWatch
@@ -53,6 +53,7 @@ class ServeOptions:
     drift_sustain_requests: int = 20
     drift_false_alarm_rate: float = DEFAULT_FALSE_ALARM_RATE
     drift_warmup: int = 50
+    retrain_min_logged: int = DEFAULT_MIN_LOGGED
     tensor_parallel_size: int = 1
 
 
@@ -83,6 +84,8 @@ def check_options(export_dir: Path, options: ServeOptions) -> None:
         raise ServeConfigError(f"--drift-false-alarm-rate must be in (0, 0.5), got {options.drift_false_alarm_rate}")
     if options.drift_warmup < 0:
         raise ServeConfigError(f"--drift-warmup must be >= 0, got {options.drift_warmup}")
+    if options.retrain_min_logged < 0:
+        raise ServeConfigError(f"--retrain-min-logged must be >= 0, got {options.retrain_min_logged}")
 
 
 def build_engine(export_dir: Path, options: ServeOptions):
@@ -139,7 +142,8 @@ def build_watch(export_dir: Path, options: ServeOptions, engine=None) -> Traffic
     request_log = RequestLog(options.log_requests) if options.log_requests is not None else None
     retrainer = None
     if options.retrain_spec is not None:
-        retrainer = Retrainer(options.retrain_spec, options.control_url, export_dir, request_log)
+        retrainer = Retrainer(options.retrain_spec, options.control_url, export_dir, request_log,
+                              min_logged=options.retrain_min_logged)
     if monitor is None and request_log is None:
         return None
     return TrafficWatch(

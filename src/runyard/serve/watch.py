@@ -6,8 +6,10 @@ prompts the monitor is judged (each judgement at the monitor's stated false-alar
 drift that stays past its threshold on every judgement across
 `sustain_requests` prompts is a **drift event**: logged, listed in `/v1/drift`, and, when a
 retrainer is configured, answered by one retraining job on the control plane (at most
-`max_retrains` per server; later events are recorded but submit nothing). Drift that clears re-arms
-the event.
+`max_retrains` per server; later events are recorded but submit nothing). A retraining refused by
+policy (too few usable logged records, serve/retrain.py) is recorded as the event's outcome, with the
+counts, and is tried again while the event lasts, each time the log has grown by a tenth of the minimum.
+Drift that clears re-arms the event.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import asdict
 from typing import Any
 
 from runyard.serve.drift import DriftMonitor, DriftReport
-from runyard.serve.errors import RetrainError
+from runyard.serve.errors import RetrainError, RetrainRefused
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import Retrainer
 
@@ -72,6 +74,7 @@ class TrafficWatch:
         self._last: DriftReport | None = None
         self._drift_since: int | None = None
         self._in_event = False
+        self._retry_at: int | None = None  # logged records at which a refused retraining is tried again
         self._queue: queue.Queue[tuple[str, list[int]] | None] = queue.Queue(maxsize=MAX_PENDING)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="runyard-watch", daemon=True)
@@ -122,6 +125,7 @@ class TrafficWatch:
                 "events": events,
                 "logged_requests": self.request_log.records if self.request_log else None,
                 "retraining": self.retrainer is not None,
+                "retrain_policy": self.retrainer.policy() if self.retrainer else None,
             }
         if report is not None:
             out.update(_judgement(report))
@@ -165,8 +169,14 @@ class TrafficWatch:
                     self._in_event = True
                     event = self._event(report, seen)
                     self.events.append(event)
+            retry = (event is None and self._in_event and self._retry_at is not None and self.request_log is not None
+                     and self.request_log.records >= self._retry_at)
+            if not self._in_event:
+                self._retry_at = None
         if event is not None:
             self._act(event)
+        elif retry:
+            self._submit(self.events[-1])
 
     def _event(self, report: DriftReport, seen: int) -> dict[str, Any]:
         return {
@@ -185,13 +195,24 @@ class TrafficWatch:
             event["drift_since_request"], event["token_js"], event["token_js_threshold"], event["window_requests"],
             event["false_alarm_rate"], moved or "none",
         )
+        self._submit(event)
+
+    def _submit(self, event: dict[str, Any]) -> None:
+        """Submit the event's retraining, or record why not (its outcome in `event["retrain"]`)."""
         if self.retrainer is None or self.retrains >= self.max_retrains:
             return
-        self.retrains += 1
+        retry_at = None
         try:
             result = self.retrainer.submit()
+            self.retrains += 1
+        except RetrainRefused as exc:  # by policy: not counted against max_retrains, tried again as the log grows
+            log.warning("drift: retraining %s", exc)
+            result = {"submitted": False, "reason": str(exc), "traffic": exc.traffic}
+            retry_at = self.request_log.records + max(1, self.retrainer.min_logged // 10) if self.request_log else None
         except RetrainError as exc:
+            self.retrains += 1
             log.error("drift: retraining not submitted: %s", exc)
-            result = {"error": str(exc)}
+            result = {"submitted": False, "error": str(exc)}
         with self._lock:
             event["retrain"] = result
+            self._retry_at = retry_at

@@ -20,37 +20,6 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class SourceSpec(_Strict):
-    """One input. `path` is a local path, a glob, or an fsspec URL. `{stdlib}` in it expands to the
-    running interpreter's standard library directory."""
-
-    path: str = Field(
-        description="a local file, a glob (`**` recurses) or an fsspec URL; `{stdlib}` expands to the "
-        "interpreter's standard library. `runyard plan` fails when it matches no file"
-    )
-    format: Literal["text", "jsonl", "parquet", "csv", "npz", "image_folder", "sklearn"] = Field(
-        default="text",
-        description="language models: `text` (each file is one document), `jsonl` (one document per line) or "
-        "`parquet` (one document per row). Tables: `csv` or `parquet` (one row per row). Images: `image_folder` "
-        "(path is a folder with a subfolder of PNG/JPEG files per class) or `npz`. Either: `sklearn` (path names "
-        "a data set scikit-learn ships: `breast_cancer`, `wine`, `iris`, `diabetes`, `digits`)",
-    )
-    text_field: str = Field(default="text", description="JSONL field / Parquet column holding the text")
-    exclude: list[str] = Field(
-        default_factory=list,
-        description="glob patterns of paths to leave out (`*` crosses '/', so `**/test/**` drops every "
-        "test directory)",
-    )
-    encoding_errors: Literal["replace", "skip"] = Field(
-        default="replace",
-        description="bytes that are not UTF-8: `replace` them with U+FFFD, or `skip` the document (both counted "
-        "in the data report)",
-    )
-    compression: Literal["infer", "none", "gzip", "zstd"] = Field(
-        default="infer", description="`infer` from the file name (.gz, .zst), or `none`, `gzip`, `zstd`"
-    )
-
-
 class TokenizerSpec(_Strict):
     """The tokenizer: a byte-level BPE trained on the training split (HF `tokenizers`), or one loaded
     from `path`."""
@@ -166,6 +135,70 @@ class PiiSpec(_Strict):
     samples_per_kind: int = Field(
         default=3, ge=0, le=100, description="replacements shown before/after in the data report per kind"
     )
+
+
+class SourceSpec(_Strict):
+    """One input. `path` is a local path, a glob, or an fsspec URL. `{stdlib}` in it expands to the
+    running interpreter's standard library directory."""
+
+    path: str = Field(
+        description="a local file, a glob (`**` recurses) or an fsspec URL; `{stdlib}` expands to the "
+        "interpreter's standard library. `runyard plan` fails when it matches no file"
+    )
+    format: Literal["text", "jsonl", "parquet", "csv", "npz", "image_folder", "sklearn"] = Field(
+        default="text",
+        description="language models: `text` (each file is one document), `jsonl` (one document per line) or "
+        "`parquet` (one document per row). Tables: `csv` or `parquet` (one row per row). Images: `image_folder` "
+        "(path is a folder with a subfolder of PNG/JPEG files per class) or `npz`. Either: `sklearn` (path names "
+        "a data set scikit-learn ships: `breast_cancer`, `wine`, `iris`, `diabetes`, `digits`)",
+    )
+    text_field: str = Field(default="text", description="JSONL field / Parquet column holding the text")
+    exclude: list[str] = Field(
+        default_factory=list,
+        description="glob patterns of paths to leave out (`*` crosses '/', so `**/test/**` drops every "
+        "test directory)",
+    )
+    encoding_errors: Literal["replace", "skip"] = Field(
+        default="replace",
+        description="bytes that are not UTF-8: `replace` them with U+FFFD, or `skip` the document (both counted "
+        "in the data report)",
+    )
+    compression: Literal["infer", "none", "gzip", "zstd"] = Field(
+        default="infer", description="`infer` from the file name (.gz, .zst), or `none`, `gzip`, `zstd`"
+    )
+    kind: Literal["documents", "traffic"] = Field(
+        default="documents",
+        description="`documents` (a corpus), or `traffic`: requests a server logged (`runyard serve "
+        "--log-requests`), which are not documents. A traffic source is cleaned with its own `filters` and "
+        "`pii` (by default: a floor of 3 words, nothing else of the prose rules, PII scrubbing on), and the data "
+        "report counts its records apart: read, removed per reason, duplicates, used",
+    )
+    filters: FilterSpec | None = Field(
+        default=None,
+        description="quality filters for this source's documents in place of `data.filters` (null: "
+        "`data.filters`; a `traffic` source: the request filters)",
+    )
+    pii: PiiSpec | None = Field(
+        default=None,
+        description="PII scrubbing for this source's documents in place of `data.pii` (null: `data.pii`; a "
+        "`traffic` source: scrubbing on)",
+    )
+
+    @model_validator(mode="after")
+    def _traffic_defaults(self) -> SourceSpec:
+        if self.kind == "traffic":
+            if self.format not in ("jsonl", "text", "parquet"):
+                raise ValueError(f"a traffic source is text: format jsonl, text or parquet, not {self.format!r}")
+            if self.filters is None:
+                self.filters = FilterSpec(**TRAFFIC_FILTERS)
+            if self.pii is None:
+                self.pii = PiiSpec(enabled=True)
+        return self
+
+
+# What a logged request must pass by default: a prompt is short and often repeated (exact duplicates are
+# removed by data.dedup), so of the document rules only a floor of a few words applies.
+TRAFFIC_FILTERS = {"min_words": 3, "max_duplicate_line_fraction": None}
 
 
 class DedupSpec(_Strict):
