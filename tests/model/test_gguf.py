@@ -19,7 +19,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from runyard.cli import main
 from runyard.model.config import ModelConfig
-from runyard.model.hf.export import export_model
+from runyard.model.hf.export import export_eos_ids, export_model, load_export
 from runyard.model.hf.gguf import TYPES, default_gguf_path, write_gguf
 from runyard.model.registry import ExportError
 from runyard.model.transformer import Transformer
@@ -257,7 +257,7 @@ def test_a_model_with_qkv_biases_is_refused(tmp_path, tokenizer_path, tokenizer)
 # llama.cpp itself -------------------------------------------------------------------------------------------
 
 HELD_OUT = "import os\nfor i in range(3):\n    print(os.path.join('a', str(i)))  # done\n"
-PROMPTS = ["def add(", "import os\n", "for i in range(", "class Thing"]
+PROMPTS = ["def add(", "import os\n", "for i in range(", "class Thing", "    print(i)  # café ✓\n"]
 
 
 def _llama_cpp():
@@ -291,7 +291,7 @@ def trained(tmp_path_factory, tokenizer_path):
     model.eval()
     export = export_model(model, cfg, tokenizer_path, tmp_path_factory.mktemp("trained") / "export")
     files = {name: write_gguf(export, export.parent / f"m.{name}.gguf", name) for name in ("f32", "q8_0")}
-    return model, tok, files
+    return export, files
 
 
 def _nll(logits: np.ndarray, targets: list[int]) -> float:
@@ -303,11 +303,12 @@ def _nll(logits: np.ndarray, targets: list[int]) -> float:
 
 def test_llama_cpp_continues_greedily_as_runyard_does_and_q8_0_perplexity_stays_near_f32(trained):
     llama_cpp = _llama_cpp()
-    model, tok, files = trained
+    export, files = trained
+    model, _cfg, tok = load_export(export)  # what `runyard generate` runs
     llms = {name: llama_cpp.Llama(model_path=str(path), n_ctx=64, n_threads=1, n_batch=64, logits_all=True,
                                   verbose=False, seed=0) for name, path in files.items()}
     llm = llms["f32"]
-    generator = Generator(model, tok)
+    generator = Generator(model, tok, eos_ids=export_eos_ids(export, tok))
     for prompt in PROMPTS:
         ids = tok.encode(prompt).ids
         assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids, prompt
