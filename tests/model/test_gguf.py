@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import sysconfig
 from pathlib import Path
 
 import gguf
@@ -256,8 +257,8 @@ def test_a_model_with_qkv_biases_is_refused(tmp_path, tokenizer_path, tokenizer)
 
 # llama.cpp itself -------------------------------------------------------------------------------------------
 
-HELD_OUT = "import os\nfor i in range(3):\n    print(os.path.join('a', str(i)))  # done\n"
-PROMPTS = ["def add(", "import os\n", "for i in range(", "class Thing", "    print(i)  # café ✓\n"]
+STDLIB = Path(sysconfig.get_paths()["stdlib"])
+PROMPTS = ["def ", "import re\n", "class JSON", "    if ", "        return s  # café ✓\n"]
 
 
 def _llama_cpp():
@@ -270,17 +271,19 @@ def _llama_cpp():
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tokenizer_path):
-    """A small model trained on the fixture's texts until its continuations are not noise (seconds)."""
+    """A small model trained for a few seconds on the standard library's json package; held-out text comes
+    from its email package."""
     _llama_cpp()  # skip before training when there is no llama.cpp to compare with
     tok = Tokenizer.from_file(str(tokenizer_path))
     cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
                       ffn_hidden=128, context_length=64, tie_embeddings=True)
     torch.manual_seed(0)
     model = Transformer(cfg)
-    ids = torch.tensor([i for text in TEXTS for i in tok.encode(text + "<|endoftext|>").ids])
+    texts = [path.read_text(encoding="utf-8") for path in sorted((STDLIB / "json").glob("*.py"))]
+    ids = torch.tensor([i for text in texts for i in tok.encode(text + "<|endoftext|>").ids])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(0)
-    for _ in range(150):
+    for _ in range(200):
         starts = torch.randint(0, len(ids) - 33, (16,), generator=gen)
         batch = torch.stack([ids[s:s + 33] for s in starts])
         logits = model(batch[:, :-1])
@@ -309,6 +312,7 @@ def test_llama_cpp_continues_greedily_as_runyard_does_and_q8_0_perplexity_stays_
                                   verbose=False, seed=0) for name, path in files.items()}
     llm = llms["f32"]
     generator = Generator(model, tok, eos_ids=export_eos_ids(export, tok))
+    continued = set()
     for prompt in PROMPTS:
         ids = tok.encode(prompt).ids
         assert llm.tokenize(prompt.encode(), add_bos=False, special=True) == ids, prompt
@@ -320,16 +324,22 @@ def test_llama_cpp_continues_greedily_as_runyard_does_and_q8_0_perplexity_stays_
             theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval([theirs[-1]])
         assert theirs == ours, prompt
-        assert len(set(ours)) > 1  # a trained model, not one repeated token
+        continued.update(ours)
+    assert len(continued) > 10  # a trained model's continuations, not one repeated token
 
-    ids = tok.encode(HELD_OUT).ids
+    stream = tok.encode((STDLIB / "email" / "_parseaddr.py").read_text(encoding="utf-8")).ids
+    windows = [stream[i:i + 64] for i in range(0, 16 * 64, 64)]  # 16 windows of the model's context
     with torch.inference_mode():
-        runyard_nll = _nll(model(torch.tensor([ids]))[0, :-1].numpy(), ids[1:])
-    ppl = {"runyard": math.exp(runyard_nll)}
+        nll = {"runyard": np.mean([_nll(model(torch.tensor([w]))[0, :-1].numpy(), w[1:]) for w in windows])}
     for name, llm in llms.items():
-        llm.reset()
-        llm.eval(ids)
-        ppl[name] = math.exp(_nll(np.asarray(llm.scores[: len(ids) - 1]), ids[1:]))
-    print(f"held-out perplexity ({len(ids)} tokens): " + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()))
+        scores = []
+        for w in windows:
+            llm.reset()
+            llm.eval(w)
+            scores.append(_nll(np.asarray(llm.scores[: len(w) - 1]), w[1:]))
+        nll[name] = np.mean(scores)
+    ppl = {name: math.exp(value) for name, value in nll.items()}
+    print(f"held-out perplexity ({len(windows)} windows of 64 tokens): "
+          + ", ".join(f"{k} {v:.4f}" for k, v in ppl.items()))
     assert ppl["f32"] == pytest.approx(ppl["runyard"], rel=1e-4)
     assert ppl["q8_0"] == pytest.approx(ppl["f32"], rel=0.02)
