@@ -1,4 +1,4 @@
-"""Serving throughput and latency: runyard's server against HF transformers `generate` on the same weights.
+"""Serving throughput and latency: runyard's server against HF transformers `generate` and llama.cpp on the same weights.
 
 The workload is fixed: prompts cut from the stdlib's sources (16 to 96 tokens) with fixed output
 lengths, long-tailed as real completions are (16, 16, 16, 32, 32, 64, 128, 256 tokens in turn: mean 70,
@@ -15,13 +15,19 @@ end-of-text token, so every request generates exactly its output length on both 
   arrival order (what a server without batching does).
 - HF statically batched: whatever requests are waiting (up to 32) form one batch, left-padded, and
   run to the longest output in it; the next batch starts when it ends.
+- llama.cpp: the export written as GGUF f32 (`runyard export-gguf`), run by llama.cpp through
+  llama-cpp-python's low-level API in this process with the same threads: one context whose KV cache
+  holds a sequence per client, and a loop that does what llama.cpp's server does with parallel slots
+  (continuous batching): every step decodes one batch holding the next token of every running sequence
+  and the whole prompt of each newly admitted one, takes each sequence's greedy token from its logits,
+  and frees a finished sequence's cache at once. Measured where llama-cpp-python is installed.
 Both HF modes run in this process (no HTTP: the peer pays nothing for it), fp32, SDPA attention, the
 same number of torch threads as the server; token times come from a stopping-criteria hook called
 after every decoding step. Inter-token latency is reported per request as time per output token
 (TPOT: (last token - first token) / (tokens - 1)), the same way for both sides. Configurations run in interleaved order for `--repeats` rounds; figures
 are medians over rounds, with their spread (min..max). A GPU adds vLLM's figures on the same weights.
 
-Run: python benchmarks/serve_throughput.py   (needs `pip install -e .[bench]` for transformers)
+Run: python benchmarks/serve_throughput.py   (needs `pip install -e .[bench]` for transformers and llama-cpp-python)
 """
 
 from __future__ import annotations
@@ -56,11 +62,15 @@ from train_throughput import build_hf, copy_weights_to_hf  # noqa: E402  (a sibl
 from runyard.data.tokenizer import tokenizer_config_for
 from runyard.model.config import default_ffn_hidden
 from runyard.model.hf.export import export_model
+from runyard.model.hf.gguf import write_gguf
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.serve.batch_engine import BatchEngine, SeqEvent
 from runyard.serve.sampling import SamplingParams
 from runyard.system.http_thread import free_port
 
+# A special token runyard's export does not name (so both sides generate every requested token), named as
+# the end-of-sequence token only in the export the GGUF file is written from (GGUF needs one).
+GGUF_EOS = "<|bench-eos|>"
 # Long-tailed, as real completions are (most short, a few long): the waste static batching pays for.
 OUTPUT_LENGTHS = (16, 16, 16, 32, 32, 64, 128, 256)
 
@@ -97,13 +107,15 @@ class Result:
 
 
 def make_tokenizer(vocab: int) -> tuple[Tokenizer, list[str]]:
-    """A byte-level BPE tokenizer trained on stdlib sources (no end-of-text token), and those texts."""
+    """A byte-level BPE tokenizer trained on stdlib sources (no end-of-text token runyard or HF stops at), and
+    those texts."""
     std = sysconfig.get_paths()["stdlib"]
     texts = [Path(f).read_text(encoding="utf-8") for f in sorted(glob.glob(f"{std}/email/*.py") + glob.glob(f"{std}/json/*.py"))]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab, special_tokens=[GGUF_EOS],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     return tok, texts
 
 
@@ -332,6 +344,121 @@ def run_hf(model, workload: list[tuple[list[int], int]], clients: int, static: b
     return result
 
 
+# -- llama.cpp: continuous batching over one context's sequences ---------------------------------------
+
+
+def llama_cpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401  (optional: the bench extra builds it from source)
+    except ImportError:
+        return False
+    return True
+
+
+class LlamaCppEngine:
+    """A GGUF model in llama.cpp with a KV cache of `max_seqs` sequences of `context` tokens each, served
+    greedily by continuous batching (see the module docstring)."""
+
+    def __init__(self, path: Path, threads: int, max_seqs: int, context: int, max_batch_tokens: int = 2048):
+        import llama_cpp as lc  # optional extra (bench)
+
+        self.lc = lc
+        lc.llama_backend_init()
+        self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {path}")
+        params = lc.llama_context_default_params()
+        params.n_ctx = max_seqs * context
+        params.n_batch = params.n_ubatch = max_batch_tokens
+        params.n_seq_max = max_seqs
+        params.kv_unified = True  # one pool shared by the sequences, as runyard's slots share its budget
+        params.n_threads = params.n_threads_batch = threads
+        params.no_perf = True
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create its context")
+        self.memory = lc.llama_get_memory(self.ctx)
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.max_seqs, self.max_batch_tokens = max_seqs, max_batch_tokens
+        self.batch = lc.llama_batch_init(max_batch_tokens, 0, 1)
+
+    def close(self) -> None:
+        self.lc.llama_batch_free(self.batch)
+        self.lc.llama_free(self.ctx)
+        self.lc.llama_model_free(self.model)
+
+    def run(self, workload: list[tuple[list[int], int]], clients: int) -> Result:
+        """Closed-loop clients in threads (as for runyard's engine and HF); this thread runs the engine."""
+        result = Result()
+        requests: queue.Queue = queue.Queue()
+        pending = list(workload)
+        lock = threading.Lock()
+
+        def client() -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        return
+                    prompt, n = pending.pop(0)
+                done = threading.Event()
+                requests.put((prompt, n, time.perf_counter(), done))
+                done.wait()
+
+        threads = [threading.Thread(target=client, daemon=True) for _ in range(clients)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        free, running, served = list(range(self.max_seqs)), {}, 0
+        while served < len(workload):
+            while free and (not requests.empty() or not running):
+                prompt, n, arrived, done = requests.get()  # blocks only when nothing is running
+                running[free.pop()] = {"feed": list(prompt), "pos": 0, "n": n, "times": [], "arrived": arrived, "done": done}
+            rows = self._fill_batch(running)
+            if self.lc.llama_decode(self.ctx, self.batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            now = time.perf_counter()
+            for seq, row in rows:
+                state = running[seq]
+                logits = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, row), shape=(self.n_vocab,))
+                state["times"].append(now)
+                state["feed"] = [int(logits.argmax())]
+                if len(state["times"]) == state["n"]:
+                    times = state["times"]
+                    result.ttft_s.append(times[0] - state["arrived"])
+                    result.tpot_s.append((times[-1] - times[0]) / max(1, len(times) - 1))
+                    result.latency_s.append(times[-1] - state["arrived"])
+                    result.output_tokens += len(times)
+                    self.lc.llama_memory_seq_rm(self.memory, seq, -1, -1)  # free its cache now
+                    del running[seq]
+                    free.append(seq)
+                    served += 1
+                    state["done"].set()
+        result.wall_s = time.perf_counter() - start
+        for t in threads:
+            t.join()
+        return result
+
+    def _fill_batch(self, running: dict) -> list[tuple[int, int]]:
+        """Put every running sequence's pending tokens (its next token, or its prompt) into the batch, asking
+        for logits at each one's last; a prompt that does not fit waits for the next step. Returns
+        (sequence, batch row) of the rows with logits."""
+        b, k, rows = self.batch, 0, []
+        for seq, state in running.items():
+            feed = state["feed"]
+            if not feed or k + len(feed) > self.max_batch_tokens:
+                continue
+            for j, token in enumerate(feed):
+                b.token[k], b.pos[k], b.n_seq_id[k] = token, state["pos"] + j, 1
+                b.seq_id[k][0] = seq
+                b.logits[k] = j == len(feed) - 1
+                k += 1
+            rows.append((seq, k - 1))
+            state["pos"] += len(feed)
+            state["feed"] = []
+        b.n_tokens = k
+        return rows
+
+
 # -- vLLM (GPU only) ----------------------------------------------------------------------------------
 
 
@@ -370,7 +497,7 @@ def summary(runs: list[Result]) -> dict[str, tuple[float, float, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    report = Report("serve_throughput", args, packages=["transformers", "tokenizers"])
+    report = Report("serve_throughput", args, packages=["transformers", "tokenizers", "gguf", "llama_cpp_python"])
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks: stop the server
     import transformers  # optional extra (bench): the peer
 
@@ -400,6 +527,15 @@ def main(argv: list[str] | None = None) -> int:
         # No eos_token: every request generates exactly its output length (see make_tokenizer).
         tok_config = {k: v for k, v in tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
         export = export_model(ours, cfg, tok_path, Path(tmp) / "export", tokenizer_config=tok_config)
+        llama = None
+        if llama_cpp_available():
+            # The same weights as GGUF f32, from an export that differs only in naming an end-of-sequence token.
+            gguf_export = export_model(ours, cfg, tok_path, Path(tmp) / "export-gguf",
+                                       tokenizer_config={**tok_config, "eos_token": GGUF_EOS})
+            llama = LlamaCppEngine(write_gguf(gguf_export, Path(tmp) / "model.f32.gguf", "f32"), args.threads,
+                                   max_seqs=max(args.clients), context=cfg.context_length)
+        else:
+            print("llama.cpp: not measured (needs llama-cpp-python, in the bench extra)")
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
@@ -408,12 +544,15 @@ def main(argv: list[str] | None = None) -> int:
                 for clients in args.clients:
                     workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
                     modes = ["runyard http", "runyard engine", "hf one at a time", "hf static batch"]
-                    modes = modes[r % 4 :] + modes[: r % 4]  # interleaved: each round starts elsewhere
+                    modes += ["llama.cpp"] if llama is not None else []
+                    modes = modes[r % len(modes) :] + modes[: r % len(modes)]  # interleaved: each round starts elsewhere
                     for mode in modes:
                         if mode == "runyard http":
                             res = run_runyard(server.url, workload, clients)
                         elif mode == "runyard engine":
                             res = run_engine(engine, workload, clients)
+                        elif mode == "llama.cpp":
+                            res = llama.run(workload, clients)
                         else:
                             res = run_hf(hf, workload, clients, static=mode.endswith("batch"), pad_id=0)
                         results.setdefault((mode, clients), []).append(res)
@@ -422,6 +561,8 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             engine.close()
             server.close()
+            if llama is not None:
+                llama.close()
 
     print()
     header = f"{'engine':<18}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(next(iter(results.values()))))
@@ -431,7 +572,7 @@ def main(argv: list[str] | None = None) -> int:
         cells = "".join(f"{f'{m:.1f} ({lo:.1f}..{hi:.1f})':>24}" for m, lo, hi in s.values())
         print(f"{mode:<18}{clients:>8}{cells}")
     print("(median over rounds, min..max in brackets; 'runyard http': `runyard serve` measured at streaming HTTP "
-          "clients; 'runyard engine' and HF: in this process, no HTTP)")
+          "clients; 'runyard engine', HF and llama.cpp: in this process, no HTTP)")
 
     top, one = max(args.clients), min(args.clients)
 
@@ -448,6 +589,11 @@ def main(argv: list[str] | None = None) -> int:
                      paired(mode, "hf one at a time", one, "latency p50 ms"), "HF generate, one client", "<=", 1.1)
         report.ratio(f"serve_{tag}_time_per_output_token_{one}_client",
                      paired(mode, "hf one at a time", one, "tpot p50 ms"), "HF generate, one client", "<=", 1.1)
+        if llama is not None:
+            report.ratio(f"serve_{tag}_tokens_per_s_{top}_clients_vs_llama_cpp", paired(mode, "llama.cpp", top, "tokens/s"),
+                         f"llama.cpp (GGUF f32, continuous batching), {top} clients", ">=", 1.0)
+            report.ratio(f"serve_{tag}_time_per_output_token_{one}_client_vs_llama_cpp",
+                         paired(mode, "llama.cpp", one, "tpot p50 ms"), "llama.cpp (GGUF f32), one client", "<=", 1.5)
         ttft = paired(mode, "hf static batch", top, "ttft p50 ms")
         report.note(f"{mode}: time to first token p50 at {top} clients over HF static batching's: {ttft.spread()} "
                     "(lower is better; no target)")

@@ -32,6 +32,9 @@ VERBS: dict[str, tuple[str, str | None, str]] = {
         "size a spec: time, memory, hardware, energy, cost, requirement; training vs inference",
     ),
     "serve": ("runyard.cli.serve", "serve", "serve a run's exported model over an OpenAI-compatible HTTP API"),
+    "export-gguf": (
+        "runyard.cli.export_gguf", "gguf", "write a run's exported decoder as a GGUF file for llama.cpp and Ollama",
+    ),
     "spec": ("runyard.cli.spec", None, "the job spec's reference (Markdown, JSON Schema) and a starting spec"),
     "prepare": ("runyard.cli.data", None, "run the data stage alone and print its report"),
     "hydrate": ("runyard.cli.data", None, "copy a prepared dataset from its store into the local cache"),
