@@ -1,11 +1,16 @@
 """The run's mirrors in MLflow and TensorBoard, read back with their own readers: a real SQLite MLflow store
 in the run directory (MLflow's client), TensorBoard event files (tensorboard's EventAccumulator), a
-server that cannot be reached, and a resume that goes on logging into the same MLflow run."""
+server that cannot be reached, a resume that goes on logging into the same MLflow run, and the mirror's own
+process, which never outlives the run."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,16 +19,21 @@ import pytest
 from runyard.errors import SpecError
 from runyard.spec.job import parse_spec
 from runyard.spec.tracking import TrackingSpec, with_tracking_flags
+from runyard.system.processes import is_zombie_or_gone, parent_of, processes_with_env
 from runyard.tracking.mirror import tracked_run_id
+from runyard.tracking.process import MIRROR_ENV, NICENESS
 from runyard.tracking.sinks import default_mlflow_uri
 from tests.e2e.conftest import TINY_SPEC, merge, runyard, write_spec  # noqa: F401  (write_spec: a fixture)
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the tracking extra: pip install 'runyard[tracking]'")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
 
-# Two short stages, so that a resume has a stage left to train and the stage boundary is visible.
+# Two short stages, so that a resume has a stage left to train and the stage boundary is visible. The mirror's
+# process imports MLflow on its own: on a loaded test machine that outlasts an 8-step session, and these tests
+# are about what arrives, so the end of a session may wait longer than the default 30 s for it.
 TWO_STAGES = {"train": {"steps": 8}, "stages": [{"name": "first", "gates": {"min_loss_drop": 0.0}},
-                                                {"name": "second", "gates": {"min_loss_drop": 0.0}}]}
+                                                {"name": "second", "gates": {"min_loss_drop": 0.0}}],
+              "tracking": {"flush_timeout_s": 180}}
 
 
 def rows(run_dir: Path, stage: str) -> list[dict]:
@@ -46,8 +56,13 @@ def tracked_run(tmp_path_factory):
     return run_dir, first_id, first_history
 
 
+def mirrors_of(run_dir: Path) -> list[int]:
+    return processes_with_env(MIRROR_ENV, str(run_dir.resolve()))
+
+
 def test_resume_continues_the_same_mlflow_run(tracked_run):
     run_dir, first_id, first_history = tracked_run
+    assert mirrors_of(run_dir) == []  # each session's mirror ended with it
     assert first_id is not None and tracked_run_id(run_dir) == first_id
     assert first_history == len(rows(run_dir, "first"))  # the first session sent its stage before it ended
     client = mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0])
@@ -129,3 +144,37 @@ def test_tracking_flags_and_section():
     plain, tracked = parse_spec(TINY_SPEC), parse_spec(merge(TINY_SPEC, {"tracking": {"mlflow": True}}))
     assert tracked.tracking.mlflow is not None and tracked.tracking.enabled and not plain.tracking.enabled
     assert tracked.fingerprint() == plain.fingerprint()  # where a run is watched is not what it computes
+
+
+def niceness(stat: Path) -> int:
+    raw = stat.read_text()
+    return int(raw[raw.rindex(")") + 2 :].split()[16])
+
+
+def thread_niceness(pid: int) -> list[int]:
+    return [niceness(task / "stat") for task in Path(f"/proc/{pid}/task").iterdir()]
+
+
+def test_the_mirror_runs_in_a_process_of_its_own_that_dies_with_a_killed_run(write_spec, tmp_path):  # noqa: F811
+    spec = write_spec({"train": {"steps": 100000}, "tracking": {"tensorboard": True, "interval_s": 0.5}})
+    run_dir = tmp_path / "run"
+    run = subprocess.Popen([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
+                           env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    state, mirrors = run_dir / "tracking" / "state.json", []
+    try:
+        deadline = time.monotonic() + 240
+        # Until the mirror has sent rows of the live run: it is mirroring, not starting.
+        while '"metrics:main"' not in (state.read_text() if state.is_file() else ""):
+            assert run.poll() is None and time.monotonic() < deadline, run.stderr.read()[-3000:] if run.poll() else "timeout"
+            time.sleep(0.5)
+        mirrors = mirrors_of(run_dir)
+        assert len(mirrors) == 1 and mirrors[0] != run.pid and parent_of(mirrors[0]) == run.pid
+        # While the run trains, the mirror syncs on a thread at a lower CPU priority than the run's.
+        assert min(19, niceness(Path(f"/proc/{run.pid}/stat")) + NICENESS) in thread_niceness(mirrors[0])
+    finally:
+        run.send_signal(signal.SIGKILL)  # no cleanup code runs in the run: the kernel ends the mirror
+        run.wait()
+    deadline = time.monotonic() + 10
+    while not all(is_zombie_or_gone(pid) for pid in mirrors) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert all(is_zombie_or_gone(pid) for pid in mirrors) and mirrors_of(run_dir) == []

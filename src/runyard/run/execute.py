@@ -58,7 +58,7 @@ from runyard.system import rundir
 from runyard.system.cpus import ThreadChoice, choose_threads, local_processes
 from runyard.system.files import sha256_file
 from runyard.system.progress import phase
-from runyard.tracking.mirror import mirrored
+from runyard.tracking.process import mirrored
 from runyard.train import parallel
 from runyard.train.finetune_metrics import read_record as read_finetune_record
 from runyard.train.gates import (
@@ -502,7 +502,7 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
             mf.update_manifest(run_dir, plan=sizing.plan_run(spec, run_vocab(spec)))
             check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
     parallel.barrier(ctx)
-    with mirrored(spec, run_dir, ctx.is_main):  # MLflow/TensorBoard, off the training thread (runyard.tracking)
+    with mirrored(spec, run_dir, ctx.is_main):  # MLflow/TensorBoard, from a process of its own (runyard.tracking)
         return _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate)
 
 

@@ -1,30 +1,27 @@
-"""The mirror: a background thread that reads the run directory and forwards what is new to each tracker.
+"""The mirror: reads the run directory and forwards what is new to each tracker.
 
-The run directory is the source of truth and the training thread never waits on a tracker: the mirror
-reads metrics.jsonl, gates.json and the reports as they are written (every `tracking.interval_s`), and at
-the end of the session sends the evaluation and the export, then closes the tracked run. A tracker that
-fails (a server down, a store refusing) is tried again with backoff (1 s doubling to 60 s); at the end
-the session waits at most `tracking.flush_timeout_s`, and what could not be sent is reported as a warning,
-never as the run's failure. What each tracker has been sent is kept in RUN_DIR/tracking/state.json (with
-MLflow's run id), so a resume continues the same tracked run and sends only what it has not sent.
-Only rank 0 mirrors (`mirrored(..., is_main)`).
+The run directory is the source of truth and the run never waits on a tracker. The mirror runs in a process
+of its own (runyard.tracking.process), so its imports (MLflow, SQLAlchemy) and its sends never take the
+training process's CPU or GIL: it reads metrics.jsonl, gates.json and the reports as they are written (every
+`tracking.interval_s`), and when the run's session ends it sends the evaluation and the export, then closes
+the tracked run. A tracker that fails (a server down, a store refusing) is tried again with backoff (1 s
+doubling to 60 s); what could not be sent is reported as a warning, never as the run's failure. What each
+tracker has been sent is kept in RUN_DIR/tracking/state.json (with MLflow's run id), so a resume continues
+the same tracked run and sends only what it has not sent.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from runyard.errors import Preempted
 from runyard.spec.job import JobSpec
 from runyard.system.files import atomic_write_json
 from runyard.tracking.reader import RunReader, Unit
-from runyard.tracking.sinks import TRACKING_DIR, MLflowSink, TensorBoardSink, check_installed
+from runyard.tracking.sinks import TRACKING_DIR, MLflowSink, TensorBoardSink
 
 log = logging.getLogger(__name__)
 
@@ -51,43 +48,24 @@ class Mirror:
             if enabled:
                 state = self.state.setdefault(sink_class.name, {})
                 self.trackers.append(_Tracker(sink_class(spec, run_dir, state), RunReader(spec, run_dir), state))
-        self._stop = threading.Event()
-        self._status = "FINISHED"
-        self._thread = threading.Thread(target=self._run, name="runyard-tracking", daemon=True)
-        self.problems: list[str] = []
 
-    def start(self) -> None:
-        self._thread.start()
-
-    def close(self, status: str) -> list[str]:
-        """Send what is left (the evaluation and the export too), end the tracked runs with `status`
-        (FINISHED, FAILED or KILLED), and return the problems, each also logged as a warning."""
-        self._status = status
-        self._stop.set()
-        timeout = self.spec.tracking.flush_timeout_s
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            self.problems.append(f"tracking: the trackers did not finish sending within {timeout:g} s "
-                                 "(tracking.flush_timeout_s); the rest is sent by the next `runyard resume`")
-        for problem in self.problems:
-            log.warning("%s", problem)
-        return self.problems
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.spec.tracking.interval_s):
-            self.sync(final=False)
+    def finish(self, status: str) -> list[str]:
+        """Send what is left (the evaluation and the export too), end the tracked runs with `status`, and
+        return the problems (a tracker that could not send, or could not be closed)."""
         self.sync(final=True)
+        problems = []
         for t in self.trackers:
             if t.error is not None:
-                self.problems.append(
+                problems.append(
                     f"tracking: {t.sink.where()} failed {t.failures} time(s), last: {t.error}. Nothing is lost: the "
                     "run directory holds every figure, and the next `runyard resume` of this run sends what was "
                     "not sent")
                 continue
             try:
-                t.sink.close(self._status)
+                t.sink.close(status)
             except Exception as exc:  # a tracker's failure is reported, never the run's
-                self.problems.append(f"tracking: closing {t.sink.where()}: {type(exc).__name__}: {exc}")
+                problems.append(f"tracking: closing {t.sink.where()}: {type(exc).__name__}: {exc}")
+        return problems
 
     def sync(self, final: bool) -> None:
         """One pass: every tracker due a try is sent each unit it has not had (the end of the session adds
@@ -149,25 +127,3 @@ def _read_state(path: Path) -> dict:
 def tracked_run_id(run_dir: Path) -> str | None:
     """The MLflow run a run directory is mirrored into, if any."""
     return (_read_state(run_dir / TRACKING_DIR / STATE_FILE).get("mlflow") or {}).get("run_id")
-
-
-@contextlib.contextmanager
-def mirrored(spec: JobSpec, run_dir: Path, is_main: bool) -> Iterator[Mirror | None]:
-    """Mirror `run_dir` into the spec's trackers while the body runs (rank 0 only; the others and a spec
-    without tracking get None). The tracked run ends FINISHED, KILLED (stopped by a signal) or FAILED."""
-    if not is_main or not spec.tracking.enabled:
-        yield None
-        return
-    check_installed(spec)
-    (run_dir / TRACKING_DIR).mkdir(parents=True, exist_ok=True)
-    mirror = Mirror(spec, run_dir)
-    mirror.start()
-    status = "FAILED"
-    try:
-        yield mirror
-        status = "FINISHED"
-    except (KeyboardInterrupt, Preempted):
-        status = "KILLED"
-        raise
-    finally:
-        mirror.close(status)

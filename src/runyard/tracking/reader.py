@@ -19,7 +19,10 @@ from typing import Any
 import yaml
 
 from runyard.spec.job import JobSpec, resolved_stage
-from runyard.train.stage_result import stage_dir
+
+# runyard.train.stage_result.stage_dir's layout, spelled here: importing train would load torch into the
+# mirror's process (seconds of CPU) for one path.
+STAGES_DIR = "stages"
 
 # Parameter values past this are cut (MLflow's limit is 6000 characters).
 MAX_PARAM_CHARS = 6000
@@ -154,7 +157,7 @@ class RunReader:
 
     def metrics_unit(self, stage: str, after_step: int) -> Unit | None:
         """The rows of `stage`'s metrics.jsonl past `after_step`, as `<stage>/<figure>` points."""
-        path = stage_dir(self.run_dir, stage) / "metrics.jsonl"
+        path = self.run_dir / STAGES_DIR / stage / "metrics.jsonl"
         try:
             stat = path.stat()
         except OSError:
@@ -192,7 +195,7 @@ class RunReader:
         self._pending[stage] = [r for r in self._pending.get(stage, []) if r["step"] > step]
 
     def gates_unit(self, stage: str) -> Unit | None:
-        path = stage_dir(self.run_dir, stage) / "gates.json"
+        path = self.run_dir / STAGES_DIR / stage / "gates.json"
         version, record = _sha(path), _read_json(path)
         if version is None or not isinstance(record, dict):
             return None

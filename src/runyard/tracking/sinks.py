@@ -134,10 +134,10 @@ class TensorBoardSink:
     def open(self) -> None:
         if self.writer is not None:
             return
-        try:
-            writer_class = importlib.import_module("torch.utils.tensorboard").SummaryWriter
-        except ImportError:  # torch's writer needs the tensorboard package; tensorboardX stands alone
-            writer_class = importlib.import_module("tensorboardX").SummaryWriter
+        # tensorboard's own event writer, not torch's SummaryWriter: torch would cost the mirror's process
+        # seconds of CPU to import; tensorboardX stands alone where only it is installed.
+        writer_class = _EventWriter if importlib.util.find_spec("tensorboard") else \
+            importlib.import_module("tensorboardX").SummaryWriter
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.writer = writer_class(log_dir=str(self.log_dir))
         self.state.setdefault("sent", {})
@@ -154,3 +154,43 @@ class TensorBoardSink:
     def close(self, status: str) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class _EventWriter:
+    """Scalars and text into TensorBoard event files through the tensorboard package alone, as torch's
+    SummaryWriter writes them (a text summary is tagged `<tag>/text_summary`)."""
+
+    def __init__(self, log_dir: str):
+        writer = importlib.import_module("tensorboard.summary.writer.event_file_writer")
+        self.event_pb2 = importlib.import_module("tensorboard.compat.proto.event_pb2")
+        self.summary_pb2 = importlib.import_module("tensorboard.compat.proto.summary_pb2")
+        self.tensor_pb2 = importlib.import_module("tensorboard.compat.proto.tensor_pb2")
+        self.shape_pb2 = importlib.import_module("tensorboard.compat.proto.tensor_shape_pb2")
+        self.text_pb2 = importlib.import_module("tensorboard.plugins.text.plugin_data_pb2")
+        self.file = writer.EventFileWriter(log_dir)
+
+    def _add(self, value, step: int | None, walltime: float | None) -> None:
+        event = self.event_pb2.Event(wall_time=time.time() if walltime is None else walltime,
+                                     summary=self.summary_pb2.Summary(value=[value]))
+        if step is not None:
+            event.step = int(step)
+        self.file.add_event(event)
+
+    def add_scalar(self, tag: str, value: float, global_step: int | None = None, walltime: float | None = None) -> None:
+        self._add(self.summary_pb2.Summary.Value(tag=tag, simple_value=float(value)), global_step, walltime)
+
+    def add_text(self, tag: str, text: str, global_step: int | None = None) -> None:
+        plugin = self.summary_pb2.SummaryMetadata.PluginData(
+            plugin_name="text", content=self.text_pb2.TextPluginData(version=0).SerializeToString())
+        tensor = self.tensor_pb2.TensorProto(
+            dtype="DT_STRING", string_val=[text.encode("utf-8")],
+            tensor_shape=self.shape_pb2.TensorShapeProto(dim=[self.shape_pb2.TensorShapeProto.Dim(size=1)]))
+        value = self.summary_pb2.Summary.Value(tag=f"{tag}/text_summary", tensor=tensor,
+                                               metadata=self.summary_pb2.SummaryMetadata(plugin_data=plugin))
+        self._add(value, global_step, None)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
