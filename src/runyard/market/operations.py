@@ -106,6 +106,9 @@ OPERATIONS: tuple[Operation, ...] = (
         r.Balances, cli=("balances",)),
     _op("statement", "GET", "/v1/statement", "Balances, ledger entries, per-lease lines, totals",
         "funds", r.Statement, cli=("statement",)),
+    _op("model_costs", "GET", "/v1/model-costs",
+        "Per model: what training and serving leases have cost (settled, minor units)", "funds",
+        r.ModelCosts, cli=("model-costs",)),
     _op("rail_webhook", "POST", "/v1/rails/{rail}/events", "A payment rail's signed event (deposits)",
         "funds", r.RailEventOut, auth="rail", body=m.RailEventIn),
     # -- listings and demands ----------------------------------------------------------------------

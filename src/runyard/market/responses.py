@@ -469,3 +469,56 @@ class AuditOut(Out):
     ok: bool
     violations: list[str]
     counts: dict[str, int]
+
+
+class CostPeriod(Out):
+    """One serving period's settled cost (charged = paid_provider + fee; the credit went back)."""
+
+    seq: int
+    period_start: int
+    period_end: int
+    state: PeriodState
+    charged: int
+    paid_provider: int
+    fee: int
+    credit: int
+    refunded: int
+    settled_at: int | None
+
+
+class CostLease(Out):
+    """One lease's settled cost so far, in minor units."""
+
+    lease_id: int
+    demand_id: int
+    state: LeaseStateName
+    devices: int
+    started_at: int | None
+    window_end: int | None
+    charged: int = Field(description="paid to the provider plus the market fee")
+    paid_provider: int
+    fee: int
+    refunded: int
+    credited: int | None = Field(default=None, description="a standing lease's SLA credits")
+    periods: list[CostPeriod] | None = Field(default=None, description="a standing lease's periods")
+
+
+class ModelCost(Out):
+    """One model lineage: its training (block) and serving (standing) leases."""
+
+    model: str = Field(description="the job spec's name (training) or the deployment's serve.model_name (serving)")
+    training: list[CostLease]
+    serving: list[CostLease]
+    training_charged: int
+    serving_charged: int
+    charged: int
+    serving_passed_training_at: int | None = Field(
+        description="when cumulative serving cost first exceeded cumulative training cost, Unix seconds")
+
+
+class ModelCosts(Out):
+    tenant_id: int
+    currency: str
+    now: int
+    models: list[ModelCost]
+    charged: int = Field(description="all the tenant's leases together")
