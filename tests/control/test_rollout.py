@@ -14,7 +14,15 @@ import pytest
 from runyard.control.deployment import serve_command
 from runyard.control.endpoint import Endpoint
 from runyard.control.lease_job import LeaseFolder
-from runyard.control.rollout import RelayServer, export_digest, history, record, roll_out
+from runyard.control.rollout import (
+    RelayServer,
+    RollOut,
+    export_digest,
+    history,
+    record,
+    roll_back_target,
+    roll_out,
+)
 from runyard.market.serving import token_digest
 from runyard.model.hf.export import export_model
 from runyard.system.http_thread import free_port
@@ -93,6 +101,7 @@ def _serving(endpoint: Endpoint, timeout_s: float = 120.0) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow
 def test_a_roll_out_under_traffic_fails_no_request_and_serves_the_new_export(exports, servers, tmp_path):
     old_export, new_export = exports
     old = servers(old_export)
@@ -124,6 +133,7 @@ def test_a_roll_out_under_traffic_fails_no_request_and_serves_the_new_export(exp
         endpoint.stop()
 
 
+@pytest.mark.slow
 def test_a_roll_out_to_an_export_that_fails_to_load_keeps_the_old_one_serving(exports, servers, tmp_path):
     old_export, good = exports
     broken = tmp_path / "broken" / "export"
@@ -157,3 +167,15 @@ def test_a_directory_that_is_no_export_is_refused_before_anything_starts(tmp_pat
     result, now = roll_out(Endpoint(tmp_path / "s.sock", token_digest(TOKEN)), tmp_path,
                            lambda: started.append(1), old=None)
     assert not result.ok and "is not a runyard export" in result.detail and now is None and not started
+
+
+def test_a_roll_back_returns_to_the_export_served_before(tmp_path):
+    log = tmp_path / "rollouts.jsonl"
+    with pytest.raises(ValueError, match="nothing to roll back to"):
+        roll_back_target("/e/first", history(log))
+    record(log, RollOut(True, "/e/second", "sha256:2", "switched"))
+    record(log, RollOut(False, "/e/broken", "sha256:3", "the new server exited before it served"))
+    assert roll_back_target("/e/first", history(log)) == "/e/first"  # a refused roll-out changed nothing
+    record(log, RollOut(True, "/e/first", "sha256:1", "switched"))  # rolled back
+    assert roll_back_target("/e/first", history(log)) == "/e/second"
+    assert [e["ok"] for e in history(log)] == [True, False, True]

@@ -12,6 +12,8 @@ A roll-out (and a roll-back, which is a roll-out to the export served before) go
    `drain_timeout_s` passes;
 5. the old server is stopped.
 
+A roll-back is a roll-out to `roll_back_target`: the export served before the one serving now.
+
 A candidate that fails its check (the export does not load, the server exits, no healthy answer
 before `health_timeout_s`) is stopped, the endpoint is never switched, and the old server keeps
 serving; the result says why, and `record()` appends it to the deployment's roll-out log, which is
@@ -181,6 +183,16 @@ def record(log_path: Path, result: RollOut) -> None:
         out.flush()
         with contextlib.suppress(OSError):
             os.fsync(out.fileno())
+
+
+def roll_back_target(first_export: str, past: list[dict]) -> str:
+    """The export a roll-back returns to: the one served before the one serving now (the deployment's
+    first export, then every roll-out that switched, in order). ValueError when there is none."""
+    served = [str(first_export)] + [entry["export"] for entry in past if entry.get("ok")]
+    # A roll-back is itself a roll-out that switched: a second roll-back returns to what the first undid.
+    if len(served) < 2:
+        raise ValueError(f"nothing to roll back to: the deployment still serves its first export {first_export}")
+    return served[-2]
 
 
 def history(log_path: Path) -> list[dict]:
