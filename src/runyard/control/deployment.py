@@ -26,6 +26,7 @@ from __future__ import annotations
 import shutil
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from runyard.control.endpoint import Window
@@ -58,16 +59,19 @@ def lay_out(folder: LeaseFolder, deployment: dict) -> dict[str, str]:
     return {url: f"export/{check_file_path(rel)}" for rel, url in urls.items()}
 
 
-def serve_command(folder: LeaseFolder, deployment: dict, gpu: bool, port: int = SERVE_PORT) -> list[str]:
+def serve_command(folder: LeaseFolder, deployment: dict, gpu: bool, port: int = SERVE_PORT,
+                  export: Path | None = None, socket: Path | None = None) -> list[str]:
     """The command the deployment's job runs inside the sandbox (before the launcher wraps it): the
-    relay, and `runyard serve` on `port` of the sandbox's loopback (runyard's engine, on one device)."""
-    serve = [sys.executable, "-m", "runyard", "serve", str(folder.export), "--host", "127.0.0.1",
+    relay, and `runyard serve` on `port` of the sandbox's loopback (runyard's engine, on one device).
+    A roll-out's candidate serves another `export` on its own `socket` beside the running one."""
+    export, socket = export or folder.export, socket or folder.socket
+    serve = [sys.executable, "-m", "runyard", "serve", str(export), "--host", "127.0.0.1",
              "--port", str(port), "--device", "cuda" if gpu else "cpu"]
     for key, flag in SERVE_OPTIONS.items():
         value = (deployment.get("serve") or {}).get(key)
         if value is not None:
             serve += [flag, str(value)]
-    return [sys.executable, "-m", "runyard.control.serve_relay", str(folder.socket), str(port), "--", *serve]
+    return [sys.executable, "-m", "runyard.control.serve_relay", str(socket), str(port), "--", *serve]
 
 
 def job_request(lease: dict, argv: list[str], folder: LeaseFolder, priority: int) -> dict[str, Any]:

@@ -16,6 +16,11 @@
 `take()` hands the agent what was seen since the last call (probes, healthy probes, requests,
 latency percentiles) for one availability record; `consecutive_failures` tells it when a server
 that is alive but unhealthy should be restarted.
+
+A roll-out (`runyard.control.rollout`) moves the endpoint to another server's socket with `switch()`:
+each request is bound to the socket that was current when it arrived (picked and counted under one
+lock), so requests already in flight finish on the old server while new ones go to the new one, and
+`in_flight(socket)` tells when the old one has drained.
 """
 
 from __future__ import annotations
@@ -64,6 +69,18 @@ class _Seen:
     latencies_ms: list[int] = field(default_factory=list)
 
 
+class _Once:
+    """Call `fn` the first time this is called, never again (a request's release has two ways to come)."""
+
+    def __init__(self, fn):  # type: ignore[no-untyped-def]
+        self._fn, self._done = fn, False
+
+    def __call__(self) -> None:
+        if not self._done:
+            self._done = True
+            self._fn()
+
+
 def percentile(values: list[int], q: float) -> int | None:
     """The q-quantile of `values` by nearest rank (the smallest value with at least q of them at or
     below it), or None when there are none."""
@@ -83,10 +100,10 @@ class Endpoint:
 
     def __init__(self, socket_path: Path, token_sha256: str, host: str = "127.0.0.1", port: int | None = None,
                  probe_interval_s: float = 5.0, probe_timeout_s: float = 5.0):
-        if len(str(socket_path)) > MAX_SOCKET_PATH:
-            raise ValueError(f"the deployment's socket path {socket_path} is longer than {MAX_SOCKET_PATH} "
-                             "characters; use a shorter state directory")
+        self._check_socket(socket_path)
         self.socket_path = Path(socket_path)
+        self._in_flight: dict[str, int] = {}
+        self._clients: dict[str, httpx.AsyncClient] = {}
         self._digest = token_sha256.removeprefix("sha256:")
         self.probe_interval_s, self.probe_timeout_s = probe_interval_s, probe_timeout_s
         self._lock = threading.Lock()
@@ -100,7 +117,12 @@ class Endpoint:
         self._server = AppThread(app, host=host, port=port, name="deployment-endpoint")
         self.port = self._server.port
         self._prober = threading.Thread(target=self._probe_loop, name="deployment-prober", daemon=True)
-        self._client: httpx.AsyncClient | None = None
+
+    @staticmethod
+    def _check_socket(socket_path: Path) -> None:
+        if len(str(socket_path)) > MAX_SOCKET_PATH:
+            raise ValueError(f"the deployment's socket path {socket_path} is longer than {MAX_SOCKET_PATH} "
+                             "characters; use a shorter state directory")
 
     @property
     def url(self) -> str:
@@ -120,11 +142,49 @@ class Endpoint:
 
     @asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        # One connection pool to the socket, in the server's own event loop, closed with it.
-        transport = httpx.AsyncHTTPTransport(uds=str(self.socket_path))
-        async with httpx.AsyncClient(transport=transport, base_url="http://deployment", timeout=None) as client:
-            self._client = client
+        # One connection pool per upstream socket, in the server's own event loop, closed with it.
+        try:
             yield
+        finally:
+            for client in list(self._clients.values()):
+                await client.aclose()
+            self._clients.clear()
+
+    # -- the upstream, and switching it ----------------------------------------------------------------
+
+    def switch(self, socket_path: Path) -> Path:
+        """Send every request from now on to `socket_path`; returns the socket they went to before.
+        Requests already bound to the old socket finish there (see `in_flight`)."""
+        self._check_socket(socket_path)
+        with self._lock:
+            previous, self.socket_path = self.socket_path, Path(socket_path)
+            self.consecutive_failures = 0  # the probes so far were of the other server
+        return previous
+
+    def in_flight(self, socket_path: Path | None = None) -> int:
+        """Requests bound to `socket_path` (the current one by default) whose answers are not yet done."""
+        with self._lock:
+            return self._in_flight.get(str(socket_path or self.socket_path), 0)
+
+    def _bind(self) -> str:
+        with self._lock:
+            key = str(self.socket_path)
+            self._in_flight[key] = self._in_flight.get(key, 0) + 1
+        return key
+
+    def _release(self, key: str) -> None:
+        with self._lock:
+            self._in_flight[key] -= 1
+
+    async def _client_for(self, key: str) -> httpx.AsyncClient:
+        # Only the event loop's thread touches the clients: no lock needed. A drained old socket's pool
+        # is closed here, the next time any request passes.
+        for old in [k for k in self._clients if k != key and self.in_flight(Path(k)) == 0]:
+            await self._clients.pop(old).aclose()
+        if key not in self._clients:
+            self._clients[key] = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=key),
+                                                   base_url="http://deployment", timeout=None)
+        return self._clients[key]
 
     def _admitted(self, request: Request) -> bool:
         scheme, _, token = request.headers.get("authorization", "").partition(" ")
@@ -137,28 +197,46 @@ class Endpoint:
         if not self._admitted(request):
             return error(401, "this endpoint needs the lease's bearer token (Authorization: Bearer ...)",
                          "authentication_error")
-        assert self._client is not None, "the lifespan makes the client before the first request"
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
         body = await request.body()
-        started = time.monotonic()
-        upstream = self._client.build_request(request.method, request.url.path, params=request.query_params,
-                                              headers=headers, content=body)
+        key = self._bind()  # from here the request belongs to this socket's server until its answer ends
+        done = _Once(lambda: self._release(key))
         try:
-            response = await self._client.send(upstream, stream=True)
+            client = await self._client_for(key)
+            started = time.monotonic()
+            upstream = client.build_request(request.method, request.url.path, params=request.query_params,
+                                            headers=headers, content=body)
+            response = await client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
+            done()
             return error(502, f"the model server is not answering (restarting?): {type(exc).__name__}",
                          "server_error")
+        except BaseException:
+            done()
+            raise
         latency = int((time.monotonic() - started) * 1000)
         with self._lock:
             self._seen.latencies_ms.append(latency)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
-        return StreamingResponse(response.aiter_raw(), status_code=response.status_code, headers=out_headers,
-                                 background=BackgroundTask(response.aclose))
+
+        async def body_then_release() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in response.aiter_raw():
+                    yield chunk
+            finally:
+                done()
+
+        async def close() -> None:
+            await response.aclose()
+            done()  # an answer the client never read to its end
+
+        return StreamingResponse(body_then_release(), status_code=response.status_code, headers=out_headers,
+                                 background=BackgroundTask(close))
 
     # -- health -------------------------------------------------------------------------------------
 
     def probe_once(self) -> bool:
-        """One health probe: GET /healthz through the sandbox's socket answers 200."""
+        """One health probe: GET /healthz through the current socket answers 200."""
         try:
             with httpx.Client(transport=httpx.HTTPTransport(uds=str(self.socket_path)),
                               timeout=self.probe_timeout_s) as client:
