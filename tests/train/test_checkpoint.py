@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from runyard.errors import CheckpointCorrupt
 from runyard.model.config import ModelConfig
@@ -247,3 +247,60 @@ def test_a_rank_restores_the_random_stream_of_its_tensor_parallel_group(tmp_path
     rank1 = DistContext(rank=1, world_size=2, local_rank=1, device=torch.device("cpu"), tp=tp)
     ckpt.load_from(tiny_training_state(seed=1), path, rank1)
     assert torch.equal(torch.rand(4), expected) == (tp == 2)
+
+
+# -- loading: straight into the live tensors, checked while read -------------------------------------------
+def test_a_one_process_load_reads_into_the_live_tensors_and_restores_them_exactly(tmp_path):
+    saved = tiny_training_state()
+    path = ckpt.save(saved, tmp_path, 1, {}, CPU_CTX)
+    want_model = {k: v.clone() for k, v in saved.model.state_dict().items()}
+    want_optim = {k: {n: t.clone() for n, t in s.items()} for k, s in saved.optimizer.state_dict()["state"].items()}
+
+    live = tiny_training_state(seed=1)  # other values, same layout: its optimizer already holds state
+    params = {n: p.data_ptr() for n, p in live.model.named_parameters()}
+    moments = {k: s["exp_avg"].data_ptr() for k, s in live.optimizer.state_dict()["state"].items()}
+    ckpt.load_from(live, path, CPU_CTX)
+
+    loaded = live.model.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in want_model.items())
+    assert loaded["lm_head.weight"].data_ptr() == loaded["tok_emb.weight"].data_ptr(), "tied weights stay tied"
+    state = live.optimizer.state_dict()["state"]
+    assert all(torch.equal(state[k][n], t) for k, s in want_optim.items() for n, t in s.items())
+    assert {n: p.data_ptr() for n, p in live.model.named_parameters()} == params, "no parameter replaced"
+    assert {k: s["exp_avg"].data_ptr() for k, s in state.items()} == moments, "no optimizer moment replaced"
+
+    fresh = tiny_training_state(seed=2)
+    fresh.optimizer.state.clear()  # a run resuming from scratch holds no optimizer state yet
+    ckpt.load_from(fresh, path, CPU_CTX)
+    assert all(torch.equal(fresh.optimizer.state_dict()["state"][k][n], t) for k, s in want_optim.items()
+               for n, t in s.items())
+
+
+def test_a_byte_flipped_after_verification_is_caught_while_loading(tmp_path):
+    path = ckpt.save(tiny_training_state(), tmp_path, 1, {}, CPU_CTX)
+    ckpt.verify_checkpoint(path)
+    target = path / "optimizer.safetensors"
+    data = bytearray(target.read_bytes())
+    data[-5] ^= 0x01  # inside the last tensor's bytes: the size and the header stay valid
+    target.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=r"optimizer\.safetensors fails its xxh3_128 checksum"):
+        ckpt.load_from(tiny_training_state(seed=1), path, CPU_CTX)
+
+
+@pytest.mark.parametrize("damage", ["header", "offsets", "trailing"])
+def test_a_malformed_tensor_file_is_refused_by_name(tmp_path, damage):
+    target = tmp_path / "t.safetensors"
+    save_file({"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(2, 3, dtype=torch.bfloat16)}, str(target))
+    tensors, _ = tensorfile.read_tensors(target)  # the safetensors library's own file reads back
+    assert torch.equal(tensors["a"], torch.arange(6.0)) and tensors["b"].dtype == torch.bfloat16
+    raw = target.read_bytes()
+    head_len = int.from_bytes(raw[:8], "little")
+    if damage == "header":
+        raw = raw[:8] + b"[" + raw[9:]  # not a JSON object
+    elif damage == "offsets":
+        raw = raw[: 8 + head_len].replace(b"[0,24]", b"[0,20]").replace(b"[24,36]", b"[20,32]") + raw[8 + head_len :]
+    else:
+        raw += b"\0" * 8
+    target.write_bytes(raw)
+    with pytest.raises(CheckpointCorrupt, match=str(target)):
+        tensorfile.read_tensors(target)

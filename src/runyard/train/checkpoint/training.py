@@ -33,6 +33,7 @@ from runyard.train.checkpoint import plain, sharded, store, tensorfile
 from runyard.train.checkpoint.store import CheckpointRef
 from runyard.train.parallel import DistContext
 from runyard.train.rng import ProcessRNG, seed_everything
+from runyard.train.tensor_parallel import fused_rows_of
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +203,9 @@ def load(state: TrainingState, root: Path, ctx: DistContext) -> Restored | None:
 
 def load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, Any]:
     """Restore `state` from the checkpoint at `path` (verified by the caller), onto this job's world
-    size and parallelism, whatever wrote it. Returns the plain values saved with it."""
+    size and parallelism, whatever wrote it. Returns the plain values saved with it. A one-process
+    checkpoint's files are checked against the manifest again as they are read; a mismatch (the files
+    changed since they were verified) is CheckpointCorrupt with `state` partly overwritten."""
     values = store.read_state_json(path)
     # The ranks of one tensor-parallel group draw the same numbers (dropout on activations every rank holds
     # whole), so each restores the stream of its group's first rank.
@@ -211,9 +214,18 @@ def load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, A
         sharded.load_shards(state.model, state.optimizer, path, ctx, stored=sharded.stored_order(values))
         _restore_rank_rng(state, path, rng_rank, values["step"])
     else:
-        # Keyed by parameter name, the one-process state lands on DDP replicas or FSDP shards alike.
-        parts = plain.read_parts(path, store.read_manifest(path))
-        sharded.load_whole(state.model, state.optimizer, parts["model"], parts["optimizer"])
+        manifest = store.read_manifest(path)
+        if not ctx.distributed and fused_rows_of(state.model) is None:
+            # The same one-process layout that wrote it: the files are read straight into the live
+            # parameters and optimizer state, so the loads below find their tensors already in place.
+            live = {"model": state.model.state_dict(), "optimizer": state.optimizer.state_dict()}
+            parts = plain.read_parts(path, manifest, into=live)
+            state.model.load_state_dict(parts["model"])
+            state.optimizer.load_state_dict(parts["optimizer"])
+        else:
+            # Keyed by parameter name, the one-process state lands on DDP replicas or FSDP shards alike.
+            parts = plain.read_parts(path, manifest)
+            sharded.load_whole(state.model, state.optimizer, parts["model"], parts["optimizer"])
         if rng_rank == 0:  # the one process that wrote it was rank 0
             state.rng.load_state_dict(plain.legacy_rng(parts, values))
         else:
