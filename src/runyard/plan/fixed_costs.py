@@ -46,6 +46,7 @@ import yaml
 from runyard import __version__
 from runyard.errors import EXIT_NOT_FIT
 from runyard.spec.checks import IMAGE_TASK
+from runyard.system.cpus import cpu_model
 from runyard.system.files import atomic_write_json
 
 CACHE_ENV = "RUNYARD_PLAN_CACHE"
@@ -106,19 +107,9 @@ def _version(name: str) -> str | None:
         return None
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def machine_key(task: str, family: str, threads: int | None) -> str:
     """What a measurement holds for: this machine, the task and family, the threads, the versions."""
-    parts = {"task": task, "family": family, "threads": threads, "cpu": _cpu_model(), "cores": os.cpu_count(),
+    parts = {"task": task, "family": family, "threads": threads, "cpu": cpu_model(), "cores": os.cpu_count(),
              "python": platform.python_version(), "runyard": __version__,
              **{name: _version(name) for name in ("torch", "lightgbm", "scikit-learn", "onnx", "matplotlib")}}
     return json.dumps(parts, sort_keys=True)

@@ -35,6 +35,7 @@ from typing import Any
 
 from runyard.model.registry import Sizing
 from runyard.plan.devices import UTILISATION, Device
+from runyard.system.cpus import cpu_model
 from runyard.system.files import atomic_write_bytes
 
 BATCH_ROWS = 1000  # the batch measured beside one row (the issue's 1,000-row requests)
@@ -104,13 +105,7 @@ def stated_timing(sizing: Sizing, cpu: Device) -> PredictTiming:
 def machine_key() -> str:
     """What makes a measurement this machine's: its processor, its core count and the Python and
     platform it runs."""
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return f"{platform.node()}|{cpu}|{os.cpu_count()}|{platform.python_version()}|{platform.platform()}"
+    return f"{platform.node()}|{cpu_model()}|{os.cpu_count()}|{platform.python_version()}|{platform.platform()}"
 
 
 def cache_root() -> Path:

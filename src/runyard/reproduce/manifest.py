@@ -27,6 +27,7 @@ from runyard.reproduce import lock as env_lock
 from runyard.reproduce import source as runyard_source
 from runyard.reproduce.datacheck import record_data_files
 from runyard.spec.job import JobSpec
+from runyard.system.cpus import cpu_model
 from runyard.system.files import atomic_write_text
 
 log = logging.getLogger(__name__)
@@ -52,16 +53,6 @@ def package_versions() -> dict[str, str | None]:
 def git_commit() -> str | None:
     """The commit of the runyard checkout, when it is one; '+dirty' when it has uncommitted changes."""
     return runyard_source.git_commit()
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def hardware() -> dict[str, Any]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import platform
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -34,6 +35,17 @@ class ThreadChoice:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def cpu_model() -> str:
+    """The processor's name (/proc/cpuinfo's `model name`; the platform's word for it elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def affinity_cores() -> int:
