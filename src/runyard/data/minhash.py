@@ -27,6 +27,7 @@ for _c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
 _WORD_BYTE[0x80:] = True
 _LOWER = np.arange(256, dtype=np.uint8)
 _LOWER[ord("A") : ord("Z") + 1] += 32
+_LOWER_PLUS_1 = _LOWER.astype(np.uint64) + np.uint64(1)  # a byte's term in the word hash, before P^i
 
 _CHUNK = 8192  # shingles per broadcast block: [128, 8192] uint64 = 8 MiB; fewer, longer numpy calls
 
@@ -70,19 +71,18 @@ def shingle_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray
     lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(encoded) else np.zeros(0, np.int64)
     buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
-    buf = _LOWER[buf]
-    is_word = _WORD_BYTE[buf].view(np.int8)
-    edges = np.diff(is_word, prepend=np.int8(0), append=np.int8(0))
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
+    is_word = _WORD_BYTE[buf].view(np.int8)  # case does not change a byte's class
+    # Word boundaries alternate (start, end, start, ...) because the batch begins and ends outside a word.
+    bounds = np.flatnonzero(np.diff(is_word, prepend=np.int8(0), append=np.int8(0)))
+    starts, ends = bounds[0::2], bounds[1::2]
     if len(starts) == 0:
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
     pw, inv = _powers(len(buf) + 1)
     with np.errstate(over="ignore"):
-        # Word hash: sum of (byte + 1) * P^(offset in word), from a prefix sum over the whole batch.
+        # Word hash: sum of (lower-cased byte + 1) * P^(offset in word), from one prefix sum over the batch.
         prefix = np.empty(len(buf) + 1, dtype=_U64)
         prefix[0] = 0
-        np.add(buf, _U64(1), out=prefix[1:], dtype=_U64)
+        np.take(_LOWER_PLUS_1, buf, out=prefix[1:])
         np.multiply(prefix[1:], pw[: len(buf)], out=prefix[1:])
         np.cumsum(prefix[1:], out=prefix[1:])
         words = _mix64((prefix[ends] - prefix[starts]) * inv[starts])
