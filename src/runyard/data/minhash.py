@@ -29,6 +29,7 @@ _LOWER = np.arange(256, dtype=np.uint8)
 _LOWER[ord("A") : ord("Z") + 1] += 32
 _LOWER_PLUS_1 = _LOWER.astype(np.uint64) + np.uint64(1)  # a byte's term in the word hash, before P^i
 
+_BATCH_CHARS = 4_000_000  # text per shingle_hashes call
 _CHUNK = 8192  # shingles per broadcast block: [128, 8192] uint64 = 8 MiB; fewer, longer numpy calls
 
 
@@ -82,7 +83,7 @@ def shingle_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray
         # Word hash: sum of (lower-cased byte + 1) * P^(offset in word), from one prefix sum over the batch.
         prefix = np.empty(len(buf) + 1, dtype=_U64)
         prefix[0] = 0
-        np.take(_LOWER_PLUS_1, buf, out=prefix[1:])
+        np.take(_LOWER_PLUS_1, buf, out=prefix[1:], mode="clip")  # 'raise' would buffer `out`
         np.multiply(prefix[1:], pw[: len(buf)], out=prefix[1:])
         np.cumsum(prefix[1:], out=prefix[1:])
         words = _mix64((prefix[ends] - prefix[starts]) * inv[starts])
@@ -132,7 +133,7 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, seed: int 
     for i, text in enumerate(texts):
         batch.append(text)
         size += len(text)
-        if size >= 4_000_000 or i == len(texts) - 1:
+        if size >= _BATCH_CHARS or i == len(texts) - 1:
             _signatures_into(out[first : i + 1], batch, a, b, ngram)
             first, batch, size = i + 1, [], 0
     return out
