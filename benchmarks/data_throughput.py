@@ -12,7 +12,8 @@ files: 150 with 1 % of their words replaced (true Jaccard ~0.9: duplicates at th
      tokenizer, signatures written to disk;
    - datatrove at its fastest: the same step given a whitespace `str.split` WordTokenizer (its documented
      hook for custom tokenizers) and an in-memory output folder.
-   Quality: precision and recall of each tool's own decision (runyard: clusters at Jaccard 0.8;
+   Quality: precision and recall of each tool's own decision (runyard: clusters at Jaccard 0.8, pairs near
+   the threshold checked exactly against the texts, as the data stage does;
    datasketch: MinHashLSH(threshold=0.8) queries; datatrove: documents sharing any whole bucket, then
    clustered, as its buckets+cluster steps do) against one ground truth: the exact Jaccard similarity
    of word 5-gram sets (>= 0.8) of every planted pair and every pair any tool reported.
@@ -235,7 +236,7 @@ def near_duplicate_figures(texts, planted, mb: float, args, report: Report) -> N
     shutil.rmtree(mem, ignore_errors=True)
     truth = Truth(texts)
     found = {
-        "runyard": cluster_pairs(near_duplicates(outputs["runyard"], THRESHOLD).clusters),
+        "runyard": cluster_pairs(near_duplicates(outputs["runyard"], THRESHOLD, texts=texts, ngram=NGRAM).clusters),
         "datasketch": datasketch_pairs(outputs["datasketch"]),
         "datatrove (spaCy, disk)": datatrove_pairs(slow, texts),
         "datatrove (str.split, memory)": datatrove_pairs(fast, texts),

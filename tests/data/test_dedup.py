@@ -6,8 +6,16 @@ import random
 from pathlib import Path
 
 import numpy as np
+import pytest
 
-from runyard.data.dedup import exact_duplicates, near_duplicates, optimal_bands
+from runyard.data.dedup import (
+    candidate_pairs,
+    confirm_margin,
+    exact_duplicates,
+    exact_jaccard,
+    near_duplicates,
+    optimal_bands,
+)
 from runyard.data.minhash import EMPTY, signatures
 from runyard.data.pipeline import prepare_data
 from tests.data.data_fixtures import spec_for, write_corpus
@@ -73,6 +81,54 @@ def test_near_duplicates_precision_and_recall():
     assert precision >= 0.95 and recall >= 0.95
     assert len(removed) == len(removed_pairs)
     assert max(len(c) for c in result.clusters) == 2
+
+
+def test_exact_jaccard_equals_set_arithmetic():
+    rng = random.Random(4)
+    texts = [" ".join(f"W{rng.randrange(30)}" for _ in range(rng.randrange(0, 40))) for _ in range(50)]
+    pairs = np.array([(rng.randrange(50), rng.randrange(50)) for _ in range(400)])
+    got = exact_jaccard(pairs, lambda docs: [texts[i] for i in docs], ngram=3)
+
+    def shingles(t: str) -> set:
+        w = t.lower().split()
+        return {tuple(w[i : i + 3]) for i in range(max(1, len(w) - 2))} if w else set()
+
+    for (a, b), j in zip(pairs.tolist(), got.tolist(), strict=True):
+        sa, sb = shingles(texts[a]), shingles(texts[b])
+        assert j == (len(sa & sb) / len(sa | sb) if sa | sb else 1.0), (a, b)
+
+
+def test_near_duplicates_with_texts_decide_close_pairs_exactly():
+    """With 32 permutations the estimate errs by about 0.07 at Jaccard 0.8: pairs planted at 1-3 word
+    edits of 60 land on both sides of the threshold, and the estimate puts some on the wrong side."""
+    rng = random.Random(11)
+    originals = base_docs(120, 60, seed=5)
+    docs = [" ".join(w) for w in originals]
+    for i in range(120):
+        docs.append(" ".join(edit(originals[i], rng.choice([1, 2, 3]) / 60, rng)))
+    words = [d.split() for d in docs]
+    sigs = signatures(docs, num_perm=32, ngram=5, seed=1)
+    estimate_only = near_duplicates(sigs, 0.8)
+    exact = near_duplicates(sigs, 0.8, texts=docs, ngram=5)
+    assert (exact.bands, exact.rows, exact.candidate_pairs) == (estimate_only.bands, estimate_only.rows,
+                                                                 estimate_only.candidate_pairs)
+    margin = confirm_margin(0.8, 32)
+    wrong_estimates = 0
+    removed = {frozenset((i, c[0])) for c in exact.clusters for i in c[1:]}
+    for a, b in candidate_pairs(sigs, exact.bands, exact.rows).tolist():
+        agree = (sigs[a] == sigs[b]).mean()
+        true = jaccard(words[a], words[b])
+        wrong_estimates += (agree >= 0.8) != (true >= 0.8)
+        if abs(agree - 0.8) < margin:  # decided by the exact similarity
+            assert (frozenset((a, b)) in removed) == (true >= 0.8), (a, b, agree, true)
+    assert wrong_estimates >= 5, "the planted pairs should put some estimates on the wrong side"
+    assert (exact.duplicate != estimate_only.duplicate).sum() >= 5
+
+
+def test_near_duplicates_need_one_text_per_signature():
+    sigs = signatures(["a b c d e f", "a b c d e g"], num_perm=16)
+    with pytest.raises(ValueError, match="1 texts for 2 signatures"):
+        near_duplicates(sigs, 0.8, texts=["a b c d e f"])
 
 
 def test_exact_duplicates_keep_the_first():

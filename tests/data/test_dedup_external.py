@@ -12,7 +12,7 @@ from runyard.data.budget import PROCESS_BASE, MemoryBudget
 from runyard.data.corpus import EXACT_DUP, NEAR_DUP, REMOVED, Corpus
 from runyard.data.dedup import exact_duplicates, near_duplicates
 from runyard.data.dedup_external import exact_dedup, near_dedup
-from runyard.data.minhash import EMPTY
+from runyard.data.minhash import signatures
 from runyard.data.partstore import PartWriter
 from runyard.data.spill import FlagFile, SortedRuns, as_records, field
 from runyard.spec.data import DedupSpec
@@ -54,44 +54,45 @@ def test_flag_file_sets_bits_by_window(tmp_path: Path):
 
 
 def planted_corpus(root: Path, n: int = 6000, parts: int = 5, seed: int = 0):
-    """Parts of documents with random signatures, planted exact duplicates (same hash), near-duplicates
-    (a copy of another's signature with a few entries changed), far copies (most entries changed) and
-    empty documents (all EMPTY)."""
+    """Parts of 60-word documents with their real signatures, planted exact duplicates (same text and
+    hash), near-duplicates (a copy of another with 1-3 words replaced: Jaccard about 0.84, 0.70, 0.60,
+    so some on each side of 0.8 and most within the exact check's margin), far copies (half the words
+    replaced) and documents without words (all EMPTY)."""
     rng = np.random.default_rng(seed)
-    sigs = rng.integers(0, 2**32 - 1, size=(n, NUM_PERM), dtype=np.uint32)
+    words = [[f"w{int(x)}" for x in rng.integers(0, 5000, size=60)] for _ in range(n)]
     hashes = rng.integers(0, 256, size=(n, 16), dtype=np.uint8)
     for i in rng.choice(np.arange(100, n), size=n // 5, replace=False):
         src = int(rng.integers(0, i))
         kind = rng.random()
         if kind < 0.25:
             hashes[i] = hashes[src]
-            sigs[i] = sigs[src]
-        elif kind < 0.85:  # agrees on 26..31 of 32 entries: mostly above 0.8, some below
-            sigs[i] = sigs[src]
-            k = int(rng.integers(1, 7))
-            sigs[i, rng.choice(NUM_PERM, size=k, replace=False)] = rng.integers(0, 2**32 - 1, size=k)
+            words[i] = list(words[src])
         elif kind < 0.95:
-            sigs[i] = sigs[src]
-            sigs[i, rng.choice(NUM_PERM, size=20, replace=False)] = rng.integers(0, 2**32 - 1, size=20)
+            words[i] = list(words[src])
+            k = int(rng.integers(1, 4)) if kind < 0.85 else 30
+            for j in rng.choice(len(words[i]), size=min(k, len(words[i])), replace=False):
+                words[i][j] = f"new{int(rng.integers(10**9))}"
         else:
-            sigs[i] = EMPTY
+            words[i] = ["!!!"]
+    texts = [" ".join(w) for w in words]
+    sigs = signatures(texts, num_perm=NUM_PERM, ngram=5, seed=1)
     bounds = np.linspace(0, n, parts + 1).astype(int)
     dirs = []
     for p in range(parts):
         lo, hi = bounds[p], bounds[p + 1]
         d = root / f"part{p}"
         w = PartWriter(d, NUM_PERM)
-        texts = [f"doc {i}".encode() for i in range(lo, hi)]
-        w.add([f"id-{i}" for i in range(lo, hi)], texts, np.array([len(t) for t in texts]),
+        raw = [t.encode() for t in texts[lo:hi]]
+        w.add([f"id-{i}" for i in range(lo, hi)], raw, np.array([len(t) for t in raw]),
               [hashes[i].tobytes() for i in range(lo, hi)], sigs[lo:hi])
         w.commit({"files": []})
         dirs.append(d)
-    return dirs, sigs, hashes
+    return dirs, sigs, hashes, texts
 
 
 @pytest.mark.parametrize("bands", [None, 4])
 def test_external_dedup_decides_as_the_in_memory_functions(tmp_path: Path, bands):
-    dirs, sigs, hashes = planted_corpus(tmp_path / "parts")
+    dirs, sigs, hashes, texts = planted_corpus(tmp_path / "parts")
     corpus = Corpus.open(dirs, tmp_path / "flags")
     spec = DedupSpec(num_perm=NUM_PERM, threshold=0.8, bands=bands)
     budget = tiny_budget()
@@ -101,7 +102,7 @@ def test_external_dedup_decides_as_the_in_memory_functions(tmp_path: Path, bands
 
     want_exact = exact_duplicates([h.tobytes() for h in hashes])
     kept_idx = np.flatnonzero(~want_exact)
-    want_near = near_duplicates(sigs[kept_idx], spec.threshold, bands)
+    want_near = near_duplicates(sigs[kept_idx], spec.threshold, bands, texts=[texts[i] for i in kept_idx])
     flags = corpus.flags.read(0, corpus.n_docs)
     np.testing.assert_array_equal((flags & EXACT_DUP) != 0, want_exact)
     want_near_mask = np.zeros(len(sigs), dtype=bool)
@@ -122,7 +123,7 @@ def test_external_dedup_decides_as_the_in_memory_functions(tmp_path: Path, bands
 
 
 def test_near_duplicate_clusters_need_memory_for_their_documents(tmp_path: Path):
-    dirs, _, _ = planted_corpus(tmp_path / "parts", n=3000)
+    dirs, _, _, _ = planted_corpus(tmp_path / "parts", n=3000)
     corpus = Corpus.open(dirs, tmp_path / "flags")
     starved = MemoryBudget(2 * PROCESS_BASE + 4096, 1)  # 2 KiB for the cluster graph
     with pytest.raises(Exception, match="near-duplicate pairs.*data.memory_limit"):

@@ -271,7 +271,8 @@ def test_the_dataset_is_the_in_memory_pipelines(tmp_path: Path):
     sigs = np.concatenate([p.signatures() for p in parts])
     keep = ~exact_duplicates(hashes)
     kept_idx = np.flatnonzero(keep)
-    keep[kept_idx[near_duplicates(sigs[kept_idx], 0.7).duplicate]] = False
+    near = near_duplicates(sigs[kept_idx], 0.7, texts=[texts[i] for i in kept_idx], ngram=spec.dedup.ngram)
+    keep[kept_idx[near.duplicate]] = False
     assert prepared.stats["dedup"]["exact_removed"] >= 1 and prepared.stats["dedup"]["near_removed"] >= 1
     kept = [i for i in range(len(texts)) if keep[i]]
     held = heldout_mask([hashes[i] for i in kept], 3, spec.heldout_fraction)

@@ -12,7 +12,9 @@ collection that grows with the corpus lives on disk, as sorted runs (spill.py), 
   doc(8)`; sorted, each run of equal `band | rows` is an LSH bucket, and every member but the first
   pairs with the first. The pairs `a(8) | b(8)` are sorted again, which drops repeats (the same pair
   found in several bands) and orders them by their first document.
-- Near, confirmation: a block of pairs at a time, both signatures read from their parts.
+- Near, confirmation: a block of pairs at a time, both signatures read from their parts; pairs whose
+  agreement is within `dedup.confirm_margin` of the threshold are decided by their exact Jaccard
+  similarity, both texts read from their parts, in sub-blocks of bounded text size.
 - Near, clusters: connected components of the confirmed pairs by minimum-label propagation over the
   edges, streamed from disk each round; a component's label converges to its smallest document, so
   every other member is a duplicate. This keeps one integer per document that is in some confirmed
@@ -32,7 +34,7 @@ import numpy as np
 
 from runyard.data.budget import MemoryBudget
 from runyard.data.corpus import EXACT_DUP, NEAR_DUP, REMOVED, Corpus
-from runyard.data.dedup import optimal_bands
+from runyard.data.dedup import confirm_margin, exact_jaccard, optimal_bands
 from runyard.data.errors import MemoryBudgetTooSmall
 from runyard.data.minhash import EMPTY
 from runyard.data.spill import FlagFile, SortedRuns, as_records, field
@@ -103,7 +105,7 @@ def near_dedup(corpus: Corpus, spec: DedupSpec, work: Path, budget: MemoryBudget
     _bucket_pairs(buckets, 2 + 4 * r, pairs)
     buckets.remove()
     edges_path = work / "edges.u64"
-    candidates = _confirm(corpus, pairs, spec.threshold, edges_path, budget)
+    candidates = _confirm(corpus, pairs, spec, edges_path, budget)
     pairs.remove()
     nodes, labels = _components(edges_path, budget)
     duplicate = labels != np.arange(len(nodes))
@@ -154,12 +156,32 @@ def _bucket_pairs(buckets: SortedRuns, key_bytes: int, pairs: SortedRuns) -> Non
         previous_first = int(first[-1])
 
 
-def _confirm(corpus: Corpus, pairs: SortedRuns, threshold: float, edges_path: Path,
+def _texts_of(corpus: Corpus, docs: np.ndarray) -> list[str]:
+    """The texts of the given global documents, in their order."""
+    where = corpus.locate(docs)
+    return [corpus.parts[p].texts(d - int(corpus.starts[p]), d - int(corpus.starts[p]) + 1)[0]
+            for p, d in zip(where.tolist(), np.asarray(docs).tolist(), strict=True)]
+
+
+def _bytes_of(corpus: Corpus, docs: np.ndarray) -> np.ndarray:
+    out = np.empty(len(docs), dtype=np.int64)
+    where = corpus.locate(docs)
+    for p in np.unique(where):
+        sel = np.flatnonzero(where == p)
+        local = docs[sel] - corpus.starts[p]
+        out[sel] = [int(corpus.parts[p].nbytes(i, i + 1)[0]) for i in local.tolist()]
+    return out
+
+
+def _confirm(corpus: Corpus, pairs: SortedRuns, spec: DedupSpec, edges_path: Path,
              budget: MemoryBudget) -> int:
-    """Write the candidate pairs whose signatures agree on at least `threshold` of their entries to
-    `edges_path`; returns the number of distinct candidate pairs."""
+    """Write the confirmed candidate pairs (see the module doc) to `edges_path`; returns the number of
+    distinct candidate pairs."""
     num_perm = corpus.parts[0].num_perm if corpus.parts else 1
     per_block = max(1024, budget.sort_block_bytes // (4 * 4 * num_perm))
+    # Text, its shingle hashes and their sorted copies: about 8 bytes of work per byte of text.
+    text_bytes = max(1 << 16, budget.sort_block_bytes // 8)
+    margin = confirm_margin(spec.threshold, num_perm)
     candidates = 0
     previous: bytes | None = None
     pending: list[np.ndarray] = []
@@ -169,7 +191,15 @@ def _confirm(corpus: Corpus, pairs: SortedRuns, threshold: float, edges_path: Pa
         def confirm(block: np.ndarray) -> None:
             a, b = field(block, 0, "u8").astype(np.int64), field(block, 8, "u8").astype(np.int64)
             agree = (corpus.signature_rows(a) == corpus.signature_rows(b)).mean(axis=1)
-            ok = agree >= threshold
+            ok = agree >= spec.threshold
+            close = np.flatnonzero(np.abs(agree - spec.threshold) < margin)
+            if len(close):
+                size = _bytes_of(corpus, a[close]) + _bytes_of(corpus, b[close])
+                group = np.cumsum(size) // text_bytes  # sub-blocks of about text_bytes (a larger pair alone)
+                for g in np.unique(group):
+                    sel = close[group == g]
+                    pair = np.stack([a[sel], b[sel]], axis=1)
+                    ok[sel] = exact_jaccard(pair, lambda docs: _texts_of(corpus, docs), spec.ngram) >= spec.threshold
             with writing("near-duplicate pairs", edges_path.parent):
                 edges.write(np.stack([a[ok], b[ok]], axis=1).astype("<u8").tobytes())
 

@@ -3,8 +3,8 @@
 The hot path never calls Python per word or per shingle: a batch of documents is joined into one byte
 array, words are found by a byte-class table, each word is hashed by a polynomial prefix hash (one
 cumulative sum for the whole batch), shingles combine `ngram` consecutive word hashes, and the
-`num_perm` hash functions are one broadcast multiply-add-shift over a [shingles, num_perm] block reduced
-per document with `np.minimum.reduceat`.
+`num_perm` hash functions are one broadcast multiply-add over a [num_perm, shingles] block reduced
+per document with `np.minimum.reduceat` along the contiguous shingle axis.
 
 Words are maximal runs of ASCII letters, digits, '_' and non-ASCII bytes, lower-cased (ASCII). Hash
 family: h_p(x) = (a_p * x + b_p) mod 2^64 on 32-bit shingle hashes (multiply-add-shift; the minimum
@@ -27,8 +27,10 @@ for _c in b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_":
 _WORD_BYTE[0x80:] = True
 _LOWER = np.arange(256, dtype=np.uint8)
 _LOWER[ord("A") : ord("Z") + 1] += 32
+_LOWER_PLUS_1 = _LOWER.astype(np.uint64) + np.uint64(1)  # a byte's term in the word hash, before P^i
 
-_CHUNK = 2048  # shingles per broadcast block: [2048, 128] uint64 = 2 MiB, near cache size
+_BATCH_CHARS = 4_000_000  # text per shingle_hashes call
+_CHUNK = 8192  # shingles per broadcast block: [128, 8192] uint64 = 8 MiB; fewer, longer numpy calls
 
 
 def _mix64(x: np.ndarray) -> np.ndarray:
@@ -49,11 +51,15 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     cached = _POW_CACHE.get(0)
     if cached is None or len(cached[0]) < n:
         size = max(n, 1 << 20, 2 * (len(cached[0]) if cached else 0))
+        pw, inv = np.ones(size, dtype=_U64), np.ones(size, dtype=_U64)
+        pw[1:2], inv[1:2] = _U64(_P), _U64(_P_INV)
+        step = 2  # [0, step) is filled; [step, 2 step) is that times P^step: log2(size) vector multiplies
         with np.errstate(over="ignore"):
-            pw = np.cumprod(np.full(size, _P, dtype=_U64), dtype=_U64)
-            inv = np.cumprod(np.full(size, _P_INV, dtype=_U64), dtype=_U64)
-        pw = np.concatenate([[_U64(1)], pw[:-1]])
-        inv = np.concatenate([[_U64(1)], inv[:-1]])
+            while step < size:
+                m = min(step, size - step)
+                np.multiply(pw[:m], pw[step - 1] * _U64(_P), out=pw[step : step + m])
+                np.multiply(inv[:m], inv[step - 1] * _U64(_P_INV), out=inv[step : step + m])
+                step *= 2
         _POW_CACHE[0] = cached = (pw, inv)
     return cached[0][:n], cached[1][:n]
 
@@ -66,41 +72,46 @@ def shingle_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray
     lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
     doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(encoded) else np.zeros(0, np.int64)
     buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
-    buf = _LOWER[buf]
-    is_word = _WORD_BYTE[buf].astype(np.int8)
-    edges = np.diff(is_word, prepend=np.int8(0), append=np.int8(0))
-    starts = np.flatnonzero(edges == 1)
-    ends = np.flatnonzero(edges == -1)
+    is_word = _WORD_BYTE[buf].view(np.int8)  # case does not change a byte's class
+    # Word boundaries alternate (start, end, start, ...) because the batch begins and ends outside a word.
+    bounds = np.flatnonzero(np.diff(is_word, prepend=np.int8(0), append=np.int8(0)))
+    starts, ends = bounds[0::2], bounds[1::2]
     if len(starts) == 0:
         return np.zeros(0, np.uint32), np.zeros(0, np.int64)
     pw, inv = _powers(len(buf) + 1)
     with np.errstate(over="ignore"):
-        prefix = np.concatenate(
-            [[_U64(0)], np.cumsum((buf.astype(_U64) + _U64(1)) * pw[: len(buf)], dtype=_U64)]
-        )
+        # Word hash: sum of (lower-cased byte + 1) * P^(offset in word), from one prefix sum over the batch.
+        prefix = np.empty(len(buf) + 1, dtype=_U64)
+        prefix[0] = 0
+        np.take(_LOWER_PLUS_1, buf, out=prefix[1:], mode="clip")  # 'raise' would buffer `out`
+        np.multiply(prefix[1:], pw[: len(buf)], out=prefix[1:])
+        np.cumsum(prefix[1:], out=prefix[1:])
         words = _mix64((prefix[ends] - prefix[starts]) * inv[starts])
     word_doc = np.searchsorted(doc_start, starts, side="right") - 1
     nw = len(words)
-    # Shingle i combines words i..i+ngram-1 that belong to the same document as word i.
-    acc = np.zeros(nw, dtype=_U64)
+    words_in_doc = np.bincount(word_doc, minlength=len(texts))
+    first_of_doc = np.ones(nw, dtype=bool)
+    first_of_doc[1:] = word_doc[1:] != word_doc[:-1]
+    # Shingle i is sum_k words[i+k] * Q^k over its `ngram` words; positions whose window crosses into
+    # the next document are dropped below, except a short document's single shingle, summed apart.
+    short = np.flatnonzero(first_of_doc & (words_in_doc[word_doc] < ngram))
+    short_len = words_in_doc[word_doc[short]]
+    acc = words.copy()
+    acc_short = words[short]
     q = _U64(1)
     with np.errstate(over="ignore"):
-        for k in range(ngram):
-            same = np.zeros(nw, dtype=bool)
-            same[: nw - k] = word_doc[k:] == word_doc[: nw - k]
-            shifted = np.zeros(nw, dtype=_U64)
-            shifted[: nw - k] = words[k:]
-            acc += np.where(same, shifted * q, _U64(0))
+        for k in range(1, ngram):
             q = q * _U64(_Q)
+            if nw > k:
+                acc[: nw - k] += words[k:] * q
+            more = short_len > k
+            acc_short[more] += words[short[more] + k] * q
     full = np.zeros(nw, dtype=bool)
     if nw >= ngram:
         full[: nw - ngram + 1] = word_doc[ngram - 1 :] == word_doc[: nw - ngram + 1]
-    first_of_doc = np.ones(nw, dtype=bool)
-    first_of_doc[1:] = word_doc[1:] != word_doc[:-1]
-    words_in_doc = np.bincount(word_doc, minlength=len(texts))
-    short = first_of_doc & (words_in_doc[word_doc] < ngram)
-    keep = full | short
-    return (_mix64(acc[keep]) >> _U64(32)).astype(np.uint32), word_doc[keep]
+    acc[short] = acc_short
+    full[short] = True
+    return (_mix64(acc[full]) >> _U64(32)).astype(np.uint32), word_doc[full]
 
 
 def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -122,7 +133,7 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, seed: int 
     for i, text in enumerate(texts):
         batch.append(text)
         size += len(text)
-        if size >= 4_000_000 or i == len(texts) - 1:
+        if size >= _BATCH_CHARS or i == len(texts) - 1:
             _signatures_into(out[first : i + 1], batch, a, b, ngram)
             first, batch, size = i + 1, [], 0
     return out
@@ -133,14 +144,17 @@ def _signatures_into(out: np.ndarray, texts: list[str], a: np.ndarray, b: np.nda
     if len(hashes) == 0:
         return
     x = hashes.astype(_U64)
-    block = np.empty((_CHUNK, len(a)), dtype=_U64)
+    # Permutations on the outer axis: the per-document minimum then runs along contiguous memory
+    # (reduceat over the outer axis of a [shingles, num_perm] block was 20x slower per element).
+    block = np.empty((len(a), _CHUNK), dtype=_U64)
+    a_col, b_col = a[:, None], b[:, None]
     for lo in range(0, len(x), _CHUNK):
         xs, ds = x[lo : lo + _CHUNK], doc[lo : lo + _CHUNK]
-        h = block[: len(xs)]
+        h = block[:, : len(xs)]
         # The minimum of the full 64-bit (a*x + b) is the min-hash; its top 32 bits are stored.
-        np.multiply(xs[:, None], a[None, :], out=h)
-        h += b[None, :]
+        np.multiply(a_col, xs[None, :], out=h)
+        h += b_col
         bounds = np.flatnonzero(np.concatenate([[True], ds[1:] != ds[:-1]]))
-        mins = (np.minimum.reduceat(h, bounds, axis=0) >> _U64(32)).astype(np.uint32)
+        mins = (np.minimum.reduceat(h, bounds, axis=1) >> _U64(32)).astype(np.uint32).T
         rows = ds[bounds]
         out[rows] = np.minimum(out[rows], mins)
