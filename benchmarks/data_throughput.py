@@ -246,8 +246,9 @@ def near_duplicate_figures(texts, planted, mb: float, args, report: Report) -> N
         p, r, n = quality[name]
         print(f"  {name:<30} {s.rate(mb).spread()} MB/s   precision {p:.3f} recall {r:.3f} ({n} pairs)")
     ours = samples["runyard"]
+    # targets: issue 32 asks >= 5x datatrove at its fastest documented configuration
     for key, peer, target in [("datasketch", "datasketch", 1.0), ("datatrove_defaults", "datatrove (spaCy, disk)", 5.0),
-                              ("datatrove_fastest", "datatrove (str.split, memory)", 1.0)]:
+                              ("datatrove_fastest", "datatrove (str.split, memory)", 5.0)]:
         report.ratio(f"minhash_vs_{key}", paired_ratio(samples[peer], ours), f"{peer}, 1 process", ">=", target,
                      {"runyard_mb_s": mb / ours.median, "peer_mb_s": mb / samples[peer].median,
                       "precision_recall": {k: quality[k][:2] for k in ("runyard", peer)}})
