@@ -267,8 +267,10 @@ def _prepare(spec: InstructDataSpec, kind: Kind, tokenizer_path: Path, context_l
         steps.append({"step": "exact_dedup", "records": int(keep.sum())})
     if spec.dedup.near and keep.sum() > 1:
         kept = np.flatnonzero(keep)
-        sigs = minhash.signatures([texts[i] for i in kept], spec.dedup.num_perm, spec.dedup.ngram, spec.dedup.seed)
-        near = near_duplicates(sigs, spec.dedup.threshold, spec.dedup.bands)
+        kept_texts = [texts[i] for i in kept]
+        sigs = minhash.signatures(kept_texts, spec.dedup.num_perm, spec.dedup.ngram, spec.dedup.seed)
+        # pairs near the threshold decided by their exact Jaccard, as the pretraining data stage does
+        near = near_duplicates(sigs, spec.dedup.threshold, spec.dedup.bands, texts=kept_texts, ngram=spec.dedup.ngram)
         keep[kept[near.duplicate]] = False
         dedup.update(near_removed=int(near.duplicate.sum()), bands=near.bands, rows=near.rows,
                      largest_clusters=[{"size": len(c), "kept": records[kept[c[0]]].id,
