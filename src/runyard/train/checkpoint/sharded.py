@@ -181,7 +181,10 @@ def read_optimizer_state(path: Path, map_location: str | torch.device = "cpu") -
     `exp_avg`, `exp_avg_sq`, `step` for AdamW), in this process alone: for tests and inspection."""
     out: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in _read_tensors(path, OPTIM_KEY, map_location).items():
-        if key[0] == "state":
+        if len(key) == 1 and key[0].startswith("state."):  # saved flat: "state.<name>.<moment>"
+            name, moment = key[0][len("state."):].rsplit(".", 1)
+            out.setdefault(name, {})[moment] = value
+        elif key[0] == "state":  # saved nested (before optimizer state was saved by name)
             out.setdefault(".".join(key[1:-1]), {})[key[-1]] = value
     return out
 
