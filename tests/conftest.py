@@ -37,6 +37,7 @@ NEEDS_LIBRARY = {
     "test_init_weights.py": "transformers",
     "test_prediction.py": "sklearn",
     "test_tabular_families.py": "lightgbm",
+    "test_gguf.py": "gguf",
 }
 
 
