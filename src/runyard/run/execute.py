@@ -482,16 +482,21 @@ def execute_run(
         raise SpecError("--stage", [("--stage", only_stage, f"one of the spec's stages {names}")])
     check_weights_in(spec)  # exit 2 before any work when the spec cannot run on its initial weights
     check_records_in(spec)  # exit 2 before any work when an sft/dpo record is bad (on_bad_record: error)
-    check_data_in(spec)  # exit 2 before any work when a table or the images cannot train the spec
+    # exit 2 before any work when a table or the images cannot train the spec; the table read here is the one
+    # the run trains on (the same reader and split seed), so it is not read a second time
+    checked = check_data_in(spec)
+    table = checked.table if checked is not None else None
     ctx = parallel.setup(spec.resources.device)
     try:
         with rundir.writing(run_dir, ctx.rank):
-            return _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from)
+            return _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from,
+                                   table)
     finally:
         parallel.teardown()
 
 
-def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from) -> RunSummary:
+def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluate, restart_from,
+                    table=None) -> RunSummary:
     threads = _configure_threads(spec)
     if ctx.is_main:
         open_run_dir(spec, run_dir, restart_from)
@@ -503,12 +508,12 @@ def _execute_locked(spec, run_dir, ctx, argv, only_stage, show_progress, evaluat
             check_run_disk(spec, run_dir)  # checkpoints and export; the data stage checks its cache
     parallel.barrier(ctx)
     with mirrored(spec, run_dir, ctx.is_main):  # MLflow/TensorBoard, from a process of its own (runyard.tracking)
-        return _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate)
+        return _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate, table)
 
 
-def _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate) -> RunSummary:
+def _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate, table=None) -> RunSummary:
     if spec.task != "language_model":
-        return _execute_task(spec, run_dir, ctx, threads.threads, only_stage, show_progress, evaluate)
+        return _execute_task(spec, run_dir, ctx, threads.threads, only_stage, show_progress, evaluate, table)
     stop = StopRequest()
     with stop_on_signals(stop):
         prepared = prepare(spec, run_dir, ctx, show_progress)
@@ -527,11 +532,12 @@ def _execute_work(spec, run_dir, ctx, threads, only_stage, show_progress, evalua
     return summary
 
 
-def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate) -> RunSummary:
+def _execute_task(spec, run_dir, ctx, threads, only_stage, show_progress, evaluate, table=None) -> RunSummary:
     """A tabular or image run (runyard.run.predictive; its libraries, the extra runyard[predict], load there)."""
     stop = StopRequest()
     with stop_on_signals(stop):
-        result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate)
+        result = run_predictive.execute_task_run(spec, run_dir, ctx, stop, threads, only_stage, show_progress, evaluate,
+                                                 table)
     return RunSummary(run_dir, result.stages, fit_to_ship=result.fit_to_ship, evaluated=result.evaluated,
                       prediction=result.prediction, reasons=result.reasons)
 

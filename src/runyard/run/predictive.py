@@ -102,12 +102,14 @@ def _evaluate(task_is_classification: bool, y: np.ndarray, output: np.ndarray, t
 
 
 def execute_task_run(spec: JobSpec, run_dir: Path, ctx: parallel.DistContext, stop: StopRequest, threads: int,
-                     only_stage: str | None = None, show_progress: bool = True, evaluate: bool = True) -> TaskRunResult:
+                     only_stage: str | None = None, show_progress: bool = True, evaluate: bool = True,
+                     table: PreparedTable | None = None) -> TaskRunResult:
     """Run (or continue) a tabular or image spec in the locked `run_dir` (see the module's docstring);
-    `threads`: each process's CPU threads (runyard/system/cpus.py), torch's already, given to LightGBM here."""
+    `threads`: each process's CPU threads (runyard/system/cpus.py), torch's already, given to LightGBM here;
+    `table`: the table as the pre-flight prepared it (runyard.plan.task_data), else it is read here."""
     if spec.task == IMAGE_TASK:
         return _image_run(spec, run_dir, ctx, stop, only_stage, show_progress, evaluate)
-    return _table_run(spec, run_dir, threads, only_stage, evaluate)
+    return _table_run(spec, run_dir, threads, only_stage, evaluate, table)
 
 
 def _record_task(run_dir: Path, spec: JobSpec, family: str, chosen: str, summary: DataSummary,
@@ -155,9 +157,10 @@ def _stage_metrics(spec: JobSpec, run_dir: Path) -> dict[str, list[dict]]:
 
 
 # -- tables ----------------------------------------------------------------------------------------------
-def _table_run(spec: JobSpec, run_dir: Path, threads: int, only_stage: str | None, evaluate: bool) -> TaskRunResult:
+def _table_run(spec: JobSpec, run_dir: Path, threads: int, only_stage: str | None, evaluate: bool,
+               table: PreparedTable | None = None) -> TaskRunResult:
     seeds = _seeds(spec)
-    prepared = prepare_table(spec.data, spec.task, seeds["split"])
+    prepared = table if table is not None else prepare_table(spec.data, spec.task, seeds["split"])
     kinds = {f.name: f.kind for f in prepared.schema.features}
     write_table_report(run_dir / "data", prepared.stats, prepared.train_columns, kinds)
     summary = table_summary(spec.task, prepared)
