@@ -4,6 +4,8 @@ weigh training against a lifetime of inference."""
 from __future__ import annotations
 
 import argparse
+import importlib
+import importlib.util
 import json
 import math
 from pathlib import Path
@@ -18,7 +20,6 @@ from runyard.plan.sizing import human_bytes
 from runyard.plan.weights_in import check_weights_in
 from runyard.run.execute import default_run_dir
 from runyard.run.preflight import preflight
-from runyard.run.serving_probe import predict_probe
 from runyard.spec.job import load_spec
 from runyard.system.files import atomic_write_json
 
@@ -104,6 +105,14 @@ def register(verbs: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=cmd_plan)
 
 
+def _serving_probe():
+    """The /v1/predict probe (run/serving_probe.py) when the serving stack is installed; without it (a base
+    install: the probe serves through uvicorn) the plan's serving capacity uses the stated figures and says so."""
+    if any(importlib.util.find_spec(name) is None for name in ("uvicorn", "fastapi")):
+        return None
+    return importlib.import_module("runyard.run.serving_probe").predict_probe
+
+
 def cmd_plan(args) -> int:
     spec = load_spec(args.spec)
     _check_units(spec.task, args)
@@ -113,7 +122,7 @@ def cmd_plan(args) -> int:
     scans = check_records_in(spec)  # every sft/dpo record parsed and checked (or exit 2, listing the bad ones)
     traffic = traffic_from(spec, args.traffic, args.tokens_per_request, args.rows_per_request)
     plan = make_plan(spec, pre.files, run_dir, calibrate=not args.no_calibrate, traffic=traffic,
-                     budget_s=args.budget_s, serving_probe=predict_probe)
+                     budget_s=args.budget_s, serving_probe=_serving_probe())
     png = None
     if plan.lifetime is not None:
         png = plot_lifetime(plan.lifetime, args.png or Path(f"{spec.name}-lifetime.png"))
