@@ -52,3 +52,23 @@ def screenshot_dir(tmp_path: Path, folder: str) -> Path:
     out = Path(base) / folder if base else tmp_path / folder
     out.mkdir(parents=True, exist_ok=True)
     return out
+
+
+MARK = "__runyardPreviousPage"  # set on the page a click leaves; a new document does not have it
+
+
+def click_to_new_page(driver, element_id: str, timeout_s: float = 20) -> None:
+    """Click a button or link that loads a page, and return once the new document has replaced the old and
+    finished loading. Waiting for the old <html> element to go stale is not enough: Chromium answers a lookup
+    made while the next page is still loading with "Node with given id does not belong to the document" (a
+    plain WebDriverException, not a stale-element one), so the wait ignores those and checks a mark instead."""
+    from selenium.common.exceptions import WebDriverException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    driver.execute_script(f"window.{MARK} = true;")
+    driver.find_element("id", element_id).click()
+
+    def loaded(d) -> bool:
+        return d.execute_script(f"return window.{MARK} === undefined && document.readyState === 'complete';")
+
+    WebDriverWait(driver, timeout_s, ignored_exceptions=(WebDriverException,)).until(loaded)

@@ -15,7 +15,7 @@ import pytest
 from runyard.control.ui import create_ui, failures_by_class
 from runyard.system.http_thread import AppThread, free_port
 from runyard.system.web_sessions import COOKIE_NAME
-from tests.browser import chrome, screenshot_dir
+from tests.browser import chrome, click_to_new_page, screenshot_dir
 
 from .helpers import job
 
@@ -108,7 +108,7 @@ def test_the_console_in_a_browser(console, tmp_path):
         driver.get(console["url"] + "/")
         assert driver.current_url.endswith("/sign-in")
         driver.find_element("id", "token").send_keys(console["client"].token)
-        driver.find_element("id", "sign-in").click()
+        click_to_new_page(driver, "sign-in")
         assert driver.find_element("id", "device-summary").text.startswith("0 of 1 free")
         assert "waiting" in driver.find_element("id", "queue").text
         assert "user_error" in driver.find_element("id", "failures").text

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 
 from runyard.market.server import ServerThread
-from tests.browser import chrome, screenshot_dir
+from tests.browser import chrome, click_to_new_page, screenshot_dir
 
 from .helpers import HOUR, listing, new_party, open_market, operator_client
 
@@ -35,13 +35,8 @@ class Page:
         box.send_keys(value)
 
     def click(self, element_id: str) -> None:
-        """Click a button or link that loads a page, and wait until the new page has replaced the old."""
-        from selenium.webdriver.support.expected_conditions import staleness_of
-        from selenium.webdriver.support.ui import WebDriverWait
-
-        old = self.driver.find_element("tag name", "html")
-        self.driver.find_element("id", element_id).click()
-        WebDriverWait(self.driver, 20).until(staleness_of(old))
+        """Click a button or link that loads a page, and wait until the new page has loaded."""
+        click_to_new_page(self.driver, element_id)
 
     def shot(self, name: str) -> None:
         self.n += 1
