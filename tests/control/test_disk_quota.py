@@ -28,12 +28,15 @@ from runyard.control.store import JobStore
 MIB = 1 << 20
 # Writes 1 MiB files into its TMPDIR (inside the work folder) until told no, at most 200 MiB: a
 # watchdog that failed would let it finish (exit 0), never fill the provider's disk.
+# 200 MiB at 1 MiB per 10 ms: at least 2 s, twenty watchdog intervals of 0.1 s, however loaded the machine
+# (without the pause a fast disk takes it all between two looks of a starved watchdog thread).
 FILL = """
-import os, sys
+import os, sys, time
 tmp = os.environ['TMPDIR']
 for i in range(200):
     with open(os.path.join(tmp, f'f{i}'), 'wb') as f:
         f.write(b'x' * (1 << 20))
+    time.sleep(0.01)
 print('wrote it all')
 """
 
@@ -114,6 +117,21 @@ def test_the_watchdog_counts_files_and_keeps_the_floor(tmp_path):
         disk_quota.check_floor(work, 0, 1 << 62)
 
 
+def test_a_job_that_ended_past_its_quota_between_two_looks_is_still_past_it(tmp_path):
+    work = tmp_path / "work"
+    work.mkdir()
+    killed = []
+    watchdog = disk_quota.Watchdog(work, disk_quota.DiskQuota(64 * 1024, 100, 0), lambda: killed.append(1),
+                                   interval_s=3600).start()  # no look while the "job" runs
+    (work / "big").write_bytes(b"x" * (256 * 1024))
+    watchdog.stop()
+    assert watchdog.tenants and "went past its disk quota of 65536 bytes" in watchdog.reason
+    assert killed == []  # nothing left to kill: the reason alone makes it the tenant's failure
+    within = disk_quota.Watchdog(work, disk_quota.DiskQuota(1 << 30, 100, 1 << 62), lambda: None, 3600).start()
+    within.stop()
+    assert within.reason is None  # the floor is not judged after the job: it takes no more disk
+
+
 def test_a_disk_quota_failure_is_the_tenants_and_not_retried():
     assert classify_exit(EXIT_DISK_QUOTA, None) == (None, FailureReason.DISK_QUOTA)
     decision = decide(RetryPolicy(), FailureReason.DISK_QUOTA, EXIT_DISK_QUOTA, [[0.0, "disk_quota"]], 1.0)
@@ -134,8 +152,11 @@ def test_the_default_per_file_bound_holds_in_the_sandbox(sandboxed, lease):
     _policy(lease, **limits, disk_interval_s=30)
     out = _run(lease, "import errno\ntry:\n    open('run/big', 'wb').write(b'x' * (5 << 20))\n"
                       "except OSError as e:\n    print(errno.errorcode[e.errno])")
-    assert out.returncode == 0 and out.stdout.strip() == "EFBIG", out.stderr
+    assert out.stdout.strip() == "EFBIG", out.stderr  # the kernel stopped the write at the quota's bytes
     assert f"RLIMIT_FSIZE {4 * MIB}" in out.stderr
+    # The 4 MiB file and the work folder's own folders are past the 4 MiB quota: the watchdog's last look
+    # (no look in the 30 s interval) makes that the tenant's failure.
+    assert out.returncode == EXIT_DISK_QUOTA and "went past its disk quota" in out.stderr, out.stderr
 
 
 def test_the_sandboxs_tmp_and_shm_have_a_size(sandboxed, lease):

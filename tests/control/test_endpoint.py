@@ -82,9 +82,10 @@ def _healthy(endpoint: Endpoint) -> bool:
 
 def test_the_endpoint_admits_only_the_leases_token_and_streams(relay, tmp_path):
     r = relay()
-    endpoint = Endpoint(r.socket, token_digest(TOKEN), probe_interval_s=0.1).start()
+    endpoint = Endpoint(r.socket, token_digest(TOKEN), probe_interval_s=0.1)
+    _until(lambda: _healthy(endpoint))  # before the prober starts: its probes all find the server up
+    endpoint.start()
     try:
-        _until(lambda: _healthy(endpoint))
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {TOKEN}"}):
             refused = httpx.post(f"{endpoint.url}/echo", json={"a": 1}, headers=headers)
             assert refused.status_code == 401 and refused.json()["error"]["type"] == "authentication_error"

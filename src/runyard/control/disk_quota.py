@@ -179,17 +179,26 @@ class Watchdog:
         return self
 
     def stop(self) -> None:
+        """Stop watching, with one last look at the quota: a job that wrote past it and ended between two
+        looks is still past it (what it left is in the work folder). The floor is not looked at again:
+        the job is over, so it takes no more of the provider's disk."""
         self._stop.set()
         self._thread.join()
+        if self.reason is None:
+            self._past_quota()
 
-    def check(self) -> str | None:
-        """One look; sets `reason` and `tenants` when the job must stop."""
+    def _past_quota(self) -> bool:
         used, files = usage(self.work) if self.scan else (0, 0)
         if used > self.quota.bytes or files > self.quota.files:
             self.tenants = True
             self.reason = (f"the job went past its disk quota of {self.quota.describe()}: its work folder "
                            f"{self.work} held {used} bytes and {files} files")
-        else:
+            return True
+        return False
+
+    def check(self) -> str | None:
+        """One look; sets `reason` and `tenants` when the job must stop."""
+        if not self._past_quota():
             with contextlib.suppress(OSError):
                 free = shutil.disk_usage(self.work).free
                 if free < self.quota.floor_bytes:
