@@ -45,7 +45,7 @@ def stdlib_corpus(path: Path, size: int) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.full)])
 def test_prepare_stays_under_the_memory_limit(tmp_path: Path, workers: int):
     limit = 512 * MIB if workers == 1 else 768 * MIB
     corpus = stdlib_corpus(tmp_path / "corpus.jsonl", 8_000_000)

@@ -59,7 +59,8 @@ def _until(what, timeout_s: float = 120, poll_s: float = 0.2):
         time.sleep(poll_s)
 
 
-@pytest.fixture(params=["sqlite", "postgres"])
+# PostgreSQL in the full tier: the market on PostgreSQL is the fast tier's in tests/market.
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.full)])
 def market_url(request, tmp_path):
     if request.param == "sqlite":
         yield str(tmp_path / "market.db")

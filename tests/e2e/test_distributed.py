@@ -130,6 +130,7 @@ def test_two_processes_match_one_process_at_every_step(one_process, tmp_path, pa
         assert torch.allclose(ref_w[name], w[name], rtol=0, atol=1e-4), name
 
 
+@pytest.mark.full  # fast tier: kill_anywhere kills a training process again and again and resumes bitwise
 def test_killed_worker_restarts_and_ends_bitwise_equal(tmp_path):
     patch = {"model": {"dropout": 0.1}, "train": {"steps": STEPS, "batch_size": 4, "grad_accum": 3},
              "checkpoint": {"interval": 4},
@@ -181,6 +182,7 @@ def stop_with_sigterm(spec: Path, run_dir: Path, nproc: int, after_step: int, ve
     return stopped
 
 
+@pytest.mark.full  # fast tier: a resume onto another layout (test_tensor_parallel, one process -> TP)
 def test_sigterm_and_resumes_onto_other_world_sizes_follow_the_same_curve(one_process, tmp_path):
     spec, ref_dir = one_process
     run_dir = tmp_path / "run"

@@ -148,6 +148,7 @@ def test_a_damaged_final_checkpoint_is_retrained_never_exported_stale(reference,
 
 
 # -- 10.3: gates computed from what was recorded ---------------------------------------------------------
+@pytest.mark.full  # a kill point; fast tier: the damaged final checkpoint and kills in training and prepare
 def test_a_kill_between_the_final_checkpoint_and_the_gates_resumes_to_the_same_gates(reference, tmp_path):
     run_dir = tmp_path / "run"
     shutil.copytree(reference, run_dir)
@@ -184,6 +185,7 @@ def test_a_second_writer_is_refused_and_readers_say_the_run_is_live(spec, refere
 
 
 # -- 10.5: leftovers -------------------------------------------------------------------------------------
+@pytest.mark.full  # a kill point; fast tier: kills in training again and again, and in prepare
 def test_a_kill_before_the_first_checkpoint_is_recorded_and_resumes_bitwise(reference, tmp_path, tree):
     # The first checkpoint at step 16 (saving a checkpoint changes no weight or random stream).
     spec = tmp_path / "spec.yaml"

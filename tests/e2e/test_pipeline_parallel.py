@@ -92,6 +92,7 @@ def test_two_stages_under_1f1b_match_one_process(one_process, pp_1f1b):
 
 
 @pytest.mark.slow
+@pytest.mark.full  # fast tier: the 1F1B schedule (the same stages, interleaved)
 def test_two_stages_under_gpipe_with_four_microbatches_match_one_process(one_process, tmp_path):
     pp = run(tmp_path, "gpipe", {"resources": {"parallel": {"pp": 2, "pp_schedule": "gpipe", "pp_microbatches": 4}}},
              "--nproc", "2")

@@ -28,7 +28,10 @@ from tests.control.helpers import require_sandbox
 from .conftest import TINY_SPEC, merge
 from .leases import ControlPlane, parties, reason, runyard, until
 
-pytestmark = pytest.mark.slow
+# The full tier (two environments built in the sandbox, two runs: the slowest test here). The fast tier keeps
+# the parts: an environment rebuilt from a lock (tests/reproduce), a lease's job run in the sandbox and
+# delivered (test_control_market), `runyard compare` (tests/reproduce/test_compare.py).
+pytestmark = [pytest.mark.slow, pytest.mark.full]
 PRICE = 3600
 
 

@@ -133,6 +133,7 @@ def test_the_digits_cnn_trains_through_the_loop_and_beats_its_baseline(tmp_path)
     assert again.prediction["metrics"] == p["metrics"]
 
 
+@pytest.mark.full  # fast tier: two DDP processes match one (test_distributed); the CNN trains (digits)
 def test_the_cnn_on_two_processes_follows_the_one_process_curve(tmp_path):
     """Several processes through the same loop: 2 ranks x 32 images take the very 64 images one rank
     takes per step (the loader's contract), and DDP averages their gradients, so every step's loss

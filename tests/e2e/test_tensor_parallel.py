@@ -150,6 +150,7 @@ def test_two_tensor_parallel_processes_match_one_process(one_process, tmp_path):
     assert_same_export(one, tp)
 
 
+@pytest.mark.full  # fast tier: the other direction (one process -> TP)
 def test_a_run_stopped_under_tensor_parallel_resumes_in_one_process(one_process, tmp_path):
     """tp 2 -> 1: the checkpoint written by two ranks' shards loads into one whole model and optimizer."""
     _spec_one, one = one_process

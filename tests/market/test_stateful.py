@@ -731,6 +731,8 @@ def machine_for(url_factory, backend: str):
 
 
 @pytest.mark.slow
+# On PostgreSQL in the full tier (the fast tier's concurrency and API tests run the market there).
+@pytest.mark.parametrize("backend", ["sqlite", pytest.param("postgres", marks=pytest.mark.full)])
 def test_random_operations_keep_every_invariant(backend, url_factory):
     REACHED.clear()
     # Each example's store is a copy of the session's migrated template (SQLite), not migrated afresh.
