@@ -14,7 +14,7 @@ from functools import partial
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-from runyard.control import procs
+from runyard.control import disk_quota, procs
 from runyard.control.client import ControlClient
 from runyard.control.store import JobStore
 from runyard.market import identity
@@ -102,3 +102,9 @@ class ControlPlane:
         with contextlib.suppress(Exception):
             for job in JobStore(self.state / "control.db").jobs():
                 procs.kill_job_processes(procs.instance_id(self.state), job.id)
+        # A lease still live when the test ends keeps its work folder's filesystem mounted (an agent that
+        # restarts finds it so); nothing restarts here, and a mount would outlive the test's tmp folder.
+        for lease_root in self.state.glob("agent/lease-*"):
+            if os.path.ismount(lease_root / "work"):
+                with contextlib.suppress(OSError, subprocess.SubprocessError):
+                    disk_quota.release(lease_root, remove_image=False)
