@@ -96,6 +96,7 @@ MUST_REACH = ("lease settled", "lease expired", "dispute resolved", "dispute fro
 # A revocation ends every lease of the party: more than this many per walk and the walks spend their steps
 # rebuilding what it ended instead of reaching the states after it.
 MAX_SUSPENSIONS = 2
+EXTRA_BUDGETS = 6  # random budgets after the derandomized one, run only while a MUST_REACH state is missed
 STANDING_KIND = "l4"
 STANDING_PERIOD = 600
 
@@ -332,7 +333,9 @@ def machine_for(url_factory, backend: str):
         def finish(self, data, how):
             """Drive one lease to an end: settled (with a disputed record resolved on the way, or not),
             or expired by its provider's silence. The other rules interleave with these walks."""
-            ids = self.ids(leases_table, state=["offered"] if how == "expire" else ["offered", "accepted", "running"])
+            # Block leases only: a standing lease reports availability, is not measured, and ends by its own rules.
+            ids = self.ids(leases_table, state=["offered"] if how == "expire" else ["offered", "accepted", "running"],
+                           form=["block"])
             if not ids:
                 return
             lease = self.row(leases_table, ids[0])
@@ -619,13 +622,23 @@ def machine_for(url_factory, backend: str):
                 dispute = self.row(disputes, result["dispute_id"])
                 assert dispute["claimed_device_seconds"] == seen <= record["device_seconds"]
 
-        @precondition(lambda self: bool(self.ids(usage_records, state=["reported"])))
+        @precondition(lambda self: bool(self.fresh_block_records()))
         @rule(data=st.data(), percent=st.sampled_from([0, 50, 90]))
         def doubt_a_fresh_record(self, data, percent):
-            """A tenant measures a record it has not answered yet and finds less than the tolerance: a
-            dispute opens by itself (enabled only while such a record exists, so that the walk reaches
-            this state whichever rules came before)."""
-            self.measure(data, percent)
+            """A tenant measures a block lease's record it has not answered yet and finds less than the
+            tolerance: a dispute opens by itself (enabled only while such a record exists, so that the walk
+            reaches this state whichever rules came before)."""
+            self.measure(data, percent, record_id=data.draw(st.sampled_from(self.fresh_block_records())))
+
+        def fresh_block_records(self) -> list[int]:
+            """Records still `reported` of block leases (a standing lease's availability is not measured so)."""
+            def read(conn, now):
+                return conn.execute(
+                    select(usage_records.c.id).order_by(usage_records.c.id)
+                    .join(leases_table, leases_table.c.id == usage_records.c.lease_id)
+                    .where(usage_records.c.state == "reported", leases_table.c.form == "block")).scalars().all()
+
+            return self.market.read(read)
 
         @precondition(lambda self: bool(self.ids(disputes, state=["open"])))
         @rule(data=st.data(), outcome=st.sampled_from(["upheld", "partial", "rejected"]))
@@ -739,12 +752,15 @@ def test_random_operations_keep_every_invariant(backend, url_factory):
     migrated = functools.partial(url_factory, migrated=True)
     run_state_machine_as_test(machine_for(migrated, backend), settings=SETTINGS)
     missed = [what for what in MUST_REACH if REACHED[what] == 0]
-    if missed:
-        # The derandomized walks are the same in every process (what they draw as sets is drawn as sorted
-        # lists: a set's order followed the process's hash seed, so each xdist worker walked elsewhere); any
-        # edit of the machine changes them, though. Coverage is a property of the walk budget, so a second
-        # budget of random walks may reach what they missed; every invariant is checked in these walks too.
-        print(f"the derandomized walks missed {missed}: a second budget of random walks")
+    # The derandomized walks are the same in every process (what they draw as sets is drawn as sorted lists:
+    # a set's order followed the process's hash seed), yet inside the whole suite they have missed states
+    # they reach alone, for a reason not found; and Hypothesis turns a random subset of rules off in each walk,
+    # so one budget of ten walks misses a rare state about half the time. Coverage is a property of the walk
+    # budget: further budgets of random walks (invariants checked in them too) until every state was reached.
+    for extra in range(1, EXTRA_BUDGETS + 1):
+        if not missed:
+            break
+        print(f"after {extra} budget(s) of walks, not yet reached: {missed}; another budget of random walks")
         run_state_machine_as_test(machine_for(migrated, backend),
                                   settings=settings(SETTINGS, derandomize=False, database=None))
         missed = [what for what in MUST_REACH if REACHED[what] == 0]
