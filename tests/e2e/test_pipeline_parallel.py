@@ -4,7 +4,11 @@ on the last), driven by torch.distributed.pipelining's Schedule1F1B or ScheduleG
 of accumulation. Per-step losses, gradient norms and held-out losses equal the one-process run within fp32
 tolerance; the gates pass and the export is written from the model gathered to rank 0; the checkpoint
 holds the whole model under its own names, so a one-process job resumes it (pp 2 -> 1) and ends on the
-one-process curve. A layout or a stage pipeline parallel does not train is refused naming the field."""
+one-process curve. An sft stage (masks, records of uneven supervised counts, rows padded to the stage's
+context so the stages exchange one shape) trains under pp 2 as in one process: the schedule's loss skips the
+ignore index and is scaled by the step's global supervised count, so its per-step losses, held-out response
+losses and step-1 gradients are the one-process run's. A layout or a stage pipeline parallel does not train
+(dpo, LoRA) is refused naming the field."""
 
 from __future__ import annotations
 
@@ -23,6 +27,8 @@ from runyard.train import checkpoint as ckpt
 from runyard.train import parallel, pipeline
 
 from .conftest import TINY_SPEC, merge, runyard
+from .test_tensor_parallel import first_moments
+from .uneven_records import sft_stage_patch, write_uneven_records
 
 STEPS = 12
 SPEC = {
@@ -118,6 +124,46 @@ def test_a_pipeline_checkpoint_resumes_on_one_process(one_process, pp_1f1b, tmp_
     assert_same_weights(weights(one_process), weights(resumed))
 
 
+@pytest.mark.slow
+def test_an_sft_stage_under_1f1b_matches_one_process(tmp_path):
+    """Masks under pp 2, 20 steps of two accumulated batches, each run by 1F1B in two chunks whose supervised
+    counts differ: the one-process losses, held-out response losses, padding and step-1 gradients."""
+    # every step checkpointed and kept: step 1's holds the first gradients
+    patch = merge(sft_stage_patch(write_uneven_records(tmp_path / "records.jsonl")),
+                  {"train": {"steps": 20}, "eval": {"interval": 5}, "checkpoint": {"interval": 1, "keep_last": 20}})
+    one = run(tmp_path, "one", patch, verb="run")  # `run`: the export tells the model's shape
+    pp = run(tmp_path, "pp", merge(patch, {"resources": {"parallel": {"pp": 2}}}), "--nproc", "2", verb="run")
+    ra, rb = rows(one), rows(pp)
+    assert [r["step"] for r in ra] == list(range(1, 21))
+    assert_same_curve(ra, rb)
+    assert all(0 < r["padding_fraction"] < 1 for r in ra)  # padded as one process pads, not to the context
+    assert [r["padding_fraction"] for r in ra] == pytest.approx([r["padding_fraction"] for r in rb], rel=1e-12)
+    assert [r["tokens"] for r in ra] == [r["tokens"] for r in rb]
+    assert any(r.get("heldout_response_tokens", 0) > 0 for r in rb)
+    ga, gb = first_moments(one, tmp_path / "one.yaml"), first_moments(pp, tmp_path / "pp.yaml")
+    assert ga.keys() == gb.keys() and len(ga) > 4  # both stages' parameters, under the whole model's names
+    for name in ga:
+        assert ga[name].abs().sum() > 0, name
+        assert torch.allclose(ga[name], gb[name], rtol=1e-4, atol=1e-6), name
+    assert_same_weights(weights(one), weights(pp))
+    assert json.loads((pp / "stages/main/gates.json").read_text())["passed"]
+    # the before/after record: the whole model gathered to rank 0 at the stage's start and end
+    fa, fb = (json.loads((d / "stages/main/finetune.json").read_text()) for d in (one, pp))
+    assert fb["parameters"] == fa["parameters"]
+    for when in ("before", "after"):
+        assert fb[when]["metrics"]["heldout_loss"] == pytest.approx(fa[when]["metrics"]["heldout_loss"], rel=1e-5)
+
+
+def test_a_batch_is_padded_to_the_one_shape_the_stages_exchange():
+    x, y = torch.tensor([[5, 6, 7]]), torch.tensor([[6, 7, -100]])
+    px, py = pipeline.fixed_shape(x, y, 2, 5)
+    assert px.tolist() == [[5, 6, 7, 0, 0], [0, 0, 0, 0, 0]]
+    assert py.tolist() == [[6, 7, -100, -100, -100], [-100] * 5]  # padding supervises nothing
+    assert pipeline.fixed_shape(px, py, 2, 5)[0] is px
+    with pytest.raises(ValueError, match="does not fit"):
+        pipeline.fixed_shape(px, py, 2, 4)
+
+
 # -- refusals, by the field that asks (no processes needed) ----------------------------------------------
 def spec_with(patch: dict):
     return parse_spec(merge(merge(TINY_SPEC, SPEC), patch))
@@ -148,14 +194,15 @@ def test_what_pipeline_parallel_does_not_train_is_refused_by_name(patch, field):
         pipeline.refuse_unsupported(resolved_stage(spec, "main"), spec.resources, layout)
 
 
-def test_sft_and_lora_stages_are_refused_under_pipeline_parallel():
+def test_dpo_and_lora_stages_are_refused_under_pipeline_parallel():
     spec = spec_with({"resources": {"parallel": {"pp": 2}}})
     layout = parallel.layout_of(spec.resources.parallel, 2)
     stage = resolved_stage(spec, "main")
-    with pytest.raises(parallel.LayoutError, match="pretrain stages only, not sft"):
-        pipeline.refuse_unsupported(stage.model_copy(update={"kind": "sft"}), spec.resources, layout)
+    with pytest.raises(parallel.LayoutError, match="pretrain and sft stages, not dpo"):
+        pipeline.refuse_unsupported(stage.model_copy(update={"kind": "dpo"}), spec.resources, layout)
     with pytest.raises(parallel.LayoutError, match=r"LoRA adapters \(lora\)"):
         pipeline.refuse_unsupported(stage.model_copy(update={"lora": object()}), spec.resources, layout)
+    pipeline.refuse_unsupported(stage.model_copy(update={"kind": "sft"}), spec.resources, layout)
 
 
 def test_the_decoder_splits_by_blocks_under_the_whole_models_names():

@@ -1,7 +1,8 @@
 """The plan picks the parallel layout (plan/layout_choice.py) for a table of model sizes and hardware, with its
 reasons; the memory it chooses by is checked against arithmetic written out here (Llama shapes, 16 bytes a
 trained parameter, Korthikanti et al.'s ~34 values a token and channel kept per block); a layout the spec names
-that the hardware cannot hold is a spec error naming both figures, from the API and from `runyard plan`."""
+that the hardware cannot hold is a spec error naming both figures, from the API, from `runyard plan`, and from
+`runyard run` and `runyard train` before any work."""
 
 import json
 
@@ -13,7 +14,7 @@ from runyard.errors import EXIT_BAD_SPEC, SpecError
 from runyard.model.config import ModelConfig
 from runyard.model.decoder import DecoderFamily
 from runyard.plan.devices import GIB, Cluster, device, usable_memory
-from runyard.plan.layout_choice import Layout, choose_layout, stage_facts, stage_layout
+from runyard.plan.layout_choice import Layout, check_named_layout, choose_layout, stage_facts, stage_layout
 from runyard.plan.planner import layout_warnings
 from runyard.plan.recommend import Hardware
 from runyard.plan.sizing import count_parameters, lora_parameters, replica_memory
@@ -213,6 +214,29 @@ def test_runyard_plan_refuses_a_named_layout_that_cannot_fit(plan_dir, capsys):
     assert cli.main(["plan", str(path), "--no-calibrate"]) == EXIT_BAD_SPEC
     err = capsys.readouterr().err
     assert "stage main needs 157.6 GiB per device" in err and "71.5 GiB usable" in err
+
+
+@pytest.mark.parametrize("verb", ["run", "train"])
+def test_runyard_run_refuses_a_named_layout_that_cannot_fit_before_any_work(plan_dir, capsys, verb):
+    """The same spec error as `runyard plan`, before a run directory, a data stage or a worker exists."""
+    requirement = {"accelerator_kinds": ["h100-80gb"], "device_count": 8}
+    path = _spec_file(plan_dir / "8b.yaml", spec_dict("8b", 4096, 1, resources={"parallel": "ddp",
+                                                                                "requirement": requirement}))
+    assert cli.main(["plan", str(path), "--no-calibrate"]) == EXIT_BAD_SPEC
+    planned = capsys.readouterr().err
+    run_dir = plan_dir / "run"
+    assert cli.main([verb, str(path), "--run-dir", str(run_dir), "--no-progress"]) == EXIT_BAD_SPEC
+    err = capsys.readouterr().err
+    assert "stage main needs 157.6 GiB per device" in err and "71.5 GiB usable" in err
+    assert f"({usable_memory(device('h100-80gb')):,} bytes)" in err
+    assert err == planned
+    assert not run_dir.exists() and not (plan_dir / "cache").exists()
+
+
+def test_a_named_layout_that_fits_or_no_named_layout_passes_the_runs_check():
+    requirement = {"accelerator_kinds": ["h100-80gb"], "device_count": 8}
+    check_named_layout(parse_spec(spec_dict("8b", 4096, 1, resources={"parallel": "fsdp", "requirement": requirement})))
+    check_named_layout(parse_spec(spec_dict("8b", 4096, 1, resources={"requirement": requirement})))  # the plan chooses
 
 
 def test_tensor_parallel_splits_the_blocks_parameters_and_keeps_the_rest_whole():

@@ -26,7 +26,7 @@ def test_blocks_are_compiled_in_place_before_the_model_is_wrapped(monkeypatch):
     names = list(model.state_dict())
     seen = {}
 
-    def wrap(m, ctx, resources, shard_units=()):
+    def wrap(m, ctx, resources, shard_units=(), mesh=None):
         seen["compiled"] = [b._compiled_call_impl is not None for b in m.blocks]
         seen["recomputed"] = [is_recomputed(b) for b in m.blocks]
         return m

@@ -27,8 +27,10 @@ def test_ddp_and_fsdp_are_shorthands_and_a_layout_must_fill_the_world():
     assert layout_of(parallel_setting({"tp": 2}), 2) == Layout(1, 1, 2)
     with pytest.raises(LayoutError, match="does not equal the 3 processes"):
         layout_of(parallel_setting({"tp": 2}), 3)
-    with pytest.raises(LayoutError, match="not yet combined with data parallelism"):
-        layout_of(parallel_setting({"dp_shard": 2, "tp": 2}), 4)
+    # tensor parallel inside FSDP on a 2-D mesh (dp_shard x tp); not yet with replicas
+    assert layout_of(parallel_setting({"dp_shard": 2, "tp": 2}), 4) == Layout(1, 2, 2)
+    with pytest.raises(LayoutError, match=r"combined with FSDP \(dp_shard\) only, not yet with replicas"):
+        layout_of(parallel_setting({"dp_replicate": 2, "tp": 2}), 4)
 
 
 def test_each_rank_holds_its_share_of_every_fused_part():

@@ -16,6 +16,7 @@ from runyard.cli.readers import say_if_live
 from runyard.cli.run_progress import describe_stage, finished_export, stage_progress
 from runyard.errors import RunyardError, SpecError
 from runyard.model.hf.export import export_eos_ids, load_export
+from runyard.plan.layout_choice import check_named_layout
 from runyard.reproduce.manifest import read_manifest
 from runyard.run.continuation import SPEC_FILE, open_run_dir
 from runyard.run.execute import default_run_dir, execute_run
@@ -201,6 +202,8 @@ def cmd_run(args) -> int:
         worker_argv += ["--stage", args.stage]
     if args.no_progress:
         worker_argv.append("--no-progress")
+    if not under_launcher():  # before any work, as `runyard plan` checks it (a worker's launcher did)
+        check_named_layout(spec)
     restart_from = _restart_in_launcher(args, spec, run_dir)
     launched = _maybe_launch(args, spec, worker_argv, run_dir)
     if launched is not None:

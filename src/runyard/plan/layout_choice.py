@@ -9,8 +9,9 @@ and the hardware's memory and links (devices.Cluster), in torchtitan's order:
    the figures and chooses nothing.
 
 Only layouts runyard's trainer runs today are chosen (train/parallel.py, train/loop.py refuse the others):
-tensor parallel is one axis equal to the world size, for pretrain stages without LoRA, and is not combined
-with data parallelism; replicas of FSDP shards (HSDP) are not laid out; LoRA stages train with ddp.
+tensor parallel is chosen as one axis equal to the world size, for pretrain and sft stages without LoRA (the
+trainer also runs dp_shard x tp on a 2-D mesh when a spec names it; the plan checks, not chooses, that);
+replicas of FSDP shards (HSDP) are not laid out; LoRA stages train with ddp.
 
 A layout the spec names in `resources.parallel` is checked, not chosen: when its per-device need exceeds the
 device's usable memory the plan is a SpecError naming both figures (`check_explicit`).
@@ -28,7 +29,16 @@ from runyard.market.requirement import Interconnect
 from runyard.model.registry import NoTensorParallelPlan, get_family
 from runyard.plan.devices import Cluster, cluster_of, device, usable_memory
 from runyard.plan.recommend import Hardware
-from runyard.plan.sizing import DeviceMemory, ReplicaMemory, human_bytes, replica_memory, stage_config
+from runyard.plan.sizing import (
+    DeviceMemory,
+    ReplicaMemory,
+    human_bytes,
+    plan_stage,
+    recommended_training,
+    replica_memory,
+    stage_config,
+)
+from runyard.plan.weights_in import run_vocab
 from runyard.spec.job import JobSpec, resolved_stage
 
 AC_ORDER = ("none", "selective", "full")
@@ -216,14 +226,14 @@ def fsdp_devices_needed(memory: ReplicaMemory, cluster: Cluster, every: int, mos
 def tensor_parallel_refusal(cluster: Cluster, stage: StageFacts) -> str | None:
     """Why runyard cannot train the stage with tensor parallel over every device of `cluster`, or None."""
     if cluster.nodes > 1:
-        return (f"tensor parallel would span {cluster.nodes} nodes, and runyard does not yet combine it with data "
-                "parallelism (tp must equal the world size)")
+        return (f"tensor parallel would span {cluster.nodes} nodes, and the plan does not yet choose FSDP over "
+                "tensor-parallel groups (a spec can name dp_shard x tp)")
     if cluster.within_node != Interconnect.NVLINK.value:
         return f"tensor parallel needs NVLink-class links within the node; {cluster.kind} has {cluster.within_node} only"
     if stage.lora:
         return "LoRA stages train with ddp only"
-    if stage.kind != "pretrain":
-        return f"tensor parallel trains pretrain stages only (this is {stage.kind})"
+    if stage.kind not in ("pretrain", "sft"):
+        return f"tensor parallel trains pretrain and sft stages only (this is {stage.kind})"
     return stage.tp_refusal(cluster.devices)
 
 
@@ -301,6 +311,21 @@ def stage_layout(spec: JobSpec, stage_name: str, hardware: Hardware,
     if explicit is not None:
         return check_explicit(memory, cluster_of(hardware.kind, explicit.world), facts, explicit)
     return choose_layout(memory, cluster_of(hardware.kind, hardware.devices), facts)
+
+
+def check_named_layout(spec: JobSpec) -> None:
+    """What `runyard run` checks before any work, as `runyard plan` does: the layout `resources.parallel`
+    names, weighed for each stage on the hardware the run will get (the requirement's devices, else the
+    recommended ones, from the spec alone); a SpecError naming the per-device need and the device's usable
+    memory when a stage does not fit. A spec naming no layout passes (the plan chooses one), and so does a
+    task other than language modelling (its sizes need the prepared data)."""
+    if "parallel" not in spec.resources.model_fields_set or spec.task != "language_model":
+        return
+    facts = {"vocab_size": run_vocab(spec)}
+    plans = [plan_stage(spec, s.name, data_facts=facts) for s in spec.stages]
+    target = target_hardware(spec, recommended_training(spec, plans))
+    for s in spec.stages:
+        stage_layout(spec, s.name, target, facts)
 
 
 def run_interconnect(choices: list[LayoutChoice | None]) -> str | None:

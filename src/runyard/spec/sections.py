@@ -447,14 +447,17 @@ class ParallelSpec(_Strict):
         default=1,
         ge=1,
         description="tensor-parallel degree: each block's projections split column- and row-wise over this many "
-        "processes (the family's plan; for the decoder its heads and its feed-forward width must divide by it)",
+        "processes (the family's plan; for the decoder its heads and its feed-forward width must divide by it); "
+        "pretrain and sft stages (dpo and LoRA refused); alone (tp = world size) or inside FSDP (dp_shard x tp, "
+        "pretrain only), not yet with dp_replicate",
     )
     pp: int = Field(
         default=1,
         ge=1,
         description="pipeline-parallel degree: the model's blocks split into this many consecutive stages, one per "
         "process (the decoder: embeddings on the first, final norm, head and loss on the last), driven by "
-        "torch.distributed.pipelining; pretrain stages only, not yet combined with data or tensor parallelism",
+        "torch.distributed.pipelining; pretrain and sft stages (dpo and LoRA refused), not yet combined with data or "
+        "tensor parallelism",
     )
     pp_microbatches: int | None = Field(
         default=None,
@@ -494,9 +497,10 @@ class ResourcesSpec(_Strict):
         default="ddp",
         description="with several processes: `ddp` (a full replica each), `fsdp` (parameters, gradients and "
         "optimizer state sharded; FSDP2), or a layout `{dp_replicate, dp_shard, tp, pp}` whose product is the "
-        "world size (`{tp: 2}`: tensor parallel over two processes; `{pp: 2}`: two pipeline stages; tensor and "
-        "pipeline parallel train pretrain stages without LoRA, and are not yet combined with data parallelism "
-        "or with each other)",
+        "world size (`{tp: 2}`: tensor parallel over two processes; `{dp_shard: 2, tp: 2}`: FSDP over two "
+        "tensor-parallel pairs on one 2-D mesh; `{pp: 2}`: two pipeline stages; tensor and pipeline parallel "
+        "train pretrain and sft stages without LoRA, and are not yet combined with replicas, with each other, "
+        "nor pipeline parallel with FSDP)",
     )
     deterministic: bool = Field(
         default=True, description="use deterministic algorithms (torch.use_deterministic_algorithms, warn only)"

@@ -20,8 +20,8 @@ from runyard.train import finetune_metrics as finetune
 BYTES_PER_TRAINED_VALUE = 4 * 3  # fp32 gradient and AdamW's two moments per trained parameter
 
 
-def _parameters(setup) -> dict[str, int]:
-    total = sum(p.numel() for p in {id(p): p for p in setup.model.parameters()}.values()
+def _parameters(setup, model: torch.nn.Module) -> dict[str, int]:
+    total = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values()
                 if setup.adapters is None or all(p is not q for q in setup.adapters.parameters()))
     trainable = setup.adapters.trainable_parameters() if setup.adapters is not None else total
     return {"trainable": trainable, "total": total, "train_state_bytes": trainable * BYTES_PER_TRAINED_VALUE,
@@ -47,13 +47,18 @@ def _evaluate(objective, model: torch.nn.Module, stage: ResolvedStage, instruct:
     return {"metrics": metrics, "samples": samples}
 
 
-def record_before(setup, stage: ResolvedStage, instruct: PreparedInstruct, stage_dir: Path, device: torch.device,
-                  autocast) -> None:
-    """Evaluate the stage's initial weights once (a resumed stage keeps its first record)."""
-    if "before" in finetune.read_record(stage_dir):
+def has_before(stage_dir: Path) -> bool:
+    """Whether the stage's initial weights were evaluated already (a resumed stage keeps its first record)."""
+    return "before" in finetune.read_record(stage_dir)
+
+
+def record_before(setup, model: torch.nn.Module, stage: ResolvedStage, instruct: PreparedInstruct, stage_dir: Path,
+                  device: torch.device, autocast) -> None:
+    """Evaluate the stage's initial weights (`model`: the whole model, however training lays it out) once."""
+    if has_before(stage_dir):
         return
-    finetune.write_record(stage_dir, "before", _evaluate(setup.objective, setup.model, stage, instruct, device, autocast),
-                          kind=stage.kind, parameters=_parameters(setup))
+    finetune.write_record(stage_dir, "before", _evaluate(setup.objective, model, stage, instruct, device, autocast),
+                          kind=stage.kind, parameters=_parameters(setup, model))
 
 
 def peak_memory(device: torch.device) -> dict[str, Any]:

@@ -12,9 +12,9 @@ adapters alone; its result is the merged model.
 The model comes from its family in the model registry; the loop never names a model. A stage starts
 from random weights or from its `model.init` weights (train/init_weights.py), loaded on a fresh start
 and on a resume alike (a LoRA stage's checkpoint holds only adapters, and a dpo stage's reference is
-its initial weights). Resume is exact: the checkpoint holds model (or adapters), optimizer, step, loader
-position and every RNG state (train/checkpoint/), so on CPU a resumed stage ends bitwise identical to
-one that never stopped.
+its initial weights, a frozen copy sharded like the policy under FSDP). Resume is exact: the checkpoint
+holds model (or adapters), optimizer, step, loader position and every RNG state (train/checkpoint/), so on
+CPU a resumed stage ends bitwise identical to one that never stopped.
 """
 
 from __future__ import annotations
@@ -27,14 +27,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from runyard.data.image_prep import PreparedImages
 from runyard.data.instruct import PreparedInstruct
 from runyard.data.pipeline import PreparedData
+from runyard.data.samples import IGNORE_INDEX
 from runyard.errors import Preempted, RunyardError
-from runyard.model.compute import autocast_for
-from runyard.model.registry import get_family
+from runyard.model.compute import autocast_for, token_loss_sum
+from runyard.model.registry import ModelFamily, get_family
 from runyard.model.stage_model import stage_config
 from runyard.spec.job import JobSpec, ResolvedStage
 from runyard.spec.seeds import derive_seed, evaluation_seeds
@@ -125,14 +125,17 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     shape = parallel.layout_of(spec.resources.parallel, ctx.world_size)
     if ctx.pp > 1:  # refused before any work
         pipeline.refuse_unsupported(stage, spec.resources, shape)
+    if ctx.tp > 1:
+        tensor_parallel.refuse_unsupported(stage, shape)
     model, config = build_model(spec, stage, prepared, ctx, run_dir)
     pipe = None
     if ctx.pp > 1:  # from here on the model is this rank's stage, under the whole model's names
         model = pipeline.split_model(model, family, ctx)
-        pipe = pipeline.Pipeline(model, ctx, shape)
+        pipe = pipeline.Pipeline(model, ctx, shape, rows=stage.train.batch_size, width=stage.model.context_length)
     reference = None
     if stage.kind == "dpo":  # the stage's initial weights, before anything trains them
-        reference = dpo_reference(model, uses_lora=stage.lora is not None)
+        frozen = model if stage.lora is not None else layout.frozen_copy(model, family, ctx, spec.resources)
+        reference = dpo_reference(frozen, uses_lora=stage.lora is not None)
     adapters = None
     if stage.lora is not None:
         if ctx.distributed and (shape.dp_shard > 1 or shape.tp > 1):
@@ -161,19 +164,32 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     else:
         if instruct is None:
             raise RunyardError(f"stage {stage.name} ({stage.kind}) has no prepared instruction data")
-        if ctx.tp > 1:
-            raise parallel.LayoutError(f"stage {stage.name} ({stage.kind}): tensor parallel trains pretrain stages "
-                                       "only for now; set resources.parallel: ddp or fsdp")
-        objective = instruct_objective(
+        objective = instruct_objective(  # ctx.data: every rank of a tensor or pipeline group reads one batch
             stage.kind, instruct, stage.train.batch_size, spec.eval.batches * stage.train.batch_size, data_seed,
-            derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx,
+            derive_seed(spec.seed, "eval", "heldout", stage.name), stage.data.length_grouping, ctx.data,
             stage.dpo.beta, reference)
     return TrainSetup(model, module, config, optimizer, objective.loader, objective, adapters, pipe)
 
 
+def whole_model(setup: TrainSetup, family: ModelFamily, ctx: parallel.DistContext) -> torch.nn.Module:
+    """The whole model as one process holds it, on rank 0 (gathered from the pipeline's stages, the
+    tensor-parallel shards or FSDP's; other ranks get their part back), for gates, evaluation and the
+    export. Collective: every rank calls it."""
+    def build():
+        return family.build(setup.config)
+
+    if setup.pipeline is not None:
+        return setup.pipeline.consolidated_model(build)
+    if ctx.tp > 1:
+        return tensor_parallel.consolidated_model(setup.model, family.tensor_parallel_plan(setup.model, ctx.tp),
+                                                  build, ctx)
+    return parallel.consolidated_model(setup.model, build, ctx)
+
+
 @torch.no_grad()
 def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precision: str) -> float:
-    """Mean cross-entropy per target (token, or image label) over fixed batches (dropout off)."""
+    """Mean cross-entropy per supervised target (a token, an image's label; not a position labelled with
+    the ignore index) over fixed batches (dropout off)."""
     was_training = module.training
     module.eval()
     total, count = 0.0, 0
@@ -181,8 +197,8 @@ def evaluate_loss(module: torch.nn.Module, batches, device: torch.device, precis
         x, y = x.to(device), y.to(device)
         with autocast_for(device, precision):
             logits = module(x)
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum").item()
-        count += y.numel()
+        total += token_loss_sum(logits, y).item()
+        count += int((y != IGNORE_INDEX).sum())
     module.train(was_training)
     return total / max(count, 1)
 
@@ -229,8 +245,14 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
     metrics = MetricsLog(stage_dir / "metrics.jsonl")
     train_cfg = stage.train
     total_steps = train_cfg.steps
-    if instruct is not None and ctx.is_main:  # the base model's held-out figures, before any step
-        finetune_eval.record_before(setup, stage, instruct, stage_dir, device, autocast)
+    if stage.kind == "dpo":  # by every rank together (a sharded reference gathers its units)
+        objective.heldout_reference(device, autocast)
+    # The initial weights' held-out figures, before any step, taken once (rank 0 decides for every rank:
+    # gathering the whole model is collective).
+    if instruct is not None and parallel.broadcast_object(ctx.is_main and not finetune_eval.has_before(stage_dir), ctx):
+        initial = whole_model(setup, family, ctx)
+        if ctx.is_main:
+            finetune_eval.record_before(setup, initial, stage, instruct, stage_dir, device, autocast)
     base_hash = setup.adapters.base_sha256 if setup.adapters is not None else None
 
     step, best_loss, best_step, resumed_from, last_heldout = 0, math.inf, None, None, None
@@ -357,7 +379,8 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
             if isinstance(loss_scale, torch.Tensor):  # computed in float64, applied as a Python scale would be
                 loss_scale = loss_scale.float()
             if setup.pipeline is not None:  # the schedule runs forward and backward of every stage
-                step_loss = setup.pipeline.step(micro_batches, loss_scale, autocast)
+                step_loss = setup.pipeline.step([objective.inputs_targets(b) for b in micro_batches], loss_scale,
+                                                autocast)
                 grad_norm = setup.pipeline.clip_grad_norm(params, clip if clip else math.inf)
             else:
                 for micro, batch in enumerate(micro_batches):
@@ -390,13 +413,7 @@ def _train_stage(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | P
 
     # Throughput over the steady state: the first steps carry warm-up costs (allocation, compile).
     steady = throughput[len(throughput) // 5 :] or throughput
-    if setup.pipeline is not None:
-        model = setup.pipeline.consolidated_model(lambda: family.build(setup.config))
-    elif ctx.tp > 1:
-        model = tensor_parallel.consolidated_model(setup.model, family.tensor_parallel_plan(setup.model, ctx.tp),
-                                                   lambda: family.build(setup.config), ctx)
-    else:
-        model = parallel.consolidated_model(setup.model, lambda: family.build(setup.config), ctx)
+    model = whole_model(setup, family, ctx)
     if setup.adapters is not None:
         model = merged_model(family, setup.config, setup.model, device)
     if instruct is not None and ctx.is_main:

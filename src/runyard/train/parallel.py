@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
@@ -101,9 +102,10 @@ def layout_of(setting: Any, world_size: int) -> Layout:
         raise LayoutError(f"resources.parallel: pipeline parallel (pp {layout.pp}) is not yet combined with data or "
                           f"tensor parallelism; use pp equal to the processes ({world_size}) with dp_replicate, "
                           "dp_shard and tp 1")
-    if layout.tp > 1 and layout.tp != world_size:
-        raise LayoutError(f"resources.parallel: tensor parallel (tp {layout.tp}) is not yet combined with data "
-                          f"parallelism; use tp equal to the processes ({world_size}) or ddp/fsdp")
+    if layout.tp > 1 and layout.dp_replicate > 1:
+        raise LayoutError(f"resources.parallel: tensor parallel (tp {layout.tp}) is combined with FSDP (dp_shard) "
+                          f"only, not yet with replicas (dp_replicate {layout.dp_replicate}); use dp_shard x tp equal "
+                          f"to the processes ({world_size})")
     if layout.dp_replicate > 1 and layout.dp_shard > 1:
         raise LayoutError("resources.parallel: replicas of FSDP shards (HSDP) are not yet laid out; use ddp or fsdp")
     return layout
@@ -241,51 +243,69 @@ def barrier(ctx: DistContext) -> None:
 def seed_rank_stream(ctx: DistContext) -> None:
     """After every rank built the identical initial model, give each rank its own torch RNG stream, so
     dropout differs between the ranks' micro-batches (as it does between rows of one large batch)."""
-    if ctx.distributed:
-        torch.manual_seed(derive_seed(torch.initial_seed(), "rank", ctx.rank))
+    if ctx.distributed:  # the ranks of a tensor-parallel group hold one batch: they drop out alike
+        torch.manual_seed(derive_seed(torch.initial_seed(), "rank", ctx.data.rank))
 
 
 def wrap_model(model: torch.nn.Module, ctx: DistContext, resources,
-               shard_units: Sequence[torch.nn.Module] = ()) -> torch.nn.Module:
+               shard_units: Sequence[torch.nn.Module] = (), mesh: DeviceMesh | None = None) -> torch.nn.Module:
     """Apply data parallelism from outside the model (the model never knows it is parallelised).
 
     ddp: the model replicated, gradients all-reduced in buckets during backward.
     fsdp: FSDP2 `fully_shard` on each of `shard_units` (the model family names them: a decoder's
     blocks), then on the root (for a decoder: embedding, final norm, head): parameters, gradients and
     optimizer state are sharded; with bf16 on CUDA, parameters are gathered in bf16 and gradients
-    reduced in fp32.
+    reduced in fp32. Under tensor parallel (dp_shard x tp) FSDP shards over `mesh`, the device mesh's
+    dp_shard dimension, each rank's tensor-parallel shards.
     """
     if not ctx.distributed:
         return model
     layout = layout_of(getattr(resources, "parallel", "ddp"), ctx.world_size)
-    if layout.tp > 1 or layout.pp > 1:  # tensor or pipeline parallel over every process: no data parallelism
+    if layout.pp > 1 or layout.dp_replicate * layout.dp_shard == 1:  # over every process: no data parallelism
         return model
     seed_rank_stream(ctx)
     if layout.dp_shard > 1:
-        kwargs: dict[str, Any] = {}
-        if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        for unit in shard_units:
-            fully_shard(unit, **kwargs)
-        fully_shard(model, **kwargs)
-        return model
+        return shard_model(model, ctx, resources, shard_units, mesh)
     device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids)
 
 
+def shard_model(model: torch.nn.Module, ctx: DistContext, resources,
+                shard_units: Sequence[torch.nn.Module] = (), mesh: DeviceMesh | None = None) -> torch.nn.Module:
+    """FSDP2 `fully_shard` on each of `shard_units`, then on the root, in place: each rank keeps its share
+    of every parameter and gathers a unit's whole weights only while it runs (over `mesh`; None: every
+    process)."""
+    kwargs: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
+    if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in shard_units:
+        fully_shard(unit, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
-    """`torch.nn.utils.clip_grad_norm_`, also over a mix of DTensor (tensor-parallel shards) and plain
-    (replicated) gradients, which torch's own refuses: each DTensor's norm is reduced over its mesh. The
-    total stays on the device."""
+    """`torch.nn.utils.clip_grad_norm_`, also over gradients on several meshes, which torch's own refuses:
+    tensor-parallel DTensors with plain (replicated) tensors, or under dp_shard x tp FSDP's shards of the
+    split blocks (the 2-D mesh) with those of the whole embedding, norms and head (its dp_shard dimension).
+    The norm of each mesh's gradients is reduced over that mesh. The total stays on the device."""
     grads = [p.grad for p in params if p.grad is not None]
-    if not any(isinstance(g, DTensor) for g in grads) or all(isinstance(g, DTensor) for g in grads):
+    by_mesh: dict[Any, list[torch.Tensor]] = {}  # in the parameters' order: every rank reduces the meshes alike
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+    if len(by_mesh) <= 1:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    norms = [torch.linalg.vector_norm(g) for g in grads]
+    norms = [torch.nn.utils.get_total_norm(group) for group in by_mesh.values()]
     total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
     return total
+
+
+def local_numel(t: torch.Tensor) -> int:
+    """The elements of `t` this rank holds: its shard of a DTensor, all of a plain tensor."""
+    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
 
 
 def is_fsdp(module: torch.nn.Module) -> bool:

@@ -4,9 +4,16 @@ with the first blocks, final norm and head with the last), each process wraps it
 `PipelineStage`, and a `Schedule1F1B` or `ScheduleGPipe` runs each batch as `pp_microbatches` chunks split
 along the batch. Nothing here schedules sends and receives itself.
 
-Exactness: the schedule's loss function is the summed token loss of a chunk times the step's loss scale
-(1 / the step's global token count, as the one-process loop uses), and the schedule does not rescale
-gradients (`scale_grads=False`), so the chunks' gradients add up to the one-process step's. The loss
+Exactness: the schedule's loss function is the summed token loss of a chunk (positions labelled with the
+ignore index left out: an sft stage's prompts and padding) times the step's loss scale (1 / the step's global
+count of tokens, or of supervised tokens for sft, as the one-process loop uses), and the schedule does not
+rescale gradients (`scale_grads=False`), so the chunks' gradients add up to the one-process step's whatever
+the chunks' supervised counts.
+
+The stages exchange activations of one shape, fixed at the first step, so every batch is padded to
+`train.batch_size` rows of the stage's context length (padded inputs are a valid token, padded labels the
+ignore index): causal attention never lets a padded position change an earlier one, and the loss and the
+counts skip them. An sft batch, padded to its longest sample elsewhere, costs the whole context here. The loss
 lives on the last stage only: the step's figures are summed over the ranks when the loop logs
 (train/step_log.py), the gradient norm is reduced over the stages before clipping (one small collective
 on the device), and the held-out loss is broadcast from the last stage at an evaluation.
@@ -27,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+from runyard.data.samples import IGNORE_INDEX
 from runyard.model.compute import token_loss_sum
 from runyard.model.registry import ModelFamily
 from runyard.train import parallel
@@ -40,8 +48,9 @@ Autocast = Callable[[], AbstractContextManager]
 def refuse_unsupported(stage, resources, layout: parallel.Layout) -> None:
     """What pipeline parallelism does not train yet, refused by the field that asks for it."""
     where = f"stage {stage.name}: pipeline parallel (resources.parallel.pp {layout.pp})"
-    if stage.kind != "pretrain":
-        raise parallel.LayoutError(f"{where} trains pretrain stages only, not {stage.kind}; set "
+    if stage.kind not in ("pretrain", "sft"):  # dpo: a pair's two rows and its reference scores would split
+        raise parallel.LayoutError(f"{where} trains pretrain and sft stages, not {stage.kind} (its chosen and "
+                                   "rejected rows would fall into different micro-batches); set "
                                    "resources.parallel: ddp or fsdp")
     if stage.lora is not None:
         raise parallel.LayoutError(f"{where} does not train LoRA adapters (lora); set resources.parallel: ddp")
@@ -68,6 +77,20 @@ def stage_index(ctx: parallel.DistContext) -> int:
     return ctx.rank % ctx.pp
 
 
+def fixed_shape(x: torch.Tensor, y: torch.Tensor, rows: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x` and `y` padded to `rows` x `width` (inputs with token 0, labels with the ignore index), the one
+    shape the stages exchange."""
+    if x.shape[0] > rows or x.shape[1] > width:
+        raise ValueError(f"a batch of {tuple(x.shape)} does not fit the pipeline's {rows} x {width}")
+    if tuple(x.shape) == (rows, width):
+        return x, y
+    padded_x = x.new_zeros((rows, width))
+    padded_y = y.new_full((rows, width), IGNORE_INDEX)
+    padded_x[: x.shape[0], : x.shape[1]] = x
+    padded_y[: y.shape[0], : y.shape[1]] = y
+    return padded_x, padded_y
+
+
 def split_model(model: torch.nn.Module, family: ModelFamily, ctx: parallel.DistContext) -> torch.nn.Module:
     """This rank's stage of `model` (the rest of the model is left to be freed)."""
     stage = family.pipeline_stage(model, stage_index(ctx), ctx.pp)
@@ -80,8 +103,10 @@ class Pipeline:
     """This rank's stage under its schedule: a training step, a held-out loss, the gradient norm over
     every stage, and the whole model gathered to rank 0."""
 
-    def __init__(self, module: torch.nn.Module, ctx: parallel.DistContext, layout: parallel.Layout):
+    def __init__(self, module: torch.nn.Module, ctx: parallel.DistContext, layout: parallel.Layout, rows: int,
+                 width: int):
         self.module, self.ctx = module, ctx
+        self.rows, self.width = rows, width  # every batch's shape (fixed_shape)
         self.mesh = init_device_mesh(ctx.device.type, (ctx.pp,), mesh_dim_names=("pp",))
         self.group = self.mesh.get_group("pp")
         self.index = stage_index(ctx)
@@ -97,14 +122,15 @@ class Pipeline:
 
     def _run(self, run: Callable, x: torch.Tensor, y: torch.Tensor, losses: list, **kwargs) -> None:
         device = self.ctx.device
+        x, y = fixed_shape(x, y, self.rows, self.width)
         args = (x.to(device, non_blocking=True),) if self.first else ()
         if self.last:
             kwargs.update(target=y.to(device, non_blocking=True), losses=losses)
         run(*args, **kwargs)
 
     def step(self, batches: list, loss_scale: float | torch.Tensor, autocast: Autocast) -> torch.Tensor:
-        """Forward and backward of the step's batches (the loop's accumulation micro-batches, each run by
-        the schedule in chunks); gradients accumulate in the stage's parameters. The step's scaled loss on
+        """Forward and backward of the step's batches ((inputs, labels) of the loop's accumulation
+        micro-batches, each run by the schedule in chunks); gradients accumulate in the stage's parameters. The step's scaled loss on
         the last stage (zero elsewhere), on the device."""
         self.scale = loss_scale
         total = torch.zeros((), device=self.ctx.device)
@@ -118,7 +144,8 @@ class Pipeline:
 
     @torch.no_grad()
     def heldout_loss(self, batches, autocast: Autocast) -> float:
-        """Mean cross-entropy per target over fixed batches (dropout off), the same on every rank."""
+        """Mean cross-entropy per supervised target (labels other than the ignore index) over fixed
+        (inputs, labels) batches (dropout off), the same on every rank."""
         was_training = self.module.training
         self.module.eval()
         self.scale = 1.0
@@ -129,7 +156,7 @@ class Pipeline:
                 with autocast():
                     self._run(self.schedule.eval, x, y, losses)
                 total += sum(float(loss) for loss in losses)
-                count += y.numel()
+                count += int((y != IGNORE_INDEX).sum())
         finally:
             self.module.train(was_training)
         value = parallel.device_values([total], self.ctx)

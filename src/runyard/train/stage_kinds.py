@@ -16,7 +16,6 @@ row's metrics (`step_metrics`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
@@ -49,6 +48,10 @@ class PretrainObjective:
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
         return self.loader.next_batch()
+
+    def inputs_targets(self, batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch as the (inputs, targets) a pipeline schedule runs."""
+        return batch
 
     def global_counts(self, batches: list, ctx: parallel.DistContext) -> tuple[float, float]:
         """(loss normaliser, input tokens) of the step over every process (each rank reads as many)."""
@@ -101,12 +104,17 @@ class SFTObjective:
         torch._assert_async(counts[0] > 0, NO_SUPERVISED)
         return counts[0], counts[1]
 
-    def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
+    def inputs_targets(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch as (inputs, labels), the labels masking all but the responses; counts its padding."""
         self._padding += batch.inputs.numel() - batch.real_tokens
         self._positions += batch.inputs.numel()
+        return batch.inputs, batch.labels
+
+    def loss_sum(self, module: torch.nn.Module, batch: Batch, device: torch.device, autocast: Autocast) -> torch.Tensor:
+        inputs, labels = self.inputs_targets(batch)
         with autocast():
-            logits = module(batch.inputs.to(device, non_blocking=True))
-        return token_loss_sum(logits, batch.labels.to(device, non_blocking=True))
+            logits = module(inputs.to(device, non_blocking=True))
+        return token_loss_sum(logits, labels.to(device, non_blocking=True))
 
     def step_stats(self, device: torch.device) -> torch.Tensor:
         stats = torch.tensor([self._padding, self._positions], dtype=torch.float64).to(device, non_blocking=True)
@@ -118,8 +126,14 @@ class SFTObjective:
         return {"padding_fraction": padding / max(positions, 1.0)}
 
     def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
-                 evaluate_loss: Callable) -> dict[str, Any]:
-        loss, tokens = response_loss(module, self.heldout, device, autocast)
+                 evaluate_loss: Callable | None) -> dict[str, Any]:
+        """The held-out response loss: through the loop's `evaluate_loss` while training (which runs a
+        pipeline's stages together), on a whole model for the before/after record (`None`)."""
+        if evaluate_loss is None:
+            loss, tokens = response_loss(module, self.heldout, device, autocast)
+        else:
+            loss = evaluate_loss(module, [(b.inputs, b.labels) for b in self.heldout])
+            tokens = sum(b.supervised for b in self.heldout)
         return {"heldout_loss": loss, "heldout_response_tokens": tokens}
 
 
@@ -166,16 +180,23 @@ class DPOObjective:
 
     def evaluate(self, module: torch.nn.Module, device: torch.device, autocast: Autocast,
                  evaluate_loss: Callable) -> dict[str, Any]:
-        if self._heldout_reference is None:  # the reference never changes: scored once
+        return dpo_metrics(module, self.heldout_reference(device, autocast), self.heldout, self.beta, device,
+                           autocast)
+
+    def heldout_reference(self, device: torch.device, autocast: Autocast) -> list:
+        """The reference's log-probabilities of the held-out pairs, scored once (the reference never
+        changes). Under FSDP the first call is collective: the loop makes it on every rank before rank 0
+        evaluates the initial weights alone."""
+        if self._heldout_reference is None:
             self._heldout_reference = [self.reference(b, device, autocast) for b in self.heldout]
-        return dpo_metrics(module, self._heldout_reference, self.heldout, self.beta, device, autocast)
+        return self._heldout_reference
 
 
-def dpo_reference(model: torch.nn.Module, uses_lora: bool) -> Callable:
-    """The frozen reference's log-probabilities of a batch: the base model under the adapters when the
-    stage trains LoRA (no second copy), else a frozen copy of the model as it is now (the stage's
-    initial weights). Always in eval mode (no dropout)."""
-    reference = model if uses_lora else copy.deepcopy(model).requires_grad_(False).eval()
+def dpo_reference(reference: torch.nn.Module, uses_lora: bool) -> Callable:
+    """The frozen reference's log-probabilities of a batch: `reference` is the model itself when the stage
+    trains LoRA (the base under the adapters, switched off: no second copy), else a frozen copy of the stage's
+    initial weights (train/layout.py `frozen_copy`, sharded like the policy under FSDP: then every rank
+    scores its batch together). Always in eval mode (no dropout)."""
 
     def logprobs(batch: Batch, device: torch.device, autocast: Autocast) -> tuple[torch.Tensor, torch.Tensor]:
         was_training = reference.training

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from runyard.model.registry import TensorParallelPlan
@@ -31,7 +31,25 @@ from runyard.train import parallel
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def tp_mesh(ctx: parallel.DistContext) -> DeviceMesh:
+def refuse_unsupported(stage, layout: parallel.Layout) -> None:
+    """What tensor parallelism does not train, refused by the field that asks for it. Pretrain and sft
+    train (every rank reads the same batch, so sft's masks and supervised count are the one process's);
+    dpo's frozen reference would be a whole copy on every rank."""
+    if stage.kind == "dpo":
+        raise parallel.LayoutError(f"stage {stage.name}: tensor parallel (resources.parallel.tp {layout.tp}) trains "
+                                   "pretrain and sft stages, not dpo (its frozen reference would not be split); "
+                                   "set resources.parallel: ddp or fsdp")
+    if stage.kind == "sft" and layout.dp_shard > 1:  # its supervised count is summed over the data ranks only
+        raise parallel.LayoutError(f"stage {stage.name}: tensor parallel with FSDP (resources.parallel.dp_shard "
+                                   f"{layout.dp_shard} x tp {layout.tp}) trains pretrain stages only, not sft; use tp "
+                                   "alone or fsdp")
+
+
+def layout_mesh(ctx: parallel.DistContext) -> DeviceMesh:
+    """The device mesh tensor parallel splits over: (dp_shard, tp) when FSDP shards over the tensor-parallel
+    groups too (consecutive ranks form one group, as ctx.data reads), else (tp) alone."""
+    if ctx.world_size > ctx.tp:
+        return init_device_mesh(ctx.device.type, (ctx.world_size // ctx.tp, ctx.tp), mesh_dim_names=("dp_shard", "tp"))
     return init_device_mesh(ctx.device.type, (ctx.tp,), mesh_dim_names=("tp",))
 
 
@@ -86,17 +104,14 @@ class FusedRows:
 
 
 def reorder_rows(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """`value[rows]`; for a row-sharded DTensor the whole tensor is gathered, reordered and each rank keeps
-    its own chunk again (a save or load moment: one whole matrix at a time)."""
+    """`value[rows]`; for a DTensor (tensor-parallel rows, and FSDP's shards of them under dp_shard x tp) the
+    whole tensor is gathered, reordered and each rank keeps its own shard of it again, under the same
+    placements (a save or load moment: one whole matrix at a time)."""
     if not isinstance(value, DTensor):
         return value[rows.to(value.device)]
-    if tuple(p.is_shard(0) for p in value.placements) != (True,):
-        raise ValueError(f"fused rows are expected sharded by rows over one mesh dimension, got {value.placements}")
-    mesh = value.device_mesh
-    whole = value.full_tensor()[rows.to(value.device)]
-    local = whole.chunk(mesh.size())[mesh.get_local_rank()].clone()
-    return DTensor.from_local(local, mesh, value.placements, run_check=False, shape=whole.shape,
-                              stride=whole.stride())
+    whole = value.full_tensor().detach()[rows.to(value.device)]
+    # every rank holds the same whole: each cuts its own shard, nothing is sent
+    return distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
 
 
 # The models `apply_tensor_parallel` laid out, with their fused rows' order (read by the checkpoint code,
