@@ -8,14 +8,16 @@ import base64
 
 import pytest
 
-from runyard.control.agent_standing import failed_before_serving, log_reason, should_restart
 from runyard.control.deployment import (
     RETRY_POLICY,
     SERVE_PORT,
+    failed_before_serving,
     job_request,
     lay_out,
+    log_reason,
     report_windows,
     serve_command,
+    should_restart,
 )
 from runyard.control.endpoint import Window
 from runyard.control.lease_job import LeaseFolder

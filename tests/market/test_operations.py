@@ -90,10 +90,14 @@ def test_every_operation_is_a_client_method_and_a_verb():
                 "submit_probes": ["--interval-start", "1", "--interval-end", "2", "--available-seconds", "1",
                                   "--probes", "1", "--probes-ok", "1"],
                 "publish_endpoint": ["--endpoint-url", "http://h:1"],
+                "request_rollout": ["runs/x"],  # the export to upload
             }.get(op.name, [])  # fmt: skip
             if op.name == "register":
                 args = ["register"]
             assert parser.parse_args([*args, *required]).handler, op.name
+    # The verb beside an operation's own: a roll-back names no export.
+    assert parser.parse_args(["deployment", "rollback", "7"]).handler
+    for op in OPERATIONS:
         if op.admin is not None:
             assert parser.parse_args(["admin", op.admin, "--db", "x", *_admin_required(op.name)]).handler
         if op.auth == "operator":

@@ -25,7 +25,9 @@ SRC = Path(runyard.__file__).parent
 LAYERS = [
     ["__main__"],
     ["cli"],
-    ["run"],
+    # maintain is the tenant's upkeep of a served model: it reads drift, buys retraining through serve's
+    # market retrainer, and rolls out through the market.
+    ["run", "maintain"],
     # tracking mirrors what train and evaluate write into the run directory; run starts it.
     ["train", "serve", "evaluate", "tracking"],
     # The control plane runs jobs as `runyard` processes and never imports the trainer; serving's

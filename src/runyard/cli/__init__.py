@@ -48,6 +48,10 @@ VERBS: dict[str, tuple[str, str | None, str]] = {
     "queue": ("runyard.cli.control", "control", "list the control plane's jobs"),
     "job": ("runyard.cli.control", "control", "inspect or act on one job"),
     "market": ("runyard.cli.market", "market", "the open compute market: serve it, administer it, or trade on it"),
+    "maintain": (
+        "runyard.cli.maintain", "market",
+        "keep a model served on a standing lease fit: drift buys its retraining, the retrained model is rolled out",
+    ),
 }
 
 

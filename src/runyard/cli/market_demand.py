@@ -1,8 +1,8 @@
 """`runyard market demand`: a demand built from flags and files.
 
 The requirement comes from flags or a file (a requirement, or a job spec's resources.requirement).
-A block demand may carry a job: its spec, data files, data URLs and environment lock (a run's env/
-directory), read here. A standing demand (`--form standing`) states its period and term and may
+A block demand may carry a job: its spec, data files, data URLs, environment lock (a run's env/
+directory) and the export it starts from (uploaded, or fetched by the provider from URLs), read here. A standing demand (`--form standing`) states its period and term and may
 carry a deployment: an export directory (uploaded), export files the provider fetches by URL, the
 `runyard serve` options, and a fresh endpoint token, written to a 0600 file (the market sees only its
 digest, and the provider's endpoint admits only this token).
@@ -19,7 +19,13 @@ import yaml
 from runyard.cli.market_common import client_for, print_json, timestamp
 from runyard.cli.readers import export_dir_of
 from runyard.errors import RunyardError
-from runyard.market.jobs import MAX_SPEC_BYTES, check_data_urls, check_env_lock, encode_files
+from runyard.market.jobs import (
+    MAX_SPEC_BYTES,
+    check_data_urls,
+    check_env_lock,
+    encode_files,
+    init_export_body,
+)
 from runyard.market.operations import Operation
 from runyard.market.requirement import Requirement
 from runyard.market.serving import deployment_body
@@ -70,6 +76,12 @@ def demand_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[arg
     parser.add_argument("--env-lock", type=Path, metavar="DIR",
                         help="a run's env/ directory (requirements.txt, environment.json): the provider builds "
                         "the job's environment from this lock and runs the job in it")
+    parser.add_argument("--init-export", type=Path, metavar="DIR",
+                        help="the export the job starts from (a run directory or its export/), uploaded with the job "
+                        "(at most 256 KiB; larger files by --init-export-url): the provider points the spec's "
+                        "model.init.path at its copy")
+    parser.add_argument("--init-export-url", action="append", default=[], metavar="PATH=URL",
+                        help="a file of the job's init export the provider fetches instead of receiving it (repeatable)")
     s = parser.add_argument_group("standing demands (serving capacity billed per period)")
     s.add_argument("--form", choices=["block", "standing"], default="block",
                    help="block: devices for a window (default); standing: a shape available continuously")
@@ -193,8 +205,9 @@ def _job(args: argparse.Namespace) -> dict | None:
     """The demand's job from --job-spec, --results-to, --job-file and --data-url (a local path is
     made absolute)."""
     if args.job_spec is None and args.results_to is None:
-        if args.job_file or args.data_url or args.env_lock:
-            raise RunyardError("--job-file, --data-url and --env-lock belong to a job: give --job-spec and --results-to")
+        if args.job_file or args.data_url or args.env_lock or args.init_export or args.init_export_url:
+            raise RunyardError("--job-file, --data-url, --env-lock and --init-export belong to a job: give --job-spec "
+                               "and --results-to")
         return None
     if args.job_spec is None or args.results_to is None:
         raise RunyardError("--job-spec and --results-to go together: a job needs both")
@@ -225,4 +238,15 @@ def _job(args: argparse.Namespace) -> dict | None:
             job["data_urls"] = check_data_urls(args.data_url)
     except (OSError, ValueError) as exc:
         raise RunyardError(f"--job-file/--data-url: {exc}") from exc
+    if args.init_export is not None or args.init_export_url:
+        job["init_export"] = read_init_export(args.init_export, dict(_pair(i, "--init-export-url")
+                                                                      for i in args.init_export_url))
     return job
+
+
+def read_init_export(export: Path | None, urls: dict[str, str] | None = None) -> dict:
+    """A job's init export from --init-export (a run directory or its export/) and --init-export-url."""
+    try:
+        return init_export_body(export_dir_of(export) if export is not None else None, urls)
+    except (OSError, ValueError) as exc:
+        raise RunyardError(f"--init-export {export}: {exc}; give large files with --init-export-url PATH=URL") from exc

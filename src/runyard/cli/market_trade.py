@@ -4,8 +4,9 @@ file (token and Ed25519 private key, written by `register`).
 
 A verb's arguments come from the client method of the same name: path parameters are positional,
 every other parameter is an option (`--kebab-case`), required when the method has no default.
-Two verbs take more than their fields: `register` (makes a key pair and saves the identity file)
-and `demand` (cli/market_demand.py).
+Some verbs take more than their fields: `register` (makes a key pair and saves the identity file),
+`demand` (cli/market_demand.py) and `deployment rollout|rollback` (cli/market_deployment.py, which
+upload an export or name none).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pydantic import BaseModel
 
 from runyard.cli.market_common import DEFAULT_IDENTITY, DEFAULT_URL, client_for, print_json, timestamp
 from runyard.cli.market_demand import demand_args
+from runyard.cli.market_deployment import rollback_args, rollout_args
 from runyard.errors import RunyardError
 from runyard.market.client import MarketClient
 from runyard.market.operations import OPERATIONS, Operation
@@ -164,7 +166,10 @@ def _register_args(parser: argparse.ArgumentParser, op: Operation) -> Callable[[
     return handler
 
 
-CUSTOM = {"register": _register_args, "place_demand": demand_args}
+CUSTOM = {"register": _register_args, "place_demand": demand_args, "request_rollout": rollout_args}
+# Verbs beside an operation's own: (group, verb) -> (operation, arguments builder).
+EXTRA = {("deployment", "rollback"): ("request_rollout", rollback_args,
+                                      "Serve the export served before the one serving now (tenant)")}
 
 
 def add_verbs(verbs: argparse._SubParsersAction) -> None:
@@ -186,3 +191,8 @@ def add_verbs(verbs: argparse._SubParsersAction) -> None:
         _identity_args(parser)
         build = CUSTOM.get(op.name, _generic)
         parser.set_defaults(handler=build(parser, op), needs_identity=op.auth != "none")
+    for (group_name, verb), (name, build, summary) in EXTRA.items():
+        op = next(o for o in OPERATIONS if o.name == name)
+        parser = groups[group_name].add_parser(verb, help=f"{summary} ({op.method} {op.path})")
+        _identity_args(parser)
+        parser.set_defaults(handler=build(parser, op), needs_identity=True)

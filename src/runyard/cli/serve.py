@@ -13,6 +13,8 @@ from runyard.serve.predict import serve_predictor
 from runyard.serve.predict_export import is_predict_export
 from runyard.serve.request_log import NO_LABELS
 from runyard.serve.retrain import DEFAULT_MIN_LOGGED
+from runyard.serve.retrain_budget import DEFAULT_BUDGET_PERIOD_S
+from runyard.serve.retrain_market import DEFAULT_DEADLINE_S
 from runyard.serve.server import ServeOptions, serve_export
 
 DESCRIPTION = """\
@@ -24,7 +26,8 @@ Requests are batched continuously within a fixed KV cache budget; past --max-que
 a request gets 429 with Retry-After. Live prompts are compared with the training distribution; with
 --log-requests they are also kept (PII-scrubbed) as a JSONL dataset, and with --retrain-spec and
 --control a sustained drift submits one retraining job, whose data includes that traffic, to the
-control plane. --engine vllm hands the export to vLLM instead (a GPU and a Hugging Face export needed).
+control plane; with --retrain-via market it places one funded demand on a market instead, within a
+maintenance --budget. --engine vllm hands the export to vLLM instead (a GPU and a Hugging Face export needed).
 
 A table or image model's export is served at POST /v1/predict instead ({"rows": [...]} or
 {"images": [...]}, validated against its feature schema: a missing or mistyped feature is a 422 naming
@@ -85,6 +88,10 @@ def register(verbs: argparse._SubParsersAction) -> None:
     d.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
                    help="keep every prompt, PII-scrubbed, as JSONL segments in DIR (a data-stage source); a table or "
                    "image server keeps its rows or images there")
+    d.add_argument("--share-traffic", action="store_true",
+                   help="answer GET /v1/traffic (the sealed log's segments) and GET /v1/traffic/NAME (one segment), "
+                   "so whoever runs a model on another machine (a standing lease's tenant) can retrain on its "
+                   "traffic; off by default: on a server anyone can reach, the log would be everyone's")
     d.add_argument("--drift-sustain", type=int, default=20, metavar="N",
                    help="drift must stay past its threshold for N requests to be an event (default 20)")
     d.add_argument("--drift-check-every", type=_positive, default=5, metavar="N",
@@ -103,14 +110,52 @@ def register(verbs: argparse._SubParsersAction) -> None:
     d.add_argument("--control", default=None, metavar="STATE_DIR|URL",
                    help="the control plane to submit retraining to: its state directory (address and API token "
                    "are read there), or its URL with the token in $RUNYARD_CONTROL_TOKEN")
+    m = p.add_argument_group(
+        "retraining through the market (--retrain-via market)",
+        "On a drift event, place one funded block demand on a market instead of submitting to a control plane: "
+        "the retraining spec with the newest logged traffic uploaded as its data, model.init from the served "
+        "export (carried with the demand), the run's environment lock when RUN/env has one, the spec's "
+        "resources.requirement, a maximum price and a deadline to start by. One drift episode places at most one "
+        "demand; a market that cannot be reached is tried again with backoff, each attempt recorded on the event "
+        "in /v1/drift. The job is checked at start as the market and a provider would check it (exit 2 naming "
+        "the field).")
+    m.add_argument("--retrain-via", choices=["control", "market"], default="control",
+                   help="where a retraining goes: a local control plane (--control, the default) or the market")
+    m.add_argument("--market", default=None, metavar="URL", help="the market to place retraining demands on")
+    m.add_argument("--identity", type=Path, default=None, metavar="FILE",
+                   help="the tenant's market identity file (`runyard market register` writes it); the demand's "
+                   "escrow comes from this account")
+    m.add_argument("--budget", type=int, default=None, metavar="N",
+                   help="maintenance budget: the most retraining may commit per period, in minor units of the "
+                   "market's currency. A demand's escrow (max price x devices x duration) counts against it when "
+                   "it is decided; one past the budget is not placed and its event says why. Kept in "
+                   "retrain-budget.json beside the request log, so a restart does not reset it")
+    m.add_argument("--budget-period-s", type=int, default=DEFAULT_BUDGET_PERIOD_S, metavar="S",
+                   help="the budget's period in seconds, counted from the Unix epoch (default %(default)s: 30 days)")
+    m.add_argument("--max-price", type=int, default=None, metavar="P",
+                   help="the most a retraining pays per device-hour, minor units (default: the most the whole "
+                   "budget pays for the spec's requirement)")
+    m.add_argument("--retrain-deadline-s", type=int, default=DEFAULT_DEADLINE_S, metavar="S",
+                   help="the demand must start within S seconds of the event (its latest_start, default "
+                   "%(default)s); with no capacity by then it expires and its escrow returns, and an unreachable "
+                   "market is not tried past it")
+    m.add_argument("--retrain-results-to", default=None, metavar="PATH|URL",
+                   help="where providers deliver retrainings, each under its own name (default: retrain-results/ "
+                   "beside the request log, for a provider sharing this filesystem)")
+    m.add_argument("--retrain-export-url", default=None, metavar="BASE",
+                   help="the served export's files at BASE/NAME over http(s): the provider fetches them instead of "
+                   "their being uploaded with the demand (needed past 256 KiB, e.g. any trained model with its "
+                   "drift sample)")
     p.set_defaults(handler=cmd_serve, language_only_defaults={name: p.get_default(name) for name in LANGUAGE_ONLY})
 
 
 # Options only a language-model server acts on: given to a table or image server with a value other
 # than their default they are an error, not silently dropped.
-LANGUAGE_ONLY = ("retrain_spec", "retrain_min_logged", "control", "drift_sustain", "drift_check_every", "drift_warmup",
+LANGUAGE_ONLY = ("retrain_spec", "retrain_min_logged", "control", "retrain_via", "market", "identity", "budget",
+                 "budget_period_s", "max_price", "retrain_deadline_s", "retrain_results_to", "retrain_export_url",
+                 "drift_sustain", "drift_check_every", "drift_warmup",
                  "engine", "kv_cache_mb", "max_batch", "max_queue", "max_prefill_tokens", "compile",
-                 "tensor_parallel_size")
+                 "tensor_parallel_size", "share_traffic")
 
 
 def _language_only_options(args: argparse.Namespace) -> list[str]:
@@ -132,6 +177,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve_predictor(export_dir, host=args.host, port=args.port, model_name=args.model_name, device=args.device,
                         false_alarm_rate=args.drift_false_alarm_rate, log_requests=args.log_requests)
         return 0
+    if args.retrain_via != "market":
+        given = [flag for flag, value, default in (("--budget-period-s", args.budget_period_s, DEFAULT_BUDGET_PERIOD_S),
+                                                   ("--retrain-deadline-s", args.retrain_deadline_s, DEFAULT_DEADLINE_S))
+                 if value != default]
+        if given:
+            raise ServeConfigError(f"{', '.join(given)} belong(s) to --retrain-via market (retraining through the market)")
     serve_export(
         export_dir,
         ServeOptions(
@@ -146,6 +197,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_prefill_tokens=args.max_prefill_tokens,
             compile=args.compile,
             log_requests=args.log_requests,
+            share_traffic=args.share_traffic,
             retrain_spec=args.retrain_spec,
             control_url=args.control,
             drift_check_every=args.drift_check_every,
@@ -154,6 +206,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
             drift_warmup=args.drift_warmup,
             retrain_min_logged=args.retrain_min_logged,
             tensor_parallel_size=args.tensor_parallel_size,
+            retrain_via=args.retrain_via,
+            market_url=args.market,
+            identity=args.identity,
+            budget=args.budget,
+            budget_period_s=args.budget_period_s,
+            max_price=args.max_price,
+            retrain_deadline_s=args.retrain_deadline_s,
+            retrain_results_to=args.retrain_results_to,
+            retrain_export_url=args.retrain_export_url,
         ),
     )
     return 0

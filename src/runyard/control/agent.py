@@ -13,10 +13,11 @@ Each round it
   the escrow).
 
 Where the job comes from: the demand's job, which the market shows on the lease to its parties
-(`lease["job"]` = {"spec", "results_to", "files", "data_urls"}, see `runyard.market.jobs`). It is
-laid out in the lease's folder `<state dir>/agent/lease-<id>/` (see `runyard.control.lease_job`):
-the spec, the uploaded files, and the spec the job runs, whose data paths are the lease's own
-files or local copies of its data URLs. A spec that names anything else (a provider path, a URL
+(`lease["job"]` = {"spec", "results_to", "files", "data_urls", "env_lock", "init_export"}, see
+`runyard.market.jobs`). It is laid out in the lease's folder `<state dir>/agent/lease-<id>/` (see
+`runyard.control.lease_job`): the spec, the uploaded files, the export it starts from (its URLs
+fetched by the sandbox launcher), and the spec the job runs, whose data paths are the lease's own
+files or local copies of its data URLs and whose `model.init.path` is the lease's copy of the export. A spec that names anything else (a provider path, a URL
 the demand does not name, a cache or store outside the lease) gets the lease rejected with the
 reason before any work. A lease without a job falls back to the local drop directory
 `<lease_jobs>/demand-<demand id>/spec.yaml` (its other files are the job's data), with results
@@ -67,6 +68,7 @@ from runyard.control.lease_job import (
     url_files,
     write_env_lock,
     write_files,
+    write_init_export,
     write_runnable_spec,
 )
 from runyard.control.lease_retention import DEFAULT_KEEP_FINISHED_S, remove_expired_folders
@@ -225,8 +227,10 @@ class MarketAgent:
             if found is None:
                 return  # its job has not arrived yet; the market expires the lease if it never does
             folder, results_to, data_urls = found
+            init_fetch = write_init_export(folder, (lease.get("job") or {}).get("init_export"))
             spec = load_spec(folder.spec)
-            run_spec = runnable_spec(yaml.safe_load(folder.spec.read_text(encoding="utf-8")), folder, data_urls)
+            run_spec = runnable_spec(yaml.safe_load(folder.spec.read_text(encoding="utf-8")), folder, data_urls,
+                                     init_export=folder.init_export.is_dir())
             write_runnable_spec(folder, run_spec)
             delivery_target(results_to, tenant=lease["tenant_id"], roots=self.delivery_roots)
             locked = folder.env_lock.is_dir()
@@ -238,7 +242,7 @@ class MarketAgent:
             self.client.reject_lease(lease["id"], "other", f"the lease's job cannot run: {exc}"[:2000])
             return
         SandboxPolicy(lease_id=int(lease["id"]), root=str(folder.root), data_urls=url_files(data_urls),
-                      max_fetch_bytes=self.settings.max_fetch_bytes,
+                      fetch=init_fetch, max_fetch_bytes=self.settings.max_fetch_bytes,
                       data_networks=list(self.settings.data_networks),
                       **limits, pass_env=list(self.settings.pass_env), unconfined=self.settings.unconfined,
                       env_lock=str(folder.env_lock) if locked else None,

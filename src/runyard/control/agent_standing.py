@@ -17,6 +17,8 @@ For an offered standing lease whose demand carries a deployment (`runyard.market
   by the control plane, one that stays unhealthy past `unhealthy_restart_s` is restarted by the
   agent; a deployment whose restarts are spent terminates the lease (the tenant then pays only for
   the time it was available);
+- rolls out another export when the tenant asks through the market (`runyard.control.agent_rollout`:
+  the new server beside the old one, the endpoint switched once it answers, the old one drained);
 - when the lease ends (notice, nonpayment, termination), reports the last interval, stops the job
   and closes the endpoint.
 
@@ -32,48 +34,28 @@ import time
 from pathlib import Path
 from typing import Any, Protocol
 
-from runyard.control.deployment import SERVE_PORT, job_request, lay_out, report_windows, serve_command
+from runyard.control.agent_rollout import Rollouts, known_digest, serving
+from runyard.control.deployment import (
+    SERVE_PORT,
+    failed_before_serving,
+    job_request,
+    lay_out,
+    log_reason,
+    report_windows,
+    serve_command,
+    should_restart,
+)
 from runyard.control.endpoint import Endpoint, Window
 from runyard.control.lease_job import LeaseFolder
 from runyard.control.loop import ControlLoop
 from runyard.control.sandbox import SandboxPolicy, wrap_argv
 from runyard.control.server import capacity
-from runyard.control.states import FailureReason, JobState
+from runyard.control.states import JobState
 from runyard.market.client import MarketClient, MarketClientError
 from runyard.system.http_thread import free_port
 
 log = logging.getLogger("runyard.control.agent")
 ENDED = ("window_closed", "terminated", "settled", "cancelled", "expired", "rejected")
-
-
-def failed_before_serving(job_state: JobState, failures: list, ever_healthy: bool) -> bool:
-    """A deployment that never answered healthy and whose server already failed on its own (not killed
-    by the machine): it will not serve, and the lease should end now rather than after every retry."""
-    if ever_healthy:
-        return False
-    tenant_faults = (FailureReason.USER_ERROR, FailureReason.BAD_SPEC, FailureReason.OUT_OF_MEMORY,
-                     FailureReason.DISK_QUOTA)
-    own = [f for f in failures if f[1] in {str(reason) for reason in tenant_faults}]
-    return bool(own) or job_state in (JobState.FAILED, JobState.CANCELLED)
-
-
-def should_restart(job_state: JobState, attempt_started_at: float | None, unhealthy_for_s: float, now: float,
-                   startup_grace_s: float, unhealthy_restart_s: float) -> bool:
-    """Restart a server that is alive but has failed its health probes for `unhealthy_restart_s`, once
-    its attempt is older than the start-up grace (a server still loading its model is not sick)."""
-    if job_state != JobState.RUNNING or attempt_started_at is None:
-        return False
-    return now - attempt_started_at > startup_grace_s and unhealthy_for_s >= unhealthy_restart_s
-
-
-def log_reason(log_path: str, limit: int = 600) -> str:
-    """What a failed server said last: its last `runyard:` line, else its last line."""
-    try:
-        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace")[-20_000:].splitlines() if ln.strip()]
-    except OSError:
-        return "(no log)"
-    said = [ln for ln in lines if ln.startswith("runyard:")]
-    return (said or lines or ["(no output)"])[-1][:limit]
 
 
 class LeaseHost(Protocol):
@@ -103,6 +85,7 @@ class Deployments:
     def __init__(self, agent: LeaseHost):
         self.agent = agent
         self.endpoints: dict[int, Endpoint] = {}
+        self.rollouts = Rollouts(agent, poll_s=agent.usage_interval_s)
 
     @property
     def settings(self):  # type: ignore[no-untyped-def]
@@ -152,11 +135,13 @@ class Deployments:
         lease_id = int(record["lease_id"])
         if lease_id not in self.endpoints:
             made = None
+            now_serving = serving(record)  # the first server, or the one a roll-out switched to
             for port in dict.fromkeys((record.get("endpoint_port"), None)):  # its own port again, else a new one
                 try:
-                    made = Endpoint(LeaseFolder(Path(record["folder"])).socket, record["token_sha256"],
+                    made = Endpoint(Path(now_serving["socket"]), record["token_sha256"],
                                     host=self.settings.endpoint_host, port=port,
-                                    probe_interval_s=self.settings.probe_interval_s).start()
+                                    probe_interval_s=self.settings.probe_interval_s,
+                                    export_digest=now_serving["digest"]).start()
                     break
                 except RuntimeError as exc:
                     log.warning("lease %s: the endpoint could not open on port %s: %s", lease_id, port, exc)
@@ -175,8 +160,9 @@ class Deployments:
         agent = self.agent
         if not record["job_ids"]:
             agent.queue_jobs(record)
-        job = agent.loop.store.get(record["job_ids"][0])
+        job = agent.loop.store.get(serving(record)["job_id"])
         endpoint = self.endpoint(record)
+        self._name_export(record, endpoint)
         if record.get("published") != self.url(endpoint):
             agent.client.publish_endpoint(lease["id"], self.url(endpoint))
             record["published"] = self.url(endpoint)
@@ -211,6 +197,17 @@ class Deployments:
             log.warning("lease %s: the deployment failed its probes for %.0f s; restarting it", lease["id"],
                         unhealthy_for)
             agent.loop.requeue(job.id, actor=f"agent:lease-{lease['id']}")
+        if lease["state"] == "running":
+            self.rollouts.step(lease, record, endpoint)
+
+    def _name_export(self, record: dict, endpoint: Endpoint) -> None:
+        """Once the first export's files are all there, its digest names every answer (X-Runyard-Export)."""
+        now_serving = serving(record)
+        if now_serving["digest"] is None:
+            now_serving["digest"] = known_digest(now_serving["export"])
+            if now_serving["digest"] is not None:
+                self.agent.save_record(record)
+                endpoint.name_export(Path(now_serving["socket"]), now_serving["digest"])
 
     def report(self, lease: dict, record: dict, end: int) -> None:
         """Report what the endpoint saw from the last record to `end`, one record per period part."""

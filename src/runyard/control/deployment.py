@@ -31,6 +31,7 @@ from typing import Any
 
 from runyard.control.endpoint import Window
 from runyard.control.lease_job import LeaseFolder
+from runyard.control.states import FailureReason, JobState
 from runyard.market.jobs import check_file_path, decode_files
 from runyard.market.serving import check_deployment_files
 from runyard.system.files import atomic_write_bytes
@@ -44,19 +45,20 @@ RETRY_POLICY = {"infra": {"retries": 1000, "backoff_s": 1.0, "backoff_max_s": 30
                 "user_error": {"retries": 3, "backoff_s": 2.0}, "window_s": 3600.0}
 
 
-def lay_out(folder: LeaseFolder, deployment: dict) -> dict[str, str]:
-    """Write the deployment's uploaded export files into `folder.export`; returns the URLs the
-    launcher fetches there (URL -> path under the lease folder). ValueError for a bad deployment
-    (checked again here: never trust the wire)."""
+def lay_out(folder: LeaseFolder, deployment: dict, into: str = "export") -> dict[str, str]:
+    """Write the deployment's uploaded export files into `into` under the lease folder (`export/`, or
+    a roll-out's own folder beside it); returns the URLs the launcher fetches there (URL -> path under
+    the lease folder). ValueError for a bad deployment (checked again here: never trust the wire)."""
     files = deployment.get("export_files") or {}
     urls = deployment.get("export_urls") or {}
     check_deployment_files(files, urls)
     folder.create()
-    shutil.rmtree(folder.export, ignore_errors=True)
-    folder.export.mkdir()
+    target = folder.root / check_file_path(into)
+    shutil.rmtree(target, ignore_errors=True)
+    target.mkdir(parents=True)
     for rel, data in decode_files(files).items():
-        atomic_write_bytes(folder.export / check_file_path(rel), data)
-    return {url: f"export/{check_file_path(rel)}" for rel, url in urls.items()}
+        atomic_write_bytes(target / check_file_path(rel), data)
+    return {url: f"{into}/{check_file_path(rel)}" for rel, url in urls.items()}
 
 
 def serve_command(folder: LeaseFolder, deployment: dict, gpu: bool, port: int = SERVE_PORT,
@@ -71,7 +73,41 @@ def serve_command(folder: LeaseFolder, deployment: dict, gpu: bool, port: int = 
         value = (deployment.get("serve") or {}).get(key)
         if value is not None:
             serve += [flag, str(value)]
+    if (deployment.get("serve") or {}).get("log_requests"):
+        # Each server keeps its own log (two serve side by side during a roll-out); the tenant fetches it
+        # through its endpoint, the only way in.
+        serve += ["--log-requests", str(folder.work / f"traffic-{Path(socket).stem}"), "--share-traffic"]
     return [sys.executable, "-m", "runyard.control.serve_relay", str(socket), str(port), "--", *serve]
+
+
+def failed_before_serving(job_state: JobState, failures: list, ever_healthy: bool) -> bool:
+    """A deployment that never answered healthy and whose server already failed on its own (not killed
+    by the machine): it will not serve, and the lease should end now rather than after every retry."""
+    if ever_healthy:
+        return False
+    tenant_faults = (FailureReason.USER_ERROR, FailureReason.BAD_SPEC, FailureReason.OUT_OF_MEMORY,
+                     FailureReason.DISK_QUOTA)
+    own = [f for f in failures if f[1] in {str(reason) for reason in tenant_faults}]
+    return bool(own) or job_state in (JobState.FAILED, JobState.CANCELLED)
+
+
+def should_restart(job_state: JobState, attempt_started_at: float | None, unhealthy_for_s: float, now: float,
+                   startup_grace_s: float, unhealthy_restart_s: float) -> bool:
+    """Restart a server that is alive but has failed its health probes for `unhealthy_restart_s`, once
+    its attempt is older than the start-up grace (a server still loading its model is not sick)."""
+    if job_state != JobState.RUNNING or attempt_started_at is None:
+        return False
+    return now - attempt_started_at > startup_grace_s and unhealthy_for_s >= unhealthy_restart_s
+
+
+def log_reason(log_path: str, limit: int = 600) -> str:
+    """What a failed server said last: its last `runyard:` line, else its last line."""
+    try:
+        lines = [ln.strip() for ln in Path(log_path).read_text(errors="replace")[-20_000:].splitlines() if ln.strip()]
+    except OSError:
+        return "(no log)"
+    said = [ln for ln in lines if ln.startswith("runyard:")]
+    return (said or lines or ["(no output)"])[-1][:limit]
 
 
 def job_request(lease: dict, argv: list[str], folder: LeaseFolder, priority: int) -> dict[str, Any]:

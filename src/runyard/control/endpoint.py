@@ -12,6 +12,9 @@
 - a prober (a thread) that asks the model server's `/healthz` through the same socket every
   `probe_interval_s`: the evidence of availability that the agent signs into availability records.
 - counters of the requests served and their latencies (time to the answer's headers).
+- when the export behind a socket is known, every answer says which one served it
+  (`X-Runyard-Export: sha256:...`, the digest of the export's runyard.json), so the tenant sees a
+  roll-out take effect.
 
 `take()` hands the agent what was seen since the last call (probes, healthy probes, requests,
 latency percentiles) for one availability record; `consecutive_failures` tells it when a server
@@ -49,6 +52,7 @@ log = logging.getLogger("runyard.control.endpoint")
 HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
               "transfer-encoding", "upgrade", "host", "authorization", "content-length"}
 MAX_SOCKET_PATH = 100  # AF_UNIX paths are limited to 108 bytes
+EXPORT_HEADER = "X-Runyard-Export"
 
 
 @dataclass
@@ -99,9 +103,10 @@ class Endpoint:
     """The proxy, the prober and the counters of one deployment (see the module docstring)."""
 
     def __init__(self, socket_path: Path, token_sha256: str, host: str = "127.0.0.1", port: int | None = None,
-                 probe_interval_s: float = 5.0, probe_timeout_s: float = 5.0):
+                 probe_interval_s: float = 5.0, probe_timeout_s: float = 5.0, export_digest: str | None = None):
         self._check_socket(socket_path)
         self.socket_path = Path(socket_path)
+        self._exports: dict[str, str] = {str(socket_path): export_digest} if export_digest else {}
         self._in_flight: dict[str, int] = {}
         self._clients: dict[str, httpx.AsyncClient] = {}
         self._digest = token_sha256.removeprefix("sha256:")
@@ -152,14 +157,22 @@ class Endpoint:
 
     # -- the upstream, and switching it ----------------------------------------------------------------
 
-    def switch(self, socket_path: Path) -> Path:
-        """Send every request from now on to `socket_path`; returns the socket they went to before.
-        Requests already bound to the old socket finish there (see `in_flight`)."""
+    def switch(self, socket_path: Path, export_digest: str | None = None) -> Path:
+        """Send every request from now on to `socket_path` (serving the export `export_digest`, when
+        known); returns the socket they went to before. Requests already bound to the old socket finish
+        there (see `in_flight`)."""
         self._check_socket(socket_path)
         with self._lock:
             previous, self.socket_path = self.socket_path, Path(socket_path)
+            if export_digest:
+                self._exports[str(socket_path)] = export_digest
             self.consecutive_failures = 0  # the probes so far were of the other server
         return previous
+
+    def name_export(self, socket_path: Path, export_digest: str) -> None:
+        """Say which export the server behind `socket_path` serves (once it is known)."""
+        with self._lock:
+            self._exports[str(socket_path)] = export_digest
 
     def in_flight(self, socket_path: Path | None = None) -> int:
         """Requests bound to `socket_path` (the current one by default) whose answers are not yet done."""
@@ -218,6 +231,8 @@ class Endpoint:
         with self._lock:
             self._seen.latencies_ms.append(latency)
         out_headers = {k: v for k, v in response.headers.items() if k.lower() not in HOP_BY_HOP}
+        if key in self._exports:
+            out_headers[EXPORT_HEADER] = self._exports[key]
 
         async def body_then_release() -> AsyncIterator[bytes]:
             try:

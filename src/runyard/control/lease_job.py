@@ -8,13 +8,15 @@ rejected with a reason (and its escrow returned) instead of failing later inside
 
     <state>/agent/lease-<id>/      the agent's; read-only inside the sandbox
         spec.yaml                  the tenant's spec, as carried
-        spec.run.yaml              the spec the job runs: file paths as the tenant wrote them, URLs -> local copies
+        spec.run.yaml              the spec the job runs: file paths as the tenant wrote them, URLs -> local copies,
+                                   model.init.path -> ../init-export
         files/                     the demand's uploaded files; the job's working directory
         urls/                      the demand's data URLs, fetched before the job starts
         sandbox.json               the sandbox policy (runyard.control.sandbox)
         failure.json               why the launcher could not run the job, when it could not
         passwd, group              the only users the sandbox knows
         export/                    a deployment's export: its uploaded files, and its URLs fetched there
+        init-export/               the export a block job starts from (job.init_export), laid out the same way
         env/                       the job's environment lock, when its demand carries one
         work/                      the only writable folder: run/ (the run directory), home/, tmp/, cache/,
                                    and a deployment's socket `s.sock` (runyard.control.serve_relay)
@@ -33,7 +35,7 @@ from typing import Any
 import yaml
 
 from runyard.errors import RunyardError
-from runyard.market.jobs import check_env_lock, check_file_path
+from runyard.market.jobs import check_env_lock, check_file_path, check_init_export, decode_files
 from runyard.system.files import atomic_write_bytes, atomic_write_text
 
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9_.+-]")
@@ -84,6 +86,10 @@ class LeaseFolder:
     @property
     def export(self) -> Path:
         return self.root / "export"
+
+    @property
+    def init_export(self) -> Path:
+        return self.root / "init-export"
 
     @property
     def socket(self) -> Path:
@@ -144,7 +150,23 @@ def url_files(data_urls: list[str]) -> dict[str, str]:
     return {url: url_file_name(i, url) for i, url in enumerate(data_urls)}
 
 
-def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]) -> dict[str, Any]:
+def write_init_export(folder: LeaseFolder, init: dict | None) -> dict[str, str]:
+    """Write the job's init export's uploaded files into `folder.init_export` (an earlier one removed);
+    returns the URLs the launcher fetches there (URL -> path under the lease folder). ValueError for a
+    bad init export (checked again here: never trust the wire)."""
+    shutil.rmtree(folder.init_export, ignore_errors=True)
+    if not init:
+        return {}
+    check_init_export(init)
+    folder.init_export.mkdir(parents=True)
+    for rel, data in decode_files(init.get("export_files") or {}).items():
+        atomic_write_bytes(folder.init_export / check_file_path(rel), data)
+    return {url: f"{folder.init_export.name}/{check_file_path(rel)}"
+            for rel, url in (init.get("export_urls") or {}).items()}
+
+
+def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str],
+                  init_export: bool = False) -> dict[str, Any]:
     """The spec a lease's job runs, or LeaseJobRefused naming the field that reaches outside what
     the demand carries.
 
@@ -156,8 +178,14 @@ def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]
     URL becomes its local copy, `../urls/<name>`, the same on every provider. `data.cache_dir` and
     `data.store` must be unset: a lease job's cache lives in its own work area and it publishes
     nowhere.
+
+    `model.init` (at the top level or a stage's) that starts from a model directory (`from: export` or
+    `from: hf`) must start from the one the demand carries (`init_export`, with the flag set): its path
+    becomes `../init-export`, the lease's copy. A job carries one such directory, so every such init
+    must name the same path.
     """
     spec = yaml.safe_load(yaml.safe_dump(raw))  # a deep copy of plain data
+    _point_init_at_carried_export(spec, folder, init_export)
     data = spec.get("data")
     if not isinstance(data, dict):
         return spec  # load_spec has already said what is wrong with it
@@ -173,6 +201,34 @@ def runnable_spec(raw: dict[str, Any], folder: LeaseFolder, data_urls: list[str]
         if data.get(field) is not None:
             raise LeaseJobRefused(f"data.{field} must be unset for a lease job: {why}")
     return spec
+
+
+def _model_inits(spec: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """(field, init) for every `model.init` of the spec that names a model directory."""
+    found = []
+    places = [("model.init", spec.get("model"))]
+    places += [(f"stages[{i}].model.init", stage.get("model")) for i, stage in enumerate(spec.get("stages") or [])
+               if isinstance(stage, dict)]
+    for where, model in places:
+        init = model.get("init") if isinstance(model, dict) else None
+        if isinstance(init, dict) and init.get("from") in ("export", "hf") and isinstance(init.get("path"), str):
+            found.append((where, init))
+    return found
+
+
+def _point_init_at_carried_export(spec: dict[str, Any], folder: LeaseFolder, carried: bool) -> None:
+    inits = _model_inits(spec)
+    paths = sorted({init["path"] for _where, init in inits})
+    if inits and not carried:
+        where, init = inits[0]
+        raise LeaseJobRefused(
+            f"{where}.path {init['path'][:200]!r} names a model directory the demand does not carry; a lease job "
+            "starts only from the export its demand carries (job.init_export: `runyard market demand --init-export`)")
+    if len(paths) > 1:
+        raise LeaseJobRefused(f"model.init names {len(paths)} model directories ({', '.join(p[:100] for p in paths)}); "
+                              "a lease job carries one (job.init_export)")
+    for _where, init in inits:
+        init["path"] = f"../{folder.init_export.name}"
 
 
 def _local_path(where: str, value: str, folder: LeaseFolder, local_urls: dict[str, str]) -> str:

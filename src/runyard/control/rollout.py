@@ -111,34 +111,53 @@ class RollOut:
     seconds: float = 0.0
 
 
-def check_candidate(server: Server, timeout_s: float, poll_s: float = 0.2) -> str | None:
-    """None when `server` answers healthy and answers one real request before `timeout_s`; else why not."""
-    deadline = time.monotonic() + timeout_s
-    last = "no answer yet"
-    with httpx.Client(transport=httpx.HTTPTransport(uds=str(server.socket)), base_url="http://candidate",
-                      timeout=max(1.0, min(30.0, timeout_s))) as client:
-        while True:
-            if not server.running():
-                return f"the new server exited before it served: {server.reason()}"
-            if time.monotonic() > deadline:
-                return f"the new server was not healthy within {timeout_s:g} s ({last})"
-            try:
-                health = client.get("/healthz")
-                if health.status_code == 200:
-                    break
-                last = f"/healthz answered {health.status_code}: {health.text[:200]}"
-            except (httpx.HTTPError, OSError) as exc:
-                last = f"/healthz: {type(exc).__name__}"
-            time.sleep(poll_s)
+@dataclass(frozen=True)
+class Look:
+    """One look at a new server: ready to take traffic, failed for good, or not yet answering."""
+
+    ready: bool
+    failed: bool
+    why: str
+
+
+def look_at_candidate(socket: Path, timeout_s: float = 30.0) -> Look:
+    """Ask the server behind `socket` for `/healthz` and, once that answers 200, one real request."""
+    with httpx.Client(transport=httpx.HTTPTransport(uds=str(socket)), base_url="http://candidate",
+                      timeout=max(1.0, timeout_s)) as client:
+        try:
+            health = client.get("/healthz")
+        except (httpx.HTTPError, OSError) as exc:
+            return Look(False, False, f"/healthz: {type(exc).__name__}")
+        if health.status_code != 200:
+            return Look(False, False, f"/healthz answered {health.status_code}: {health.text[:200]}")
         try:
             answer = client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 1, "temperature": 0})
             if answer.status_code == 404:  # a table or image model: no completions; its schema must answer
                 answer = client.get("/v1/schema")
-            if answer.status_code != 200:
-                return f"the new server's first request answered {answer.status_code}: {answer.text[:300]}"
         except (httpx.HTTPError, OSError) as exc:
-            return f"the new server's first request failed: {type(exc).__name__}: {exc}"
-    return None
+            return Look(False, True, f"the new server's first request failed: {type(exc).__name__}: {exc}")
+        if answer.status_code != 200:
+            return Look(False, True, f"the new server's first request answered {answer.status_code}: "
+                                     f"{answer.text[:300]}")
+    return Look(True, False, "")
+
+
+def check_candidate(server: Server, timeout_s: float, poll_s: float = 0.2) -> str | None:
+    """None when `server` answers healthy and answers one real request before `timeout_s`; else why not."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer yet"
+    while True:
+        if not server.running():
+            return f"the new server exited before it served: {server.reason()}"
+        if time.monotonic() > deadline:
+            return f"the new server was not healthy within {timeout_s:g} s ({last})"
+        seen = look_at_candidate(server.socket, min(30.0, timeout_s))
+        if seen.ready:
+            return None
+        if seen.failed:
+            return seen.why
+        last = seen.why
+        time.sleep(poll_s)
 
 
 def wait_drained(endpoint: Endpoint, socket: Path, timeout_s: float, poll_s: float = 0.05) -> int:
@@ -165,7 +184,7 @@ def roll_out(endpoint: Endpoint, export: Path, start: Callable[[], Server], old:
         candidate.stop()
         log.warning("roll-out to %s refused, the old server keeps serving: %s", export, why)
         return RollOut(False, str(export), digest, why, seconds=time.monotonic() - began), old
-    previous = endpoint.switch(candidate.socket)
+    previous = endpoint.switch(candidate.socket, digest)
     switched_at = time.time()
     left = wait_drained(endpoint, previous, drain_timeout_s)
     if old is not None:

@@ -19,6 +19,7 @@ import inspect
 import json
 import logging
 import math
+import re
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 from types import SimpleNamespace
@@ -41,6 +42,7 @@ from runyard.market import (
     model_costs,
     orders,
     revocation,
+    rollouts,
     settlement,
     statements,
     usage,
@@ -110,6 +112,10 @@ HANDLERS: dict[str, Handler] = {
     "give_notice": lambda m, p, a: availability.give_notice(m, p, a.lease_id, a.body, a.key),
     "publish_endpoint": lambda m, p, a: availability.publish_endpoint(m, p, a.lease_id, a.body, a.key),
     "lease_periods": lambda m, p, a: availability.lease_periods(m, p, a.lease_id),
+    "request_rollout": lambda m, p, a: rollouts.request_rollout(m, p, a.lease_id, a.body, a.key),
+    "rollouts": lambda m, p, a: rollouts.list_rollouts(m, p, a.lease_id),
+    "report_rollout": lambda m, p, a: rollouts.report_rollout(m, p, a.lease_id, a.rollout_id, a.body, a.key),
+    "withdraw_rollout": lambda m, p, a: rollouts.withdraw_rollout(m, p, a.lease_id, a.rollout_id, a.key),
     "pending_accounts": lambda m, p, a: identity.pending_accounts(m),
     "decide": lambda m, p, a: identity.decide(m, p.actor, a.account, a.body.approve, a.body.reason),
     "decide_held_earnings": lambda m, p, a: revocation.decide_held(m, p, a.lease_id, a.body, a.key),
@@ -172,7 +178,7 @@ def parse_body(raw: bytes) -> Any:
 
 class BodyLimit:
     """ASGI middleware: refuse request bodies over `limit` bytes (by header, or while streaming;
-    `route_limits` gives some paths their own limit), and bodies that are not strict JSON
+    `route_limits` gives the paths a pattern matches whole their own limit), and bodies that are not strict JSON
     (`parse_body`), with 422 in the error envelope."""
 
     def __init__(self, app, limit: int, route_limits: dict[str, int] | None = None,  # type: ignore[no-untyped-def]
@@ -183,7 +189,8 @@ class BodyLimit:
     async def __call__(self, scope, receive, send):  # type: ignore[no-untyped-def]
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        limit = self.route_limits.get(scope.get("path", ""), self.default_limit)
+        path = scope.get("path", "")
+        limit = next((n for pattern, n in self.route_limits.items() if re.fullmatch(pattern, path)), self.default_limit)
         headers = dict(scope.get("headers") or [])
         declared = headers.get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
@@ -244,7 +251,8 @@ def create_app(market: Market, max_body_bytes: int = DEFAULT_MAX_BODY, threads: 
     )
     # A demand may carry its job's files (runyard.market.jobs): that one route takes larger bodies.
     app.add_middleware(BodyLimit, limit=max_body_bytes,
-                       route_limits={"/v1/demands": max(max_body_bytes, MAX_DEMAND_BODY_BYTES)},
+                       route_limits={pattern: max(max_body_bytes, MAX_DEMAND_BODY_BYTES)
+                                     for pattern in (r"/v1/demands", r"/v1/leases/\d+/rollouts")},
                        form_prefixes=(CONSOLE_PREFIX + "/",))
 
     @app.exception_handler(MarketError)

@@ -332,7 +332,7 @@ def _generated(op: Operation) -> Any:
     required, optional = [], []
     for name, info in body_fields.items():
         default = op.client_defaults.get(
-            name, inspect.Parameter.empty if info.is_required() else info.default
+            name, inspect.Parameter.empty if info.is_required() else info.get_default(call_default_factory=True)
         )
         target = required if default is inspect.Parameter.empty else optional
         target.append(inspect.Parameter(name, kw, annotation=info.annotation, default=default))

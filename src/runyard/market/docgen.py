@@ -21,9 +21,10 @@ from runyard.market.states.lease import LEASE
 from runyard.market.states.listing import LISTING
 from runyard.market.states.period import PERIOD
 from runyard.market.states.record import RECORD
+from runyard.market.states.rollout import ROLLOUT
 from runyard.system.files import atomic_write_text
 
-MACHINES = (IDENTITY, LISTING, DEMAND, LEASE, PERIOD, RECORD, DISPUTE)
+MACHINES = (IDENTITY, LISTING, DEMAND, LEASE, PERIOD, RECORD, DISPUTE, ROLLOUT)
 SECTION = re.compile(r"(<!-- generated:(\w+) -->\n)(.*?)(<!-- /generated:\2 -->)", re.S)
 
 

@@ -19,15 +19,21 @@ and env/environment.json, at most MAX_ENV_LOCK_BYTES in all). The provider's age
 environment from it (cached by the lock's hash) and runs the job inside it, so the job runs with the
 tenant's versions, not whatever the provider has; the delivery then carries the reproduction inputs.
 
+`init_export` (optional): the export the job starts from (its spec's `model.init: {from: export}`),
+carried as a standing demand's deployment carries its export: `export_files` uploaded (base64, bounded
+like `files`) and `export_urls` the provider fetches into it. The provider's agent lays it out in the
+lease's folder and points the spec's `model.init.path` there (`runyard.control.lease_job`), so a job can
+continue a tenant's model without the provider having it.
+
 `results_to` is a string: an absolute local path (where provider and tenant share a filesystem) or
 a URL (`file://`, or a scheme the provider supports, such as a signed upload URL).
 
 Only the lease's two parties see the job (see `leases.list_leases`); the provider's signature on
-the lease terms covers `job_sha256` (spec, results_to, files, data_urls and env_lock), so an accepted lease
-binds the provider to exactly this job and this data.
+the lease terms covers `job_sha256` (spec, results_to, files, data_urls, env_lock and init_export), so an
+accepted lease binds the provider to exactly this job, this data and these starting weights.
 
 Stored with the demand as three columns (JOB_COLUMNS): the spec, results_to, and `job_inputs`, the
-JSON of files, data_urls and env_lock (null when the job carries none).
+JSON of files, data_urls, env_lock and init_export (null when the job carries none).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import binascii
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 import yaml
@@ -49,8 +56,10 @@ MAX_FILE_PATH = 200
 MAX_DATA_URLS = 16
 MAX_DATA_URL = 2000
 MAX_ENV_LOCK_BYTES = 256 * 1024
-# A demand's body carries the files base64-encoded (4/3 of their size) beside the spec and the lock.
-MAX_DEMAND_BODY_BYTES = 1024 * 1024
+MAX_EXPORT_URLS = 64
+# A demand's body carries the files and an init export's files base64-encoded (4/3 of their size)
+# beside the spec and the lock.
+MAX_DEMAND_BODY_BYTES = 2 * 1024 * 1024
 JOB_COLUMNS = ("job_spec", "job_results_to", "job_inputs")
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://\S+$")
 _PATH_PART = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.+-]*$")
@@ -183,15 +192,72 @@ def check_env_lock(lock: Any) -> dict[str, str]:
     return lock
 
 
+def check_export_files(files: dict[str, str], urls: dict[str, str], where: str) -> dict[str, bytes]:
+    """An export's uploaded files decoded, after checking them and its URLs: well formed, bounded, each
+    path named once and none inside another; else ValueError naming `where` (the field)."""
+    decoded = decode_files(files)
+    if not isinstance(urls, dict):
+        raise ValueError(f"{where}.export_urls must be an object of relative path -> http(s) URL")
+    if len(urls) > MAX_EXPORT_URLS:
+        raise ValueError(f"{where}.export_urls has {len(urls)} entries; at most {MAX_EXPORT_URLS}")
+    for path, url in urls.items():
+        check_file_path(path)
+        check_data_url(url)
+    both = set(files) & set(urls)
+    if both:
+        raise ValueError(f"{where}: {sorted(both)[:5]} given both as a file and as a URL")
+    if not files and not urls:
+        raise ValueError(f"{where}: the export has no files (give export_files or export_urls)")
+    if len(set(urls.values())) != len(urls):
+        raise ValueError(f"{where}.export_urls names a URL twice")
+    paths = set(files) | set(urls)
+    for path in paths:
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in paths:
+                raise ValueError(f"{where}: {'/'.join(parts[:i])!r} is a file, so {path!r} cannot be inside it")
+    return decoded
+
+
+def check_init_export(init: Any) -> dict[str, Any]:
+    """A job's `init_export`: {"export_files": {path: base64}, "export_urls": {path: URL}} checked as a
+    deployment's export is (check_export_files); else ValueError."""
+    if not isinstance(init, dict) or not set(init) <= {"export_files", "export_urls"}:
+        raise ValueError("job.init_export must be {'export_files': {path: base64}, 'export_urls': {path: URL}}")
+    check_export_files(init.get("export_files") or {}, init.get("export_urls") or {}, "job.init_export")
+    return init
+
+
+def init_export_body(export: Path | None, urls: dict[str, str] | None = None) -> dict[str, Any]:
+    """A job's `init_export` from an export directory (its files uploaded, except those the provider
+    fetches from `urls`: relative path -> URL), checked as the market will check it; else ValueError."""
+    urls = dict(urls or {})
+    named = {}
+    if export is not None:
+        named = {p.relative_to(export).as_posix(): p.read_bytes() for p in sorted(Path(export).rglob("*"))
+                 if p.is_file() and p.relative_to(export).as_posix() not in urls}
+    init = {k: v for k, v in (("export_files", encode_files(named)), ("export_urls", urls)) if v}
+    return check_init_export(init)
+
+
+def _nonempty(init: dict | None) -> dict | None:
+    """An init export as stored and digested: only its non-empty parts (None when it has none)."""
+    return {k: v for k, v in init.items() if v} or None if init else None
+
+
 def job_columns(job: Any) -> dict[str, Any]:
     """The demand row's job columns for a checked job (a JobIn or a dict), or all None without one."""
     if job is None:
         return dict.fromkeys(JOB_COLUMNS)
     get = job.get if isinstance(job, dict) else lambda k, d=None: getattr(job, k, d)
-    files, urls, lock = get("files") or {}, get("data_urls") or [], get("env_lock")
+    files, urls, lock, init = get("files") or {}, get("data_urls") or [], get("env_lock"), get("init_export")
     if lock is not None and not isinstance(lock, dict):
         lock = lock.model_dump()
-    inputs = {k: v for k, v in (("files", files), ("data_urls", urls), ("env_lock", lock)) if v}
+    if init is not None and not isinstance(init, dict):
+        init = init.model_dump()
+    init = _nonempty(init)
+    inputs = {k: v for k, v in (("files", files), ("data_urls", urls), ("env_lock", lock), ("init_export", init))
+              if v}
     return {"job_spec": get("spec"), "job_results_to": get("results_to"),
             "job_inputs": json.dumps(inputs, sort_keys=True) if inputs else None}
 
@@ -208,8 +274,9 @@ def job_of(row) -> dict | None:  # type: ignore[no-untyped-def]
 
 
 def job_sha256(job: dict | None) -> str | None:
-    """Digest of a job (spec text, results_to, and its files, data_urls and env_lock when it carries
-    any), signed with the lease terms; None without one. Empty files or data_urls digest as absent."""
+    """Digest of a job (spec text, results_to, and its files, data_urls, env_lock and init_export when
+    it carries any), signed with the lease terms; None without one. Empty files or data_urls digest as
+    absent, so the digests of jobs without them are what they were before these fields existed."""
     if job is None:
         return None
     body: dict[str, Any] = {"spec": job["spec"], "results_to": job["results_to"]}
@@ -219,5 +286,7 @@ def job_sha256(job: dict | None) -> str | None:
         body["data_urls"] = job["data_urls"]
     if job.get("env_lock"):
         body["env_lock"] = job["env_lock"]
+    if _nonempty(job.get("init_export")):
+        body["init_export"] = _nonempty(job["init_export"])
     canonical = json.dumps(body, sort_keys=True)
     return "sha256:" + hashlib.sha256(canonical.encode("utf-8")).hexdigest()

@@ -9,11 +9,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runyard.market.jobs import (
     MAX_DATA_URLS,
+    MAX_EXPORT_URLS,
     MAX_JOB_FILES,
     MAX_RESULTS_TO,
     MAX_SPEC_BYTES,
     check_data_urls,
     check_env_lock,
+    check_init_export,
     check_results_to,
     check_spec_text,
     decode_files,
@@ -126,6 +128,19 @@ class EnvLockIn(Strict):
     environment: str = Field(min_length=2, description="env/environment.json: interpreter, torch build, digests")
 
 
+class InitExportIn(Strict):
+    """The export a job starts from (its spec's `model.init: {from: export}`), carried as a
+    deployment's export is: uploaded files and files the provider fetches by URL."""
+
+    export_files: dict[str, str] = Field(
+        default_factory=dict, description="relative path -> base64 content: export files uploaded with the demand"
+    )
+    export_urls: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_EXPORT_URLS,
+        description="relative path -> http(s) URL: export files the provider fetches before the job starts",
+    )  # fmt: skip
+
+
 class JobIn(Strict):
     """The job a demand carries (see `runyard.market.jobs`)."""
 
@@ -147,6 +162,9 @@ class JobIn(Strict):
     env_lock: EnvLockIn | None = Field(
         default=None, description="the environment the job runs in: the provider builds it from this lock"
     )
+    init_export: InitExportIn | None = Field(
+        default=None, description="the export the job starts from: its spec's model.init.path is pointed at it"
+    )
 
     @model_validator(mode="after")
     def _checked(self) -> JobIn:
@@ -156,6 +174,8 @@ class JobIn(Strict):
         check_data_urls(self.data_urls)
         if self.env_lock is not None:
             check_env_lock(self.env_lock.model_dump())
+        if self.init_export is not None:
+            check_init_export(self.init_export.model_dump())
         return self
 
 

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 
 from runyard.market import models as m
 from runyard.market import responses as r
+from runyard.market import serving as sv
 from runyard.market import standing as st
 
 Auth = Literal["none", "account", "operator", "rail"]
@@ -180,6 +181,18 @@ OPERATIONS: tuple[Operation, ...] = (
         "availability", r.LeaseOut, body=st.EndpointIn, key="required", cli=("lease", "endpoint")),
     _op("lease_periods", "GET", "/v1/leases/{lease_id}/periods", "A standing lease's billing periods",
         "availability", list[r.PeriodOut], cli=("lease", "periods")),
+    # -- standing leases: roll-outs ----------------------------------------------------------------
+    _op("request_rollout", "POST", "/v1/leases/{lease_id}/rollouts",
+        "Serve another export on a running standing lease, or roll back to the one before (tenant)",
+        "rollouts", r.RolloutOut, body=sv.RolloutIn, key="required", status=201, cli=("deployment", "rollout")),
+    _op("rollouts", "GET", "/v1/leases/{lease_id}/rollouts", "A standing lease's roll-outs, oldest first",
+        "rollouts", list[r.RolloutOut], cli=("deployment", "rollouts")),
+    _op("report_rollout", "POST", "/v1/leases/{lease_id}/rollouts/{rollout_id}/outcome",
+        "How a roll-out ended on the provider's machine (provider)", "rollouts", r.RolloutOut,
+        body=sv.RolloutOutcomeIn, key="required"),
+    _op("withdraw_rollout", "POST", "/v1/leases/{lease_id}/rollouts/{rollout_id}/withdraw",
+        "Take back a roll-out the provider has not taken up (tenant)", "rollouts", r.RolloutOut, key="required",
+        cli=("deployment", "withdraw")),
     # -- operator ----------------------------------------------------------------------------------
     _op("pending_accounts", "GET", "/v1/admin/accounts/pending", "Accounts waiting for verification",
         "admin", list[r.PendingAccount], auth="operator", admin="pending"),

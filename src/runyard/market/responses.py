@@ -21,6 +21,7 @@ ListingState = Literal["open", "withdrawn"]
 RecordState = Literal["reported", "acknowledged", "part_acknowledged", "disputed", "resolved"]
 DisputeState = Literal["open", "upheld", "partial", "rejected", "withdrawn"]
 PeriodState = Literal["running", "closed", "settled"]
+RolloutState = Literal["requested", "switched", "failed", "withdrawn"]
 RecordKind = Literal["usage", "availability"]
 ErrorCode = Literal[
     "bad_request", "invalid_request", "unauthenticated", "forbidden", "not_verified", "not_found",
@@ -352,6 +353,24 @@ class PeriodOut(Out):
     paid_fee: int
     refunded: int
     settled_at: int | None
+
+
+class RolloutOut(Out):
+    """One roll-out of a standing lease: what the tenant asked the provider to serve, and how it ended."""
+
+    id: int
+    lease_id: int
+    seq: int = Field(description="1, 2, ... per lease")
+    kind: Literal["rollout", "rollback"]
+    state: RolloutState
+    requested_at: int
+    finished_at: int | None
+    export_sha256: str | None = Field(description="digest of the new export's files and URLs (null for a roll-back)")
+    export_digest: str | None = Field(description="the runyard export serving after the switch, as the provider "
+                                                  "reports it (its runyard.json's sha256)")
+    detail: str | None = Field(description="the provider's words on how it ended (why a switch failed)")
+    export: dict[str, Any] | None = Field(
+        default=None, description="the new export's files and URLs; only the lease's parties see it")
 
 
 class SettlementOut(Out):

@@ -252,6 +252,28 @@ lease_periods = Table(
     UniqueConstraint("lease_id", "seq", name="uq_lease_periods_lease_seq"),
 )
 
+# A standing lease's roll-outs: the tenant asks the provider to serve another export (or, a
+# roll-back, the one served before) on the same lease and endpoint: requested -> switched | failed,
+# or withdrawn by the tenant while still requested (states/rollout.py). `export` is the new export's
+# files and URLs (JSON, as a deployment carries them; null for a roll-back); `export_digest` the
+# digest of the runyard export the provider reports serving after the switch.
+rollouts = Table(
+    "rollouts",
+    metadata,
+    Column("id", Integer, primary_key=True),
+    Column("lease_id", Integer, ForeignKey("leases.id"), nullable=False, index=True),
+    Column("seq", Integer, nullable=False),
+    Column("kind", String(16), nullable=False),  # "rollout" or "rollback"
+    Column("export", Text, nullable=True),
+    Column("export_sha256", String(80), nullable=True),
+    Column("state", String(16), nullable=False),
+    Column("requested_at", BigInteger, nullable=False),
+    Column("finished_at", BigInteger, nullable=True),
+    Column("export_digest", String(80), nullable=True),
+    Column("detail", Text, nullable=True),
+    UniqueConstraint("lease_id", "seq", name="uq_rollouts_lease_seq"),
+)
+
 usage_records = Table(
     "usage_records",
     metadata,

@@ -26,9 +26,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from runyard.market.jobs import check_data_url, check_file_path, decode_files
-
-MAX_EXPORT_URLS = 64
+from runyard.market.jobs import MAX_EXPORT_URLS, check_export_files
 
 
 class ServeSettingsIn(BaseModel):
@@ -44,6 +42,10 @@ class ServeSettingsIn(BaseModel):
     max_queue: int | None = Field(default=None, ge=1, le=100_000, description="waiting sequences before 429")
     kv_cache_mb: int | None = Field(default=None, ge=1, le=1 << 20, description="KV cache budget, MiB")
     max_prefill_tokens: int | None = Field(default=None, ge=1, le=1 << 20, description="prompt tokens per step")
+    log_requests: bool | None = Field(
+        default=None, description="keep every prompt, PII-scrubbed, in the lease's work folder, and let the tenant "
+        "fetch the sealed log through its endpoint (GET /v1/traffic): what a retraining on drift learns from",
+    )  # fmt: skip
 
 
 class DeploymentIn(BaseModel):
@@ -69,27 +71,54 @@ class DeploymentIn(BaseModel):
         return self
 
 
+class RolloutIn(BaseModel):
+    """What a tenant asks its standing lease's provider to serve instead: another export (its files
+    and URLs, as a deployment carries them), or, with `rollback`, the export served before the one
+    serving now. The lease's serve options and endpoint token stay as they are."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    export_files: dict[str, str] = Field(
+        default_factory=dict, description="relative path -> base64 content: the new export's uploaded files"
+    )
+    export_urls: dict[str, str] = Field(
+        default_factory=dict, max_length=MAX_EXPORT_URLS,
+        description="relative path -> http(s) URL: the new export's files the provider fetches",
+    )  # fmt: skip
+    rollback: bool = Field(default=False, description="return to the export served before (no files then)")
+
+    @model_validator(mode="after")
+    def _checked(self) -> RolloutIn:
+        if self.rollback:
+            if self.export_files or self.export_urls:
+                raise ValueError("a roll-back carries no export: it returns to the one served before")
+        else:
+            check_deployment_files(self.export_files, self.export_urls)
+        return self
+
+
+class RolloutOutcomeIn(BaseModel):
+    """The provider says how a roll-out ended on its machine."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    switched: bool = Field(description="true: the endpoint now serves the new export; false: the old one serves")
+    export_digest: str | None = Field(
+        default=None, pattern=r"^sha256:[0-9a-f]{64}$",
+        description="the digest of the runyard export now serving (its runyard.json's sha256)",
+    )  # fmt: skip
+    detail: str = Field(default="", max_length=2000, description="what happened, in the provider's words")
+
+    @model_validator(mode="after")
+    def _checked(self) -> RolloutOutcomeIn:
+        if self.switched and self.export_digest is None:
+            raise ValueError("a switched roll-out names the export_digest now serving")
+        return self
+
+
 def check_deployment_files(files: dict[str, str], urls: dict[str, str]) -> None:
     """ValueError unless the export's files and URLs are well formed, bounded, and name each path once."""
-    decode_files(files)
-    if len(urls) > MAX_EXPORT_URLS:
-        raise ValueError(f"deployment.export_urls has {len(urls)} entries; at most {MAX_EXPORT_URLS}")
-    for path, url in urls.items():
-        check_file_path(path)
-        check_data_url(url)
-    both = set(files) & set(urls)
-    if both:
-        raise ValueError(f"deployment: {sorted(both)[:5]} given both as a file and as a URL")
-    if not files and not urls:
-        raise ValueError("deployment: the export has no files (give export_files or export_urls)")
-    if len(set(urls.values())) != len(urls):
-        raise ValueError("deployment.export_urls names a URL twice")
-    paths = set(files) | set(urls)
-    for path in paths:
-        parts = path.split("/")
-        for i in range(1, len(parts)):
-            if "/".join(parts[:i]) in paths:
-                raise ValueError(f"deployment: {'/'.join(parts[:i])!r} is a file, so {path!r} cannot be inside it")
+    check_export_files(files, urls, "deployment")
 
 
 def deployment_json(body: DeploymentIn | dict | None) -> str | None:

@@ -46,7 +46,12 @@ class EngineUnavailable(ServeError):
 
 
 class RetrainError(ServeError):
-    """A retraining submission could not be prepared or sent."""
+    """A retraining submission could not be prepared or sent; `details` (a dict) goes on the event's
+    record beside the message (what was tried, and when)."""
+
+    def __init__(self, message: str, details: dict | None = None):
+        super().__init__(message)
+        self.details = details or {}
 
 
 class RetrainRefused(RetrainError):
@@ -56,3 +61,21 @@ class RetrainRefused(RetrainError):
     def __init__(self, message: str, traffic: dict):
         super().__init__(message)
         self.traffic = traffic
+
+
+class RetrainOverBudget(RetrainError):
+    """A retraining demand not placed: its escrow would take the period's spend past the maintenance
+    budget; `budget` holds the period's figures."""
+
+    def __init__(self, message: str, budget: dict):
+        super().__init__(message)
+        self.budget = budget
+
+
+class RetrainDeferred(RetrainError):
+    """A retraining whose destination could not be reached this time: `outcome` records the attempts so
+    far, and it is tried again after `retry_in_s` seconds."""
+
+    def __init__(self, message: str, outcome: dict, retry_in_s: float):
+        super().__init__(message)
+        self.outcome, self.retry_in_s = outcome, retry_in_s

@@ -38,6 +38,7 @@ from runyard.data.clean import text_hash
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
 from runyard.errors import SpecError
+from runyard.market.model_costs import retraining_name
 from runyard.serve.errors import RetrainError, RetrainRefused
 from runyard.serve.request_log import SEGMENT_GLOB, RequestLog
 from runyard.spec.data import DataSpec, SourceSpec
@@ -197,7 +198,7 @@ class Retrainer:
         reason = refusal_reason(traffic, self.min_logged)
         if reason is not None:
             raise RetrainRefused(reason, traffic)
-        name = f"{self.base.get('name', 'model')}-retrain-{time.strftime('%Y%m%dT%H%M%S')}"
+        name = retraining_name(str(self.base.get('name', 'model')), time.time())
         raw = derive_spec(self.base, name, self.request_log.source(), self.export_dir, Path.cwd())
         self.specs_dir.mkdir(parents=True, exist_ok=True)
         path = self.specs_dir / f"{name}.yaml"

@@ -17,6 +17,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from runyard.data.chat import load_chat_template
+from runyard.errors import RunyardError
+from runyard.market.client import MarketClient
 from runyard.model.hf.export import ExportError, export_eos_ids, load_export, read_export_config
 from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
 from runyard.serve.chat import chat_prompt
@@ -25,7 +27,10 @@ from runyard.serve.errors import ServeConfigError
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import DEFAULT_MIN_LOGGED, Retrainer, read_spec_mapping
+from runyard.serve.retrain_budget import BUDGET_FILE, DEFAULT_BUDGET_PERIOD_S, MaintenanceBudget
+from runyard.serve.retrain_market import DEFAULT_DEADLINE_S, MarketRetrainer
 from runyard.serve.scheduler import SchedulerConfig
+from runyard.serve.traffic_share import add_traffic_routes
 from runyard.serve.vllm_engine import VllmEngine
 from runyard.serve.watch import TrafficWatch
 
@@ -47,6 +52,7 @@ class ServeOptions:
     compile: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_requests: Path | None = None
+    share_traffic: bool = False  # GET /v1/traffic hands the sealed log back (serve/traffic_share.py)
     retrain_spec: Path | None = None
     control_url: str | None = None
     drift_check_every: int = 5
@@ -55,6 +61,22 @@ class ServeOptions:
     drift_warmup: int = 50
     retrain_min_logged: int = DEFAULT_MIN_LOGGED
     tensor_parallel_size: int = 1
+    # Retraining through the market (serve/retrain_market.py) instead of a local control plane.
+    retrain_via: str = "control"  # or "market"
+    market_url: str | None = None
+    identity: Path | None = None  # the tenant's market identity file
+    budget: int | None = None  # minor units of retraining escrow per budget period
+    budget_period_s: int = DEFAULT_BUDGET_PERIOD_S
+    max_price: int | None = None  # per device-hour; None: the most the budget pays for the requirement
+    retrain_deadline_s: int = DEFAULT_DEADLINE_S
+    retrain_results_to: str | None = None
+    retrain_export_url: str | None = None
+
+
+# What only `--retrain-via market` acts on: ServeOptions field -> its flag.
+MARKET_ONLY = {"market_url": "--market", "identity": "--identity", "budget": "--budget", "max_price": "--max-price",
+               "retrain_results_to": "--retrain-results-to", "retrain_export_url": "--retrain-export-url"}
+MARKET_CLIENT_TIMEOUT_S = 15.0  # a drift event's placement waits at most this for the market per attempt
 
 
 def model_name_for(export_dir: Path) -> str:
@@ -72,8 +94,17 @@ def check_options(export_dir: Path, options: ServeOptions) -> None:
         raise ServeConfigError(f"unknown engine {options.engine!r}: expected 'runyard' or 'vllm'")
     if options.device.startswith("cuda") and not torch.cuda.is_available():
         raise ServeConfigError(f"--device {options.device}: no CUDA device is available")
-    if (options.retrain_spec is None) != (options.control_url is None):
-        raise ServeConfigError("--retrain-spec and --control go together: the spec to retrain and where to submit it")
+    if options.retrain_via not in ("control", "market"):
+        raise ServeConfigError(f"--retrain-via {options.retrain_via!r}: expected 'control' or 'market'")
+    if options.retrain_via == "control":
+        given = [flag for name, flag in MARKET_ONLY.items() if getattr(options, name) is not None]
+        if given:
+            raise ServeConfigError(f"{', '.join(given)} belong(s) to --retrain-via market (retraining through the "
+                                   "market); without it a retraining goes to a control plane (--control)")
+        if (options.retrain_spec is None) != (options.control_url is None):
+            raise ServeConfigError("--retrain-spec and --control go together: the spec to retrain and where to submit it")
+    else:
+        check_market_options(options)
     if options.retrain_spec is not None and options.log_requests is None:
         raise ServeConfigError("--retrain-spec needs --log-requests DIR: the retraining data includes the logged traffic")
     if options.retrain_spec is not None and DriftReference.load(export_dir) is None:
@@ -86,6 +117,39 @@ def check_options(export_dir: Path, options: ServeOptions) -> None:
         raise ServeConfigError(f"--drift-warmup must be >= 0, got {options.drift_warmup}")
     if options.retrain_min_logged < 0:
         raise ServeConfigError(f"--retrain-min-logged must be >= 0, got {options.retrain_min_logged}")
+
+
+def check_market_options(options: ServeOptions) -> None:
+    """`--retrain-via market` needs the spec, the market, the tenant's identity and a budget, and no
+    control plane."""
+    if options.control_url is not None:
+        raise ServeConfigError("--control is where --retrain-via control submits; --retrain-via market places a "
+                               "demand on --market instead: give one of them")
+    missing = [flag for flag, value in (("--retrain-spec", options.retrain_spec), ("--market", options.market_url),
+                                        ("--identity", options.identity), ("--budget", options.budget)) if value is None]
+    if missing:
+        raise ServeConfigError(f"--retrain-via market needs {', '.join(missing)}: the spec to retrain, the market, "
+                               "the tenant's identity file and the maintenance budget (minor units per period)")
+    if options.budget < 1 or options.budget_period_s < 1:
+        raise ServeConfigError("--budget and --budget-period-s must be at least 1")
+    if options.max_price is not None and options.max_price < 1:
+        raise ServeConfigError(f"--max-price must be at least 1 minor unit per device-hour, got {options.max_price}")
+    if options.retrain_deadline_s < 1:
+        raise ServeConfigError(f"--retrain-deadline-s must be at least 1, got {options.retrain_deadline_s}")
+
+
+def market_retrainer(export_dir: Path, options: ServeOptions, request_log: RequestLog) -> MarketRetrainer:
+    """The retrainer of `--retrain-via market`: the tenant's client, the budget kept beside the request log."""
+    try:
+        client = MarketClient.from_identity_file(options.identity, base_url=options.market_url,
+                                                 timeout=MARKET_CLIENT_TIMEOUT_S, retries=1)
+    except RunyardError as exc:
+        raise ServeConfigError(f"--identity {options.identity}: {exc}") from None
+    budget = MaintenanceBudget(request_log.directory.parent / BUDGET_FILE, options.budget, options.budget_period_s)
+    return MarketRetrainer(options.retrain_spec, export_dir, request_log, client, budget,
+                           max_price=options.max_price, deadline_s=options.retrain_deadline_s,
+                           results_to=options.retrain_results_to, export_url=options.retrain_export_url,
+                           min_logged=options.retrain_min_logged)
 
 
 def build_engine(export_dir: Path, options: ServeOptions):
@@ -141,7 +205,9 @@ def build_watch(export_dir: Path, options: ServeOptions, engine=None) -> Traffic
         )
     request_log = RequestLog(options.log_requests) if options.log_requests is not None else None
     retrainer = None
-    if options.retrain_spec is not None:
+    if options.retrain_spec is not None and options.retrain_via == "market":
+        retrainer = market_retrainer(export_dir, options, request_log)
+    elif options.retrain_spec is not None:
         retrainer = Retrainer(options.retrain_spec, options.control_url, export_dir, request_log,
                               min_logged=options.retrain_min_logged)
     if monitor is None and request_log is None:
@@ -149,6 +215,8 @@ def build_watch(export_dir: Path, options: ServeOptions, engine=None) -> Traffic
     return TrafficWatch(
         monitor, request_log, retrainer,
         check_every=options.drift_check_every, sustain_requests=options.drift_sustain_requests,
+        # Through the market the maintenance budget caps retraining, one per drift episode.
+        max_retrains=None if options.retrain_via == "market" else 1,
     )
 
 
@@ -156,6 +224,8 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
     """The app for an export, and the things to close when it stops (engine, watch)."""
     export_dir = Path(export_dir)
     check_options(export_dir, options)
+    if options.share_traffic and options.log_requests is None:
+        raise ServeConfigError("--share-traffic hands back the logged traffic: it needs --log-requests DIR")
     if options.retrain_spec is not None:
         read_spec_mapping(options.retrain_spec)  # a bad spec is refused now, not at the first drift event
     engine = build_engine(export_dir, options)
@@ -172,6 +242,8 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
             max_body_bytes=options.max_body_bytes,
             on_shutdown=[thing.close for thing in reversed(closers)],
         )
+        if options.share_traffic and watch is not None and watch.request_log is not None:
+            add_traffic_routes(app, watch.request_log)
     except BaseException:
         for thing in closers:
             thing.close()

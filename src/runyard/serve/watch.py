@@ -5,11 +5,15 @@ Work happens on one background thread, so a request only enqueues its prompt. Ev
 prompts the monitor is judged (each judgement at the monitor's stated false-alarm rate, serve/drift.py);
 drift that stays past its threshold on every judgement across
 `sustain_requests` prompts is a **drift event**: logged, listed in `/v1/drift`, and, when a
-retrainer is configured, answered by one retraining job on the control plane (at most
-`max_retrains` per server; later events are recorded but submit nothing). A retraining refused by
-policy (too few usable logged records, serve/retrain.py) is recorded as the event's outcome, with the
-counts, and is tried again while the event lasts, each time the log has grown by a tenth of the minimum.
-Drift that clears re-arms the event.
+retrainer is configured, answered by one retraining: a job on the control plane (serve/retrain.py) or a
+funded demand on the market (serve/retrain_market.py), at most `max_retrains` per server (None: no count,
+the market's maintenance budget caps it); later events are recorded but submit nothing. A retraining
+refused by policy (too few usable logged records) is recorded as the event's outcome, with the counts,
+and is tried again while the event lasts, each time the log has grown by a tenth of the minimum; one
+over the maintenance budget is recorded and not tried again. One whose destination cannot be reached is
+tried again after the retrainer's backoff (the watcher wakes for it even without traffic), each attempt
+on the event; an event while one is still being placed records that and places nothing.
+Drift that clears re-arms the event: one drift episode, one retraining.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from dataclasses import asdict
 from typing import Any
 
 from runyard.serve.drift import DriftMonitor, DriftReport
-from runyard.serve.errors import RetrainError, RetrainRefused
+from runyard.serve.errors import RetrainDeferred, RetrainError, RetrainOverBudget, RetrainRefused
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import Retrainer
+from runyard.serve.retrain_market import MarketRetrainer
 
 log = logging.getLogger("runyard.serve")
 
@@ -57,11 +62,11 @@ class TrafficWatch:
         self,
         monitor: DriftMonitor | None = None,
         request_log: RequestLog | None = None,
-        retrainer: Retrainer | None = None,
+        retrainer: Retrainer | MarketRetrainer | None = None,
         *,
         check_every: int = 5,
         sustain_requests: int = 20,
-        max_retrains: int = 1,
+        max_retrains: int | None = 1,
     ):
         if check_every < 1 or sustain_requests < 0:
             raise ValueError("check_every must be >= 1 and sustain_requests >= 0")
@@ -75,6 +80,7 @@ class TrafficWatch:
         self._drift_since: int | None = None
         self._in_event = False
         self._retry_at: int | None = None  # logged records at which a refused retraining is tried again
+        self._deferred: tuple[dict[str, Any], float] | None = None  # (event, monotonic time) of the next attempt
         self._queue: queue.Queue[tuple[str, list[int]] | None] = queue.Queue(maxsize=MAX_PENDING)
         self._lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="runyard-watch", daemon=True)
@@ -133,15 +139,32 @@ class TrafficWatch:
 
     def _run(self) -> None:
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=self._deferred_wait())
+            except queue.Empty:  # no prompt: a deferred retraining is due
+                self._retry_deferred()
+                continue
             try:
                 if item is None:
                     return
                 self._handle(*item)
+                self._retry_deferred()
             except Exception:  # one bad prompt or a full disk must not stop the watcher
                 log.exception("drift watcher failed on a prompt")
             finally:
                 self._queue.task_done()
+
+    def _deferred_wait(self) -> float | None:
+        """Seconds until a deferred retraining is due (None: none is)."""
+        return None if self._deferred is None else max(0.0, self._deferred[1] - time.monotonic())
+
+    def _retry_deferred(self) -> None:
+        if self._deferred is not None and time.monotonic() >= self._deferred[1]:
+            event, self._deferred = self._deferred[0], None
+            try:
+                self._submit(event)
+            except Exception:
+                log.exception("drift watcher failed to retry a retraining")
 
     def _handle(self, text: str, prompt_ids: list[int]) -> None:
         if self.request_log is not None:
@@ -199,7 +222,12 @@ class TrafficWatch:
 
     def _submit(self, event: dict[str, Any]) -> None:
         """Submit the event's retraining, or record why not (its outcome in `event["retrain"]`)."""
-        if self.retrainer is None or self.retrains >= self.max_retrains:
+        if self.retrainer is None or (self.max_retrains is not None and self.retrains >= self.max_retrains):
+            return
+        if self._deferred is not None and self._deferred[0] is not event:
+            with self._lock:
+                event["retrain"] = {"submitted": False, "reason": "not placed: the retraining of the event at request "
+                                    f"{self._deferred[0]['requests_seen']} is still being placed"}
             return
         retry_at = None
         try:
@@ -209,10 +237,16 @@ class TrafficWatch:
             log.warning("drift: retraining %s", exc)
             result = {"submitted": False, "reason": str(exc), "traffic": exc.traffic}
             retry_at = self.request_log.records + max(1, self.retrainer.min_logged // 10) if self.request_log else None
+        except RetrainOverBudget as exc:  # by policy, for this episode: recorded, not tried again
+            log.warning("drift: retraining %s", exc)
+            result = {"submitted": False, "reason": str(exc), "budget": exc.budget}
+        except RetrainDeferred as exc:  # not reached: the same retraining is tried again after its backoff
+            result = exc.outcome
+            self._deferred = (event, time.monotonic() + exc.retry_in_s)
         except RetrainError as exc:
             self.retrains += 1
             log.error("drift: retraining not submitted: %s", exc)
-            result = {"submitted": False, "error": str(exc)}
+            result = {**exc.details, "submitted": False, "error": str(exc)}
         with self._lock:
             event["retrain"] = result
             self._retry_at = retry_at
