@@ -4,12 +4,17 @@ agent starts it beside the running server, switches the endpoint once it answers
 one. A client sending requests all through sees no failure, and every answer says which export
 served it (X-Runyard-Export): the old one until the switch, the new one after. A roll-out to an
 export that does not load fails with the server's own words and the old export keeps serving; a
-roll-back returns to the export served before. Exactly one server serves the lease after each."""
+roll-back returns to the export served before. Exactly one server serves the lease after each; and an
+agent killed (SIGKILL of the provider's daemon) in the middle of a roll-out leaves exactly one server
+behind the endpoint once it is started again."""
 
 from __future__ import annotations
 
 import base64
+import json
+import os
 import shutil
+import signal
 import tempfile
 import threading
 from pathlib import Path
@@ -18,6 +23,7 @@ import httpx
 import pytest
 
 from runyard.control.endpoint import EXPORT_HEADER
+from runyard.control.info import read_daemon_info
 from runyard.control.rollout import export_digest
 from runyard.market.server import ServerThread
 from runyard.market.service import Market, Settings
@@ -176,5 +182,67 @@ def test_a_tenant_rolls_out_and_back_through_the_market_without_a_failed_request
             raise
         finally:
             plane.stop()
+            files.close()
+    market.store.dispose()
+
+
+@pytest.mark.full
+def test_an_agent_killed_during_a_roll_out_leaves_exactly_one_server_after_its_restart(
+        tmp_path, short_dir, tokenizer, tokenizer_path, make_model):  # noqa: F811
+    require_sandbox()
+    made = {}
+    for seed in (0, 1):
+        model = make_model(tokenizer, seed=seed)
+        made[seed] = export_model(model, model.cfg, tokenizer_path, tmp_path / "exports" / f"run{seed}" / "export",
+                                  extra_config={"run_name": f"tiny{seed}"})
+    market = Market.open(str(tmp_path / "market.db"), Settings(test_clock=True, dispute_window_s=30, fee_bps=250),
+                         verifier=OperatorVerifier())
+    files = FileServer(tmp_path / "exports")
+    state = short_dir / "control"
+    flags = ("--cpu-slots", "2", "--usage-interval", "1", "--probe-interval", "0.5", "--allow-data-network",
+             "127.0.0.0/8")
+    plane = None
+    with ServerThread(market) as server:
+        ops, people = parties(market, server.url)
+        farm, lab = people["farm"], people["lab"]
+        farm.save_identity(tmp_path / "farm.json")
+        farm.create_listing(accelerator_kind="cpu", devices_per_node=1, node_count=1, region="eu-west",
+                            jurisdiction="eu", price_per_device_hour=PRICE,
+                            available_until=ops.market_info()["now"] + 86400, form="standing",
+                            standing={"period_s": PERIOD, "availability_bps": 9950, "credits": [], "notice_s": 0})
+        ops.credit("lab", 2_000_000, "test funds")
+        plane = ControlPlane(state, server.url, tmp_path / "farm.json", *flags)
+        try:
+            urls = {p.name: f"{files.url}/run0/export/{p.name}" for p in sorted(made[0].iterdir()) if p.is_file()}
+            body, token = deployment_body(urls=urls, serve={"kv_cache_mb": 8, "model_name": "tiny"})
+            lease_id = lab.place_demand({"accelerator_kinds": ["cpu"], "device_count": 1}, PRICE, form="standing",
+                                        standing={"period_s": PERIOD}, deployment=body)["lease_id"]
+            until(lambda: lab.lease(lease_id)["state"] == "running", 300)
+            folder = state / "agent" / f"lease-{lease_id}"
+            record = state / "agent" / f"lease-{lease_id}.json"
+            new = {p.name: f"{files.url}/run1/export/{p.name}" for p in sorted(made[1].iterdir()) if p.is_file()}
+            asked = lab.request_rollout(lease_id, export_urls=new)
+
+            # Killed once its new server is queued beside the old one, before any switch.
+            until(lambda: (json.loads(record.read_text()).get("rollout") or {}).get("phase") == "check", 120)
+            os.kill(read_daemon_info(state)["pid"], signal.SIGKILL)
+            plane = ControlPlane(state, server.url, tmp_path / "farm.json", *flags)  # started again
+
+            done = until(lambda: (lambda r: r if r["state"] != "requested" else None)(
+                next(r for r in lab.rollouts(lease_id) if r["id"] == asked["id"])), 300)
+            assert done["state"] == "switched" and done["export_digest"] == export_digest(made[1]), done
+            until(lambda: len(_serving_exports(folder)) == 1, 120)
+            assert _serving_exports(folder)[0].startswith(str(folder / "exports"))
+            endpoint = lab.lease(lease_id)["endpoint_url"]
+            with httpx.Client(headers={"Authorization": f"Bearer {token}"}, timeout=60) as http:
+                answer = until(lambda: (lambda r: r if r.status_code == 200 else None)(http.post(
+                    f"{endpoint}/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 2})), 120)
+            assert answer.headers[EXPORT_HEADER] == export_digest(made[1])
+        except BaseException:
+            print(plane.log() if plane else "")
+            raise
+        finally:
+            if plane is not None:
+                plane.stop()
             files.close()
     market.store.dispose()
