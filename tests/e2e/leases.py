@@ -107,3 +107,18 @@ class ControlPlane:
         for lease_root in self.state.glob("agent/lease-*"):
             with contextlib.suppress(OSError, subprocess.SubprocessError):
                 disk_quota.release(lease_root, remove_image=False)  # unmounts only what is mounted
+
+
+def serve_processes() -> list[tuple[int, str]]:
+    """The `runyard serve` processes of this machine (seen from outside any sandbox): (pid, the export it
+    serves). The server itself, not the launcher, bwrap or the relay whose command lines name it too."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv[1:4] == [b"-m", b"runyard", b"serve"] and len(argv) > 4:
+                found.append((int(entry.name), argv[4].decode(errors="replace")))
+    return found

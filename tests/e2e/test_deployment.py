@@ -33,7 +33,7 @@ from runyard.market.verifiers import OperatorVerifier
 from tests.control.helpers import require_sandbox
 
 from .conftest import TINY_SPEC, merge
-from .leases import ControlPlane, FileServer, parties, reason, until
+from .leases import ControlPlane, FileServer, parties, reason, serve_processes, until
 
 pytestmark = pytest.mark.slow
 PRICE = 36_000  # per device-hour: 10 minor units per device-second
@@ -43,18 +43,8 @@ WINDOW = 30  # the dispute window
 
 
 def _serving_pids(export_dir: Path) -> list[int]:
-    """The `runyard serve` processes serving `export_dir` (seen from outside the sandbox)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            # The server itself (not the launcher, bwrap or the relay whose command lines name it too).
-            if argv[1:4] == [b"-m", b"runyard", b"serve"] and argv[4:5] == [str(export_dir).encode()]:
-                found.append(int(entry.name))
-    return found
+    """The `runyard serve` processes serving `export_dir`."""
+    return [pid for pid, export in serve_processes() if export == str(export_dir)]
 
 
 @pytest.fixture

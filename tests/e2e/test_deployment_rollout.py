@@ -33,7 +33,7 @@ from runyard.model.hf.export import export_model
 from tests.control.helpers import require_sandbox
 from tests.model.small_model import make_model, tokenizer, tokenizer_path  # noqa: F401 (fixtures)
 
-from .leases import ControlPlane, FileServer, parties, runyard, until
+from .leases import ControlPlane, FileServer, parties, runyard, serve_processes, until
 
 pytestmark = pytest.mark.slow
 PRICE = 36_000
@@ -81,17 +81,8 @@ class Traffic:
 
 
 def _serving_exports(folder: Path) -> list[str]:
-    """The export folders `runyard serve` processes of this lease serve now (seen from outside the sandbox)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if argv[1:4] == [b"-m", b"runyard", b"serve"] and argv[4].decode().startswith(str(folder)):
-                found.append(argv[4].decode())
-    return found
+    """The export folders `runyard serve` processes of this lease serve now."""
+    return [export for _, export in serve_processes() if export.startswith(str(folder))]
 
 
 def test_a_tenant_rolls_out_and_back_through_the_market_without_a_failed_request(

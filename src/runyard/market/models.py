@@ -9,7 +9,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from runyard.market.jobs import (
     MAX_DATA_URLS,
-    MAX_EXPORT_URLS,
     MAX_JOB_FILES,
     MAX_RESULTS_TO,
     MAX_SPEC_BYTES,
@@ -21,7 +20,7 @@ from runyard.market.jobs import (
     decode_files,
 )
 from runyard.market.requirement import ACCELERATOR_KINDS, Interconnect, Requirement, StartClass
-from runyard.market.serving import DeploymentIn
+from runyard.market.serving import DeploymentIn, ExportIn
 from runyard.market.standing import MAX_MEMORY_GIB, Form, StandingDemandIn, StandingTermsIn
 
 # Largest amount one transfer may move: far inside a signed 64-bit integer, so that sums of many
@@ -128,17 +127,9 @@ class EnvLockIn(Strict):
     environment: str = Field(min_length=2, description="env/environment.json: interpreter, torch build, digests")
 
 
-class InitExportIn(Strict):
+class InitExportIn(ExportIn):
     """The export a job starts from (its spec's `model.init: {from: export}`), carried as a
     deployment's export is: uploaded files and files the provider fetches by URL."""
-
-    export_files: dict[str, str] = Field(
-        default_factory=dict, description="relative path -> base64 content: export files uploaded with the demand"
-    )
-    export_urls: dict[str, str] = Field(
-        default_factory=dict, max_length=MAX_EXPORT_URLS,
-        description="relative path -> http(s) URL: export files the provider fetches before the job starts",
-    )  # fmt: skip
 
 
 class JobIn(Strict):

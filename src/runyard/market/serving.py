@@ -48,18 +48,24 @@ class ServeSettingsIn(BaseModel):
     )  # fmt: skip
 
 
-class DeploymentIn(BaseModel):
-    """A model to serve on a standing lease (see runyard.market.serving)."""
+class ExportIn(BaseModel):
+    """A run's export as a demand or a roll-out carries it: files uploaded with it, and files the provider
+    fetches by URL before using it (a large model goes this way). A path is given once."""
 
     model_config = ConfigDict(extra="forbid")
 
     export_files: dict[str, str] = Field(
-        default_factory=dict, description="relative path -> base64 content: export files uploaded with the demand"
+        default_factory=dict, description="relative path -> base64 content: export files uploaded with the request"
     )
     export_urls: dict[str, str] = Field(
         default_factory=dict, max_length=MAX_EXPORT_URLS,
-        description="relative path -> http(s) URL: export files the provider fetches before serving",
+        description="relative path -> http(s) URL: export files the provider fetches before using them",
     )  # fmt: skip
+
+
+class DeploymentIn(ExportIn):
+    """A model to serve on a standing lease (see runyard.market.serving)."""
+
     serve: ServeSettingsIn = Field(default_factory=ServeSettingsIn, description="runyard serve options")
     token_sha256: str = Field(
         pattern=r"^sha256:[0-9a-f]{64}$", description="sha256 of the bearer token the tenant calls with"
@@ -71,20 +77,11 @@ class DeploymentIn(BaseModel):
         return self
 
 
-class RolloutIn(BaseModel):
+class RolloutIn(ExportIn):
     """What a tenant asks its standing lease's provider to serve instead: another export (its files
     and URLs, as a deployment carries them), or, with `rollback`, the export served before the one
     serving now. The lease's serve options and endpoint token stay as they are."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    export_files: dict[str, str] = Field(
-        default_factory=dict, description="relative path -> base64 content: the new export's uploaded files"
-    )
-    export_urls: dict[str, str] = Field(
-        default_factory=dict, max_length=MAX_EXPORT_URLS,
-        description="relative path -> http(s) URL: the new export's files the provider fetches",
-    )  # fmt: skip
     rollback: bool = Field(default=False, description="return to the export served before (no files then)")
 
     @model_validator(mode="after")
