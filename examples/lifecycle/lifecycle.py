@@ -229,7 +229,7 @@ def main() -> int:
         lease_id = standing["lease_id"]
         summary["serving_lease"] = lease_id
         lease = until(lambda: (lambda x: x if x["state"] == "running" and x["endpoint_url"] else None)(
-            answer("market", "lease", "show", str(lease_id), "--identity", lab)), 300, 2, why="the deployment")
+            answer("market", "lease", "show", str(lease_id), "--identity", lab)), 600, 2, why="the deployment")
         endpoint, token = lease["endpoint_url"], token_file.read_text().strip()
         print(f"serving at {endpoint}")
 
@@ -287,6 +287,9 @@ def main() -> int:
               f"{len(state['episodes'])} drift episode(s), {len(state['retrainings'])} retraining(s); "
               f"{summary['seconds']} s")
         return 0 if closed else 1
+    except BaseException:
+        _tell(work)  # what the provider saw, for whoever reads why it stopped
+        raise
     finally:
         (work / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
         for proc in (upkeep, plane, market):
@@ -297,6 +300,15 @@ def main() -> int:
                 if proc.poll() is None:
                     proc.kill()
         _leftovers(provider / "control")
+
+
+def _tell(work: Path) -> None:
+    """The last lines the provider's daemon and the upkeep wrote (their HTTP request lines left out)."""
+    for name in ("control.log", "maintain.log"):
+        path = work / name
+        if path.is_file():
+            lines = [ln for ln in path.read_text(errors="replace").splitlines() if "HTTP Request" not in ln]
+            print(f"\n-- the last lines of {path}:\n" + "\n".join(lines[-40:]), flush=True)
 
 
 def _up(url: str) -> bool:

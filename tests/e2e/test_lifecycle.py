@@ -10,8 +10,10 @@ and the model-costs report equal to the leases' settlements."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -30,9 +32,17 @@ SCRIPT = Path(__file__).resolve().parents[2] / "examples" / "lifecycle" / "lifec
 BUDGET = 20_000
 
 
-def test_a_funded_model_is_trained_served_retrained_on_drift_and_rolled_out(tmp_path):
+@pytest.fixture
+def work():
+    """A folder with a short path: a deployment's unix socket lives under it, and a socket path may not pass
+    100 characters (pytest's tmp_path is too long)."""
+    path = Path(tempfile.mkdtemp(prefix="ry-life-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_funded_model_is_trained_served_retrained_on_drift_and_rolled_out(work):
     require_sandbox()
-    work = tmp_path / "life"
     done = subprocess.run([sys.executable, str(SCRIPT), "--workdir", str(work)], capture_output=True, text=True,
                           timeout=1500)
     summary = json.loads((work / "summary.json").read_text())
