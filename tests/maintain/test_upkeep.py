@@ -49,7 +49,7 @@ def test_one_episode_buys_one_retraining_and_a_restart_buys_no_second(export, tm
             assert upkeep.state["episodes"] == [] and world.lab.demands() == []
 
             traffic.until_event(prose(150, seed=1), 1)
-            traffic.send(["my number is +44 20 7946 0958, call me"] * 1)
+            traffic.send(["my number is +44 20 7946 0958, call me"])
             upkeep.step()
             (episode,) = upkeep.state["episodes"]
             (retraining,) = upkeep.state["retrainings"]

@@ -31,7 +31,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from runyard.control.deployment import failed_before_serving, job_request, lay_out, log_reason, serve_command
+from runyard.control.deployment import (
+    SERVE_PORT,
+    failed_before_serving,
+    job_request,
+    lay_out,
+    log_reason,
+    serve_command,
+)
 from runyard.control.endpoint import Endpoint
 from runyard.control.jobs import add_jobs
 from runyard.control.lease_job import LeaseFolder
@@ -121,9 +128,9 @@ class Rollouts:
                       unconfined=agent.settings.unconfined).save(policy_path)
         socket = folder.work / f"r{rollout_id}.sock"
         gpu = any(d.startswith("cuda") for d in agent.loop.config.inventory)
-        port = free_port() if agent.settings.unconfined else None
-        argv = serve_command(folder, deployment, gpu, **({"port": port} if port else {}), export=folder.root / into,
-                             socket=socket)
+        # Unconfined (no network namespace of its own), the new server needs a port of this host.
+        port = free_port() if agent.settings.unconfined else SERVE_PORT
+        argv = serve_command(folder, deployment, gpu, port, export=folder.root / into, socket=socket)
         request = job_request(lease, wrap_argv(argv, policy_path), folder, agent.priority)
         request["name"] = f"deploy-lease-{int(lease['id'])}-rollout-{rollout_id}"
         current = {"id": rollout_id, "phase": "start", "socket": str(socket), "export": str(folder.root / into),

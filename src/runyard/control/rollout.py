@@ -38,6 +38,7 @@ from typing import Protocol
 
 import httpx
 
+from runyard.control.deployment import log_reason
 from runyard.control.endpoint import Endpoint
 from runyard.system.files import sha256_file
 
@@ -89,12 +90,7 @@ class RelayServer:
 
     def reason(self) -> str:
         """What the server said last (its last `runyard:` line, else its last line)."""
-        try:
-            lines = [ln.strip() for ln in self.log_path.read_text(errors="replace")[-20_000:].splitlines() if ln.strip()]
-        except OSError:
-            return "(no log)"
-        said = [ln for ln in lines if ln.startswith("runyard:")]
-        return (said or lines or ["(no output)"])[-1][:600]
+        return log_reason(str(self.log_path))
 
 
 @dataclass
