@@ -31,5 +31,9 @@ if [ -n "$extras" ]; then
 else
   pip_install -e "$repo_root"
 fi
+# An editable install leaves runyard's byte-code to the first import, which PYTHONDONTWRITEBYTECODE (set
+# on some machines) forbids: then every runyard process compiles the sources again (about half a second
+# each, and the test suite starts hundreds). Compiling them once here costs a few seconds.
+"$venv/bin/python" -m compileall -q "$repo_root/src/runyard" >/dev/null
 export PATH="$venv/bin:$PATH"
 }

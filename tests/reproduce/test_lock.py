@@ -12,7 +12,7 @@ import pytest
 
 from runyard.reproduce.archives import ArchiveFinder, ArchiveMemo, PipLocations, pip_locations
 from runyard.reproduce.errors import NotReproducible
-from runyard.reproduce.installed import installed_distributions, read_wheel, wheel_filename
+from runyard.reproduce.installed import DigestMemo, installed_distributions, read_wheel, wheel_filename
 from runyard.reproduce.lock import (
     KIND_SOURCE,
     KIND_WHEEL,
@@ -46,6 +46,26 @@ def test_installed_digest_equals_its_wheels_and_not_a_rebuilt_ones(installed, tm
     assert read_wheel(wheel).content_sha256 == dist.content_sha256
     rebuilt = make_wheel(tmp_path / "other", body="VALUE = 2\n")  # same name and version, other files
     assert read_wheel(rebuilt).content_sha256 != dist.content_sha256
+
+
+def test_digests_are_remembered_by_record_and_a_reinstall_is_read_again(installed, tmp_path):
+    dist, wheel = installed
+    site, memo_path = tmp_path / "site", tmp_path / "memo" / "installed-digests.json"
+    memo = DigestMemo(memo_path)
+    assert installed_distributions([str(site)], memo) == [dist]
+    memo.save()
+    (key, digest), = json.loads(memo_path.read_text()).items()
+    assert key.startswith(str((site / "ry_demo-1.0.dist-info" / "RECORD").resolve())) and digest == dist.content_sha256
+    # The memo answers without reading RECORD: a planted digest under the same key is what comes back.
+    memo_path.write_text(json.dumps({key: "planted"}))
+    (again,) = installed_distributions([str(site)], DigestMemo(memo_path))
+    assert again.content_sha256 == "planted"
+    # Another install rewrites RECORD (size or mtime): its digest is computed from the files, not the memo.
+    rebuilt = make_wheel(tmp_path / "other", body="VALUE = 2\n")
+    shutil.rmtree(site)
+    pip_install_target(rebuilt, site)
+    (reinstalled,) = installed_distributions([str(site)], DigestMemo(memo_path))
+    assert reinstalled.content_sha256 == read_wheel(rebuilt).content_sha256 != dist.content_sha256
 
 
 def test_finder_proves_a_local_wheel_and_rejects_an_impostor(installed, tmp_path):

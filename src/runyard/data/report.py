@@ -168,14 +168,14 @@ def _pii_markdown(stats: dict[str, Any]) -> list[str]:
 
 
 def _histogram_png(stats: dict[str, Any], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # Imported when drawn: a data worker that writes no report never pays for matplotlib. Drawn without
+    # pyplot (no global backend or figure state), as evaluate/report.py draws.
+    from matplotlib.figure import Figure
 
     h = stats["doc_length_histogram"]
     edges, counts = h["edges"], h["counts"]
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig = Figure(figsize=(7, 4))
+    ax = fig.subplots()
     ax.bar(
         edges[:-1],
         counts,
@@ -190,7 +190,6 @@ def _histogram_png(stats: dict[str, Any], path: Path) -> None:
     ax.set_title("Document lengths after cleaning and deduplication")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def write_report(report_dir: Path, stats: dict[str, Any]) -> None:

@@ -7,6 +7,10 @@ site-packages). The same digest computed from a wheel's own RECORD matches it ex
 is the one that was installed. That is what lets runyard name an archive's hash honestly: an archive
 found anywhere (a local wheel directory, pip's cache, a download) counts only if its digest equals the
 installed one.
+
+The digest depends on RECORD alone, so it is remembered by RECORD's path and stat in a memo file:
+parsing every RECORD of a large environment (torch's lists tens of thousands of files) cost every run's
+start about two seconds.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import csv
 import hashlib
 import io
 import json
+import os
 import sys
 import zipfile
 from collections.abc import Iterable
@@ -23,6 +28,8 @@ from importlib import metadata
 from pathlib import Path
 
 from packaging.utils import canonicalize_name
+
+from runyard.system.files import atomic_write_text
 
 # Files an installer writes into a .dist-info directory itself (PEP 376, PEP 610, PEP 627).
 _INSTALLER_FILES = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json", "RECORD.jws", "RECORD.p7s"}
@@ -122,8 +129,21 @@ def read_wheel(path: Path | str) -> WheelFacts:
         meta = archive.read(_dist_info_member(archive, "METADATA")).decode("utf-8", "replace")
         wheel = archive.read(_dist_info_member(archive, "WHEEL")).decode("utf-8", "replace")
         digest = content_digest(archive_entries(archive))
+    name, version = _name_version(meta)
+    tags, build = _wheel_tags(wheel)
+    return WheelFacts(canonicalize_name(name), version, tags, build, digest)
+
+
+def _metadata_text(dist: metadata.Distribution) -> str:
+    """Its METADATA (a .dist-info folder) or PKG-INFO (an .egg-info folder, or the file itself), as
+    importlib.metadata reads them."""
+    return dist.read_text("METADATA") or dist.read_text("PKG-INFO") or dist.read_text("") or ""
+
+
+def _name_version(metadata_text: str) -> tuple[str, str]:
+    """Name and Version from a METADATA file's headers (its long description is never parsed)."""
     name = version = ""
-    for line in meta.splitlines():
+    for line in metadata_text.splitlines():
         if not line.strip():
             break  # the headers end at the first blank line
         key, _, value = line.partition(":")
@@ -131,8 +151,7 @@ def read_wheel(path: Path | str) -> WheelFacts:
             name = value.strip()
         elif key == "Version":
             version = value.strip()
-    tags, build = _wheel_tags(wheel)
-    return WheelFacts(canonicalize_name(name), version, tags, build, digest)
+    return name, version
 
 
 def _wheel_tags(wheel_text: str | None) -> tuple[tuple[str, ...], str | None]:
@@ -167,30 +186,77 @@ def _direct_url(dist: metadata.Distribution) -> dict | None:
         return None
 
 
-def describe(dist: metadata.Distribution) -> InstalledDist:
+class DigestMemo:
+    """(RECORD's path, inode, size, mtime) -> an installed distribution's content digest, kept as JSON."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, str | None] = {}
+        self.changed = False
+        if path is not None and path.is_file():
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError):
+                loaded = {}
+            self.entries = loaded if isinstance(loaded, dict) else {}
+
+    def content_sha256(self, dist: metadata.Distribution) -> str | None:
+        key = _record_key(dist)
+        if key is not None and key in self.entries:
+            return self.entries[key]
+        entries = installed_entries(dist.files)
+        digest = content_digest(entries) if entries else None
+        if key is not None:
+            self.entries[key] = digest
+            self.changed = True
+        return digest
+
+    def save(self) -> None:
+        if self.path is not None and self.changed:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # a concurrent writer's entries may be lost: they are computed again next time
+            atomic_write_text(self.path, json.dumps(self.entries, sort_keys=True))
+            self.changed = False
+
+
+def _record_key(dist: metadata.Distribution) -> str | None:
+    """RECORD's path, inode, size and mtime (an installer writes a new file), or None where the
+    distribution is not a folder on disk."""
+    folder = getattr(dist, "_path", None)  # PathDistribution's folder; other finders have none
+    if folder is None:
+        return None
+    try:
+        st = os.stat(Path(folder) / "RECORD")
+    except OSError:
+        return None
+    return f"{Path(folder).resolve() / 'RECORD'}|{st.st_ino}|{st.st_size}|{st.st_mtime_ns}"
+
+
+def describe(dist: metadata.Distribution, memo: DigestMemo | None = None) -> InstalledDist:
     """The lock's view of one installed distribution."""
     tags, build = _wheel_tags(dist.read_text("WHEEL"))
-    entries = installed_entries(dist.files)
+    memo = memo if memo is not None else DigestMemo(None)
+    name, version = _name_version(_metadata_text(dist))
     return InstalledDist(
-        name=canonicalize_name(dist.metadata["Name"]),
-        version=dist.version,
+        name=canonicalize_name(name),
+        version=version,
         tags=tags,
         build_tag=build,
-        content_sha256=content_digest(entries) if entries else None,
+        content_sha256=memo.content_sha256(dist),
         installer=(dist.read_text("INSTALLER") or "").strip() or None,
         direct_url=_direct_url(dist),
         location=str(dist.locate_file("")),
     )
 
 
-def installed_distributions(paths: list[str] | None = None) -> list[InstalledDist]:
+def installed_distributions(paths: list[str] | None = None, memo: DigestMemo | None = None) -> list[InstalledDist]:
     """Every distribution importable from `paths` (default sys.path), the first of each name winning
-    as it would for `import`, sorted by name."""
+    as it would for `import`, sorted by name. `memo` remembers the content digests (saved by the caller)."""
     seen: dict[str, InstalledDist] = {}
     for dist in metadata.distributions(path=paths if paths is not None else sys.path):
-        if not dist.metadata or not dist.metadata["Name"]:
+        name, _version = _name_version(_metadata_text(dist))
+        if not name:
             continue  # a broken .dist-info directory
-        name = canonicalize_name(dist.metadata["Name"])
-        if name not in seen:
-            seen[name] = describe(dist)
+        if canonicalize_name(name) not in seen:
+            seen[canonicalize_name(name)] = describe(dist, memo)
     return [seen[name] for name in sorted(seen)]

@@ -33,9 +33,9 @@ from pathlib import Path
 from packaging import tags as packaging_tags
 
 from runyard.reproduce import source as runyard_source
-from runyard.reproduce.archives import ArchiveFinder
+from runyard.reproduce.archives import ArchiveFinder, env_cache_root
 from runyard.reproduce.errors import NotReproducible
-from runyard.reproduce.installed import InstalledDist, installed_distributions
+from runyard.reproduce.installed import DigestMemo, InstalledDist, installed_distributions
 from runyard.system.files import atomic_write_text
 
 LOCK_DIR = "env"
@@ -185,7 +185,9 @@ def _locked(dist: InstalledDist, finder: ArchiveFinder, own_source: dict | None)
 def capture_environment(finder: ArchiveFinder | None = None, paths: list[str] | None = None) -> EnvironmentLock:
     """The lock of the running interpreter's environment."""
     finder = finder if finder is not None else ArchiveFinder()
-    dists = installed_distributions(paths)
+    digests = DigestMemo(env_cache_root() / "installed-digests.json")
+    dists = installed_distributions(paths, digests)
+    digests.save()
     own = next((d for d in dists if d.name == "runyard"), None)
     # Its files' digests are recorded however runyard is installed, so two runs' sources can be compared.
     own_source = runyard_source.describe_source() if own is not None else None

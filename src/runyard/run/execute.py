@@ -546,6 +546,10 @@ def _configure_threads(spec: JobSpec) -> ThreadChoice:
     """torch's threads per the one rule (runyard/system/cpus.py); LightGBM is given the same number."""
     threads = choose_threads(spec.resources.threads, local_processes())
     torch.set_num_threads(threads.threads)
-    if spec.resources.deterministic:
-        torch.use_deterministic_algorithms(True, warn_only=True)
+    if spec.resources.deterministic and spec.resources.compile:
+        torch.use_deterministic_algorithms(True, warn_only=True)  # also tells inductor, which compile runs
+    elif spec.resources.deterministic:
+        # torch's public setter imports inductor's config (sympy with it: about two seconds of every run's
+        # start) only to set inductor's flag, which nothing reads without torch.compile.
+        torch._C._set_deterministic_algorithms(True, warn_only=True)
     return threads

@@ -32,7 +32,6 @@ from contextlib import AbstractContextManager
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from runyard.data.samples import IGNORE_INDEX
 from runyard.model.compute import token_loss_sum
@@ -41,7 +40,7 @@ from runyard.train import parallel
 
 log = logging.getLogger(__name__)
 
-SCHEDULES = {"1f1b": Schedule1F1B, "gpipe": ScheduleGPipe}
+SCHEDULES = {"1f1b": "Schedule1F1B", "gpipe": "ScheduleGPipe"}  # torch.distributed.pipelining's names
 Autocast = Callable[[], AbstractContextManager]
 
 
@@ -113,9 +112,13 @@ class Pipeline:
         self.first, self.last = self.index == 0, self.index == ctx.pp - 1
         self.last_rank = dist.get_global_rank(self.group, ctx.pp - 1)
         self.scale: float | torch.Tensor = 1.0
-        stage = PipelineStage(module, self.index, ctx.pp, ctx.device, group=self.group)
-        self.schedule = SCHEDULES[layout.pp_schedule](stage, n_microbatches=microbatches(layout),
-                                                      loss_fn=self._loss, scale_grads=False)
+        # Imported when a pipeline is built: torch.distributed.pipelining loads torch._dynamo, about a
+        # second that every run without a pipeline (this module is imported by the loop) would pay.
+        from torch.distributed import pipelining
+
+        stage = pipelining.PipelineStage(module, self.index, ctx.pp, ctx.device, group=self.group)
+        schedule = getattr(pipelining, SCHEDULES[layout.pp_schedule])
+        self.schedule = schedule(stage, n_microbatches=microbatches(layout), loss_fn=self._loss, scale_grads=False)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return token_loss_sum(output, target) * self.scale
