@@ -15,6 +15,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -22,10 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from runyard.errors import RunyardError
@@ -197,9 +195,22 @@ def all_reduce_sum_tensor(t: torch.Tensor, ctx: DistContext) -> torch.Tensor:
     return t
 
 
+# FSDP2 and DTensor (torch.distributed.fsdp, torch.distributed.tensor) are imported where a model is
+# sharded: every run imports this module, and their import costs about a second. A tensor or module can
+# only be one of theirs once their module is loaded, which is what the two checks below rely on.
+def is_dtensor(t: Any) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(t, module.DTensor)
+
+
+def is_fsdp(module: torch.nn.Module) -> bool:
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    return fsdp is not None and isinstance(module, fsdp.FSDPModule)
+
+
 def plain_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor (FSDP2's gradient norm, replicated on every rank) as the plain tensor it holds."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
+    return t.full_tensor() if is_dtensor(t) else t
 
 
 def all_reduce_max(value: float, ctx: DistContext) -> float:
@@ -275,6 +286,8 @@ def shard_model(model: torch.nn.Module, ctx: DistContext, resources,
     """FSDP2 `fully_shard` on each of `shard_units`, then on the root, in place: each rank keeps its share
     of every parameter and gathers a unit's whole weights only while it runs (over `mesh`; None: every
     process)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
     kwargs: dict[str, Any] = {"mesh": mesh} if mesh is not None else {}
     if ctx.device.type == "cuda" and resources.precision in ("bf16", "auto"):
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -292,24 +305,20 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float) -> torch.T
     grads = [p.grad for p in params if p.grad is not None]
     by_mesh: dict[Any, list[torch.Tensor]] = {}  # in the parameters' order: every rank reduces the meshes alike
     for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(g)
+        by_mesh.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
     if len(by_mesh) <= 1:
         return torch.nn.utils.clip_grad_norm_(params, max_norm)
     norms = [torch.nn.utils.get_total_norm(group) for group in by_mesh.values()]
-    total = torch.linalg.vector_norm(torch.stack([n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    total = torch.linalg.vector_norm(torch.stack([plain_tensor(n) for n in norms]))
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
-        (g.to_local() if isinstance(g, DTensor) else g).mul_(coef)
+        (g.to_local() if is_dtensor(g) else g).mul_(coef)
     return total
 
 
 def local_numel(t: torch.Tensor) -> int:
     """The elements of `t` this rank holds: its shard of a DTensor, all of a plain tensor."""
-    return t.to_local().numel() if isinstance(t, DTensor) else t.numel()
-
-
-def is_fsdp(module: torch.nn.Module) -> bool:
-    return isinstance(module, FSDPModule)
+    return t.to_local().numel() if is_dtensor(t) else t.numel()
 
 
 @contextlib.contextmanager
@@ -338,6 +347,8 @@ def consolidated_model(model: torch.nn.Module, build: Callable[[], torch.nn.Modu
     FSDP: every rank must call it."""
     if not ctx.distributed or not is_fsdp(model):
         return model
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if not ctx.is_main:
         return model

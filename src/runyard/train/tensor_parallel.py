@@ -22,13 +22,14 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from runyard.model.registry import TensorParallelPlan
 from runyard.train import parallel
+from runyard.train.parallel import is_dtensor
 
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+# torch.distributed.tensor is imported where a model is split or a split tensor is rebuilt: the
+# checkpoint code imports this module on every run, and DTensor's import alone costs about a second.
+STYLES = {"colwise": "ColwiseParallel", "rowwise": "RowwiseParallel"}  # torch.distributed.tensor.parallel's
 
 
 def refuse_unsupported(stage, layout: parallel.Layout) -> None:
@@ -107,8 +108,10 @@ def reorder_rows(value: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """`value[rows]`; for a DTensor (tensor-parallel rows, and FSDP's shards of them under dp_shard x tp) the
     whole tensor is gathered, reordered and each rank keeps its own shard of it again, under the same
     placements (a save or load moment: one whole matrix at a time)."""
-    if not isinstance(value, DTensor):
+    if not is_dtensor(value):
         return value[rows.to(value.device)]
+    from torch.distributed.tensor import distribute_tensor
+
     whole = value.full_tensor().detach()[rows.to(value.device)]
     # every rank holds the same whole: each cuts its own shard, nothing is sent
     return distribute_tensor(whole, value.device_mesh, value.placements, src_data_rank=None)
@@ -127,6 +130,8 @@ def fused_rows_of(model: torch.nn.Module) -> FusedRows | None:
 @torch.no_grad()
 def apply_tensor_parallel(model: torch.nn.Module, plan: TensorParallelPlan, mesh: DeviceMesh) -> None:
     """Split `model` over `mesh` by `plan`, in place (before activation checkpointing, compile and FSDP)."""
+    from torch.distributed.tensor import parallel as tensor_parallel_styles
+
     tp = mesh.size()
     _LAID_OUT[model] = FusedRows(dict(plan.fused_rows), tp)
     for path, parts in plan.fused_rows.items():
@@ -135,7 +140,8 @@ def apply_tensor_parallel(model: torch.nn.Module, plan: TensorParallelPlan, mesh
     for path, value in plan.local_attributes.items():
         owner, attr = path.rsplit(".", 1)
         setattr(model.get_submodule(owner), attr, value)
-    parallelize_module(model, mesh, {path: STYLES[style]() for path, style in plan.styles.items()})
+    styles = {path: getattr(tensor_parallel_styles, STYLES[style])() for path, style in plan.styles.items()}
+    tensor_parallel_styles.parallelize_module(model, mesh, styles)
 
 
 def whole_state_dict(model: torch.nn.Module, plan: TensorParallelPlan, tp: int) -> dict[str, torch.Tensor]:
@@ -143,7 +149,7 @@ def whole_state_dict(model: torch.nn.Module, plan: TensorParallelPlan, tp: int) 
     calls it), fused rows back in the model's own order."""
     state = {}
     for name, value in model.state_dict().items():
-        value = value.full_tensor() if isinstance(value, DTensor) else value
+        value = value.full_tensor() if is_dtensor(value) else value
         if name in plan.fused_rows:
             value = value[torch.argsort(rank_major_rows(plan.fused_rows[name], tp))]
         state[name] = value.detach().cpu()

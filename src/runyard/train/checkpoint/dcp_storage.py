@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
@@ -34,6 +36,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
@@ -42,6 +45,21 @@ from runyard.train.checkpoint.checksums import FileEntry, HashingFile
 from runyard.train.checkpoint.tensorfile import tensor_bytes
 
 RAW = "raw@runyard/1"
+# The optimizer's state and hyperparameters keyed by parameter name ("optim.param_groups.<name>.lr"), as
+# torchtitan saves them: a rank holding part of the model (a pipeline stage) writes its parameters' groups
+# itself, so any layout restores them.
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's planner unpickles non-tensor values with weights_only=False; ours refuses code objects."""
+
+    def load_bytes(self, read_item, value) -> None:
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 @dataclasses.dataclass

@@ -22,47 +22,35 @@ from __future__ import annotations
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from runyard.train.checkpoint import tensorfile
 from runyard.train.checkpoint.checksums import FileEntry
-from runyard.train.checkpoint.dcp_storage import RawFileSystemReader, RawFileSystemWriter
 from runyard.train.parallel import DistContext
 from runyard.train.tensor_parallel import FusedRows, fused_rows_of
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from runyard.train.checkpoint.dcp_storage import RawFileSystemWriter
+
+# torch.distributed.checkpoint (and the DTensor module it loads) is imported by the functions that save or
+# load shards, not here: every one-process run and every reader of a checkpoint imports this module, and
+# that import alone costs about a second.
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
 MODEL_KEY, OPTIM_KEY = "model", "optim"
-# The optimizer's state and hyperparameters keyed by parameter name ("optim.param_groups.<name>.lr"), as
-# torchtitan saves them: a rank holding part of the model (a pipeline stage) writes its parameters' groups
-# itself, so any layout restores them. Checkpoints written before hold the groups by index
-# ("optim.param_groups.0.params" lists the first group's parameters).
-FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+# The optimizer's state is saved keyed by parameter name (dcp_storage.FLAT). Checkpoints written before
+# hold the groups by index ("optim.param_groups.0.params" lists the first group's parameters).
 NESTED_GROUPS = f"{OPTIM_KEY}.param_groups.0.params"
 
 # DCP warns on every save or load without a process group that it "assumes the intent" is one process;
 # runyard asks for that on purpose (no_dist), so the warning says nothing.
 warnings.filterwarnings("ignore", message=r"torch\.distributed is (disabled, )?unavailable or uninitialized, "
                         r"assuming the intent", category=UserWarning)
-
-
-class _SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's planner unpickles non-tensor values with weights_only=False; ours refuses code objects."""
-
-    def load_bytes(self, read_item, value) -> None:
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 
 def is_sharded(path: Path) -> bool:
@@ -81,6 +69,8 @@ def _stager_for(device: torch.device) -> DefaultStager:
     and reuses (a fresh allocation each time costs page faults, several times the copy itself)."""
     global _stager
     if _stager is None:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
         cuda = device.type == "cuda"
         _stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                use_async_staging=False, use_non_blocking_copy=cuda))
@@ -104,6 +94,11 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
                  tmp: Path, ctx: DistContext, use_async: bool) -> ShardWrite:
     """Every rank calls this for the same `tmp`. Returns once the state is copied out of the model
     (async) or written (sync); the write goes on in the background when async."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    from runyard.train.checkpoint.dcp_storage import FLAT, RawFileSystemWriter
+
     rng_entry = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     laid_out = fused_rows_of(model)
@@ -140,12 +135,17 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: 
                 stored: FusedRows | None = None) -> None:
     """Model and optimizer from a sharded checkpoint, resharded onto this job's ranks and layout.
     `stored`: the fused rows' order of the checkpoint (`stored_order`)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    from runyard.train.checkpoint.dcp_storage import FLAT, RawFileSystemReader, SafeLoadPlanner
+
     reader = RawFileSystemReader(path / DCP_DIR)
     options = StateDictOptions() if NESTED_GROUPS in reader.read_metadata().state_dict_metadata else FLAT
     model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
     sd = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     # The placeholders have the global shapes and placements; the rows they receive are in `stored`'s order.
-    dcp.load(sd, storage_reader=reader, planner=_SafeLoadPlanner(), process_group=ctx.ckpt_group,
+    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), process_group=ctx.ckpt_group,
              no_dist=not ctx.distributed)
     (fused_rows_of(model) or MODEL_ORDER).reorder(sd[MODEL_KEY], sd[OPTIM_KEY], stored=stored)
     set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
@@ -156,6 +156,8 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     """A one-process checkpoint's model and optimizer (parameters numbered in group order) placed onto
     DDP or FSDP shards or a tensor-parallel split: the path a job that grew from one process to several
     takes."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {
@@ -190,6 +192,11 @@ def read_optimizer_state(path: Path, map_location: str | torch.device = "cpu") -
 
 
 def _read_tensors(path: Path, part: str, map_location) -> dict[tuple[str, ...], torch.Tensor]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from runyard.train.checkpoint.dcp_storage import RawFileSystemReader, SafeLoadPlanner
+
     reader = RawFileSystemReader(path / DCP_DIR)
     metadata = reader.read_metadata()
     prefix = part + "."
@@ -203,5 +210,5 @@ def _read_tensors(path: Path, part: str, map_location) -> dict[tuple[str, ...], 
         key_path = paths.get(fqn, (part, fqn[len(prefix):]))
         flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         keys[fqn] = tuple(str(p) for p in key_path[1:])
-    dcp.load(flat, storage_reader=reader, planner=_SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
     return {keys[fqn]: v.to(map_location) for fqn, v in flat.items()}
