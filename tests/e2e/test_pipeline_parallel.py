@@ -26,7 +26,7 @@ from runyard.spec.job import parse_spec, resolved_stage
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel, pipeline
 
-from .conftest import TINY_SPEC, merge, runyard
+from .conftest import TINY_SPEC, merge, runyard, shared_once
 from .test_tensor_parallel import first_moments
 from .uneven_records import sft_stage_patch, write_uneven_records
 
@@ -71,16 +71,19 @@ def assert_same_weights(w1: dict, w2: dict) -> None:
         assert torch.allclose(w1[name], w2[name], rtol=0, atol=1e-4), name
 
 
-@pytest.fixture(scope="module")
+# Made once per session, whichever xdist worker asks first (shared_once); read only.
+@pytest.fixture(scope="session")
 def one_process(tmp_path_factory) -> Path:
-    return run(tmp_path_factory.mktemp("pp_one"), "one", {})
+    return shared_once(tmp_path_factory, "pp-one", lambda root: run(root, "one", {})) / "one"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def pp_1f1b(tmp_path_factory) -> Path:
     # `run`: also the final evaluation and the export, from the whole model gathered to rank 0
-    return run(tmp_path_factory.mktemp("pp_1f1b"), "pp", {"resources": {"parallel": {"pp": 2}}}, "--nproc", "2",
-               verb="run")
+    def make(root: Path) -> None:
+        run(root, "pp", {"resources": {"parallel": {"pp": 2}}}, "--nproc", "2", verb="run")
+
+    return shared_once(tmp_path_factory, "pp-1f1b", make) / "pp"
 
 
 @pytest.mark.slow

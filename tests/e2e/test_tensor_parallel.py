@@ -35,7 +35,7 @@ from runyard.train import checkpoint as ckpt
 from runyard.train import parallel, tensor_parallel
 from runyard.train.checkpoint import sharded
 
-from .conftest import TINY_SPEC, merge, runyard
+from .conftest import TINY_SPEC, merge, runyard, shared_once
 from .test_distributed import start, wait_for_step
 from .uneven_records import sft_stage_patch, write_uneven_records
 
@@ -132,12 +132,12 @@ def first_moments(run_dir: Path, spec: Path) -> dict[str, torch.Tensor]:
     return {order[int(i)]: s["exp_avg"] for i, s in state.items()}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process(tmp_path_factory) -> tuple[Path, Path]:
-    """The uninterrupted one-process run (spec, run directory) every test compares with."""
-    tmp = tmp_path_factory.mktemp("tp-one")
-    spec = write(tmp, "one", {})
-    return spec, run(spec, tmp / "one")
+    """The uninterrupted one-process run (spec, run directory) every test compares with: made once per
+    session, whichever xdist worker asks first (shared_once); read only."""
+    root = shared_once(tmp_path_factory, "tp-one", lambda tmp: run(write(tmp, "one", {}), tmp / "one"))
+    return root / "one.yaml", root / "one"
 
 
 def test_two_tensor_parallel_processes_match_one_process(one_process, tmp_path):

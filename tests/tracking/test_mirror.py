@@ -23,7 +23,7 @@ from runyard.system.processes import is_zombie_or_gone, parent_of, processes_wit
 from runyard.tracking.mirror import tracked_run_id
 from runyard.tracking.process import MIRROR_ENV, NICENESS
 from runyard.tracking.sinks import default_mlflow_uri
-from tests.e2e.conftest import TINY_SPEC, merge, runyard, write_spec  # noqa: F401  (write_spec: a fixture)
+from tests.e2e.conftest import TINY_SPEC, merge, runyard, shared_once, write_spec  # noqa: F401  (write_spec: a fixture)
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the tracking extra: pip install 'runyard[tracking]'")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -40,20 +40,27 @@ def rows(run_dir: Path, stage: str) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "stages" / stage / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def tracked_run(tmp_path_factory):
     """A run stopped after its first stage (`--stage first`), then resumed to the end with no flag: the
-    tracking section the first command line added is in the run's spec.yaml."""
-    base = tmp_path_factory.mktemp("tracked")
-    spec = base / "spec.yaml"
-    spec.write_text(__import__("yaml").safe_dump(merge(TINY_SPEC, TWO_STAGES)))
-    run_dir = base / "run"
-    runyard("run", str(spec), "--run-dir", str(run_dir), "--stage", "first", "--no-progress",
-            "--tracking", "mlflow", "--tracking", "tensorboard", check=True)
-    first_id = tracked_run_id(run_dir)
-    first_history = len(mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0]).get_metric_history(first_id, "first/loss"))
-    runyard("resume", str(run_dir), "--no-progress", check=True)
-    return run_dir, first_id, first_history
+    tracking section the first command line added is in the run's spec.yaml. Made once per session,
+    whichever xdist worker asks first (shared_once); read only."""
+
+    def make(base: Path) -> None:
+        spec = base / "spec.yaml"
+        spec.write_text(__import__("yaml").safe_dump(merge(TINY_SPEC, TWO_STAGES)))
+        run_dir = base / "run"
+        runyard("run", str(spec), "--run-dir", str(run_dir), "--stage", "first", "--no-progress",
+                "--tracking", "mlflow", "--tracking", "tensorboard", check=True)
+        first_id = tracked_run_id(run_dir)
+        client = mlflow_tracking.MlflowClient(default_mlflow_uri(run_dir)[0])
+        first_history = len(client.get_metric_history(first_id, "first/loss"))
+        runyard("resume", str(run_dir), "--no-progress", check=True)
+        (base / "first.json").write_text(json.dumps({"id": first_id, "history": first_history}))
+
+    base = shared_once(tmp_path_factory, "tracked-run", make)
+    first = json.loads((base / "first.json").read_text())
+    return base / "run", first["id"], first["history"]
 
 
 def mirrors_of(run_dir: Path) -> list[int]:
