@@ -22,7 +22,7 @@ import yaml
 
 from runyard.cli import main
 from runyard.market.jobs import decode_files
-from runyard.market.matcher import cost
+from runyard.market.pricing import cost
 from runyard.market.server import ServerThread
 from runyard.market.service import Market, Settings
 from runyard.market.verifiers import OperatorVerifier

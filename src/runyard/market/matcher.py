@@ -16,6 +16,7 @@ from sqlalchemy import Connection, and_, select, update
 
 from runyard.market import escrow
 from runyard.market.matching import DemandView, ListingView, best_listing
+from runyard.market.pricing import cost
 from runyard.market.requirement import Interconnect, Requirement
 from runyard.market.rows import lock_demand
 from runyard.market.schema import accounts, demands, leases, listings
@@ -25,11 +26,6 @@ from runyard.market.states import SYSTEM, record_initial, transition
 from runyard.market.states.demand import DEMAND, MATCHED, OPEN
 from runyard.market.states.identity import VERIFIED
 from runyard.market.states.lease import LEASE
-
-
-def cost(price_per_device_hour: int, devices: int, seconds: int) -> int:
-    """Price of `devices` for `seconds`, rounded up to a whole minor unit."""
-    return -(-price_per_device_hour * devices * seconds // 3600)
 
 
 def timestamp(req: Requirement) -> int:

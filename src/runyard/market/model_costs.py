@@ -3,8 +3,8 @@ from what the ledger settled, per model lineage.
 
 A lineage is a model's name as the tenant gave it to the market:
   - a block lease's: the `name` of its job's spec (the run's name), less a retraining's mark: a
-    retraining of NAME is named NAME-retrain-STAMP (`retraining_name`, which runyard's retrainers use),
-    so what each retraining cost counts in the lineage of the model it retrains;
+    retraining of NAME is named NAME-retrain-STAMP (lineage.py, which runyard's retrainers use), so
+    what each retraining cost counts in the lineage of the model it retrains;
   - a standing lease's: its deployment's `serve.model_name`;
   - otherwise "(unnamed)". A tenant that serves under the run's name (runyard serve's default)
     and says so in `serve.model_name` gets its training and serving in one lineage.
@@ -22,31 +22,15 @@ and no forecast (a demand stores the requirement, not the plan that made it), so
 
 from __future__ import annotations
 
-import re
-import time
-
 import yaml
 from sqlalchemy import Connection, select
 
+from runyard.market.lineage import lineage_of
 from runyard.market.schema import demands, lease_periods, leases
 from runyard.market.service import Market, Principal
 from runyard.market.serving import deployment_of
 
 UNNAMED = "(unnamed)"
-RETRAINING = re.compile(r"-retrain-\d{8}T\d{6}$")
-
-
-def retraining_name(model: str, at: float) -> str:
-    """The name a retraining of `model` runs under (a run's and a spec's name), from the moment it was decided."""
-    return f"{model}-retrain-{time.strftime('%Y%m%dT%H%M%S', time.gmtime(at))}"
-
-
-def lineage_of(name: str) -> str:
-    """The model a run's name belongs to: the name, less every retraining mark."""
-    while RETRAINING.search(name):
-        name = RETRAINING.sub("", name)
-    return name
-
 
 def _spec_name(spec: str | None) -> str | None:
     if not spec:

@@ -15,9 +15,10 @@ from sqlalchemy import Connection, select, update
 from runyard.market import escrow, ledger
 from runyard.market.errors import BadRequest, NotFound
 from runyard.market.jobs import JOB_COLUMNS, job_columns, job_of
-from runyard.market.matcher import cost, match_demand, match_open_demands, timestamp
+from runyard.market.matcher import match_demand, match_open_demands, timestamp
 from runyard.market.matching import never_matches
 from runyard.market.models import DemandIn, ListingIn
+from runyard.market.pricing import cost
 from runyard.market.rows import lock_demand
 from runyard.market.schema import demands, listings
 from runyard.market.service import Market, Principal, audit

@@ -38,7 +38,7 @@ from runyard.data.clean import text_hash
 from runyard.data.filters import check_document
 from runyard.data.normalize import normalize_text
 from runyard.errors import SpecError
-from runyard.market.model_costs import retraining_name
+from runyard.market.lineage import retraining_name
 from runyard.serve.errors import RetrainError, RetrainRefused
 from runyard.serve.request_log import SEGMENT_GLOB, RequestLog
 from runyard.spec.data import DataSpec, SourceSpec

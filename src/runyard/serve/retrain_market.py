@@ -36,8 +36,8 @@ from typing import Any
 import yaml
 
 from runyard.market.client import MarketClient, MarketClientError
-from runyard.market.matcher import cost
-from runyard.market.model_costs import retraining_name
+from runyard.market.lineage import retraining_name
+from runyard.market.pricing import cost
 from runyard.serve.errors import RetrainDeferred, RetrainError, RetrainRefused, ServeConfigError
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import (
