@@ -38,6 +38,7 @@ NEEDS_LIBRARY = {
     "test_prediction.py": "sklearn",
     "test_tabular_families.py": "lightgbm",
     "test_gguf.py": "gguf",
+    "test_minhash_kernel.py": "numba",
 }
 
 
