@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import queue
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +48,42 @@ def durable_entry(path: Path) -> FileEntry:
     """fsync a file written by someone else and describe it for the manifest by reading it back."""
     fsync_file(path)
     return {CHECKSUM: file_checksum(path), "bytes": os.path.getsize(path)}
+
+
+class BackgroundHasher:
+    """A hasher fed from one thread and run on another: `update` queues a slice (which must not change
+    until `hexdigest`), a worker hashes the slices in order while the caller reads the next ones, so a
+    verified read costs the longer of the read and the hash, not their sum. Both release the GIL.
+    `hexdigest` waits for the queue to drain; `close` stops the worker without a digest."""
+
+    def __init__(self, hasher):
+        self._hasher = hasher
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="runyard-ckpt-hash", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (piece := self._queue.get()) is not None:
+            if self._error is None:
+                try:
+                    self._hasher.update(piece)
+                except BaseException as exc:  # handed to the caller by hexdigest
+                    self._error = exc
+
+    def update(self, piece) -> None:
+        self._queue.put(piece)
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def hexdigest(self) -> str:
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._hasher.hexdigest()
 
 
 # Hash and write in slices that stay in the CPU cache: the write then copies from cache what the hash

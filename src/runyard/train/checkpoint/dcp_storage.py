@@ -17,6 +17,7 @@ coordinator, whose `finish` collects them (`files`) and writes plain results int
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -96,12 +97,15 @@ class RawFileSystemWriter(FileSystemWriter):
     """DCP's file system writer with raw tensor chunks; `files` holds, on the coordinator after the
     save, the manifest entry (checksum, size) of every rank's data file, keyed by file name."""
 
-    def __init__(self, path: str | Path, thread_count: int = 1):
+    def __init__(self, path: str | Path, thread_count: int = 1, before_write: Callable[[], None] | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
         self.files: dict[str, FileEntry] = {}
+        self._before_write = before_write  # this rank's other files of the checkpoint (in the background)
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        if self._before_write is not None:
+            self._before_write()
         prefix = plan.storage_data.prefix
         buckets = _split_by_size_and_type(self.thread_count, plan.items)
         paths = [Path(self.path) / f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]

@@ -19,16 +19,18 @@ in order before the save and reordered for the loading layout after the load: tr
 
 from __future__ import annotations
 
+import copy
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 
 from runyard.train.checkpoint import tensorfile
 from runyard.train.checkpoint.checksums import FileEntry
-from runyard.train.parallel import DistContext
+from runyard.train.parallel import DistContext, is_dtensor
 from runyard.train.tensor_parallel import FusedRows, fused_rows_of
 
 if TYPE_CHECKING:
@@ -77,13 +79,59 @@ def _stager_for(device: torch.device) -> DefaultStager:
     return _stager
 
 
+class _PlainCopies:
+    """Staging for an async save of plain CPU tensors (data-parallel ranks on CPU): one buffer per tensor,
+    allocated at the first save and refilled by every later one, a copy per tensor and nothing else
+    (DCP's stager deep-copies the state dict's whole structure around its copies). The copies are made
+    by `stage` before DCP is called (which gets `_AsIs` as its stager). A state with DTensors or device
+    tensors goes through DCP's stager (`_stager_for`)."""
+
+    def __init__(self):
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
+
+    @staticmethod
+    def handles(state_dict: dict[str, dict[str, Any]]) -> bool:
+        return all(not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and not is_dtensor(v))
+                   for sd in state_dict.values() for v in sd.values())
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        buffers: dict[tuple[str, str], torch.Tensor] = {}
+        staged: dict[str, Any] = {}
+        for part, sd in state_dict.items():
+            staged[part] = {}
+            for key, value in sd.items():
+                if not isinstance(value, torch.Tensor):
+                    staged[part][key] = copy.deepcopy(value)
+                    continue
+                buf = self._buffers.get((part, key))
+                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
+                    buf = torch.empty(value.shape, dtype=value.dtype)
+                buffers[part, key] = staged[part][key] = buf.copy_(value.detach())
+        self._buffers = buffers  # the previous save's upload is over (training.save waits for it first)
+        return staged
+
+
+class _AsIs:
+    """DCP's async stager for a state dict staged already (`_PlainCopies`)."""
+
+    should_synchronize_after_execute = False  # nothing left to wait for
+
+    def stage(self, state_dict: Any) -> Any:
+        return state_dict
+
+    def close(self) -> None:
+        pass
+
+
+_plain_copies = _PlainCopies()
+
+
 class ShardWrite:
     """This rank's part of a sharded save in flight: `result()` blocks until its shards are written
     (on rank 0: and DCP's metadata); `files` then holds the checksums of every rank's data files."""
 
-    def __init__(self, future: Future, writer: RawFileSystemWriter, rng_entry: FileEntry, rank: int):
-        self._future, self._writer = future, writer
-        self._rng = {rng_file(rank): rng_entry}
+    def __init__(self, future: Future, writer: RawFileSystemWriter, rng: dict[str, FileEntry]):
+        self._future, self._writer, self._rng = future, writer, rng
 
     def result(self) -> dict[str, FileEntry]:
         self._future.result()
@@ -93,27 +141,65 @@ class ShardWrite:
 def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_state: dict[str, Any],
                  tmp: Path, ctx: DistContext, use_async: bool) -> ShardWrite:
     """Every rank calls this for the same `tmp`. Returns once the state is copied out of the model
-    (async) or written (sync); the write goes on in the background when async."""
+    (async) or written (sync); the write goes on in the background when async. `rng_state` must be this
+    process's own copy (it is written in the background too)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     from runyard.train.checkpoint.dcp_storage import FLAT, RawFileSystemWriter
 
-    rng_entry = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
     model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
     laid_out = fused_rows_of(model)
     if laid_out is not None:  # stored in the model's own order: any layout can load it
         MODEL_ORDER.reorder(model_sd, optim_sd, stored=laid_out)
-    state_dict = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
-    writer = RawFileSystemWriter(tmp / DCP_DIR)
+    state_dict = _own_copies({MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}, ctx)
+    rng: dict[str, FileEntry] = {}
+
+    def write_rng() -> None:
+        # Off the training loop's path (an fsync), yet before DCP gathers the ranks' write results: when
+        # rank 0's save completes, every rank's RNG file is down too.
+        rng[rng_file(ctx.rank)] = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
+
+    writer = RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
-    if use_async:
+    if use_async and _plain_copies.handles(state_dict):
+        future = dcp.async_save(_plain_copies.stage(state_dict), async_stager=_AsIs(), **kwargs)
+    elif use_async:
         future = dcp.async_save(state_dict, async_stager=_stager_for(ctx.device), **kwargs)
     else:
         dcp.save(state_dict, **kwargs)
         future = Future()
         future.set_result(None)
-    return ShardWrite(future, writer, rng_entry, ctx.rank)
+    return ShardWrite(future, writer, rng)
+
+
+def _own_copies(state_dict: dict[str, dict[str, Any]], ctx: DistContext) -> dict[str, dict[str, Any]]:
+    """`state_dict` without the plain tensors another rank writes. Data-parallel ranks hold the same
+    plain tensors under the same names, and DCP would write each once anyway (its planner's dedup), but
+    only after an async save staged every rank's whole state: each rank keeping only the copies it writes
+    halves that copy, the training loop's stall, at two ranks. The ranks agree on the split (largest
+    first, to the least loaded rank holding it: DCP's own rule); DTensor shards and non-tensor values are
+    left to DCP."""
+    if not ctx.distributed:
+        return state_dict
+    held = {(part, key): t.numel() * t.element_size() for part, sd in state_dict.items() for key, t in sd.items()
+            if isinstance(t, torch.Tensor) and not is_dtensor(t)}
+    every: list[Any] = [None] * ctx.world_size
+    dist.all_gather_object(every, sorted(held.items()), group=ctx.ckpt_group)
+    holders: dict[tuple[str, str], list[int]] = {}
+    size: dict[tuple[str, str], int] = {}
+    for rank, items in enumerate(every):
+        for name, nbytes in items:
+            holders.setdefault(tuple(name), []).append(rank)
+            size[tuple(name)] = max(size.get(tuple(name), 0), nbytes)
+    load = [0] * ctx.world_size
+    drop = set()
+    for name in sorted(holders, key=lambda n: (-size[n], n)):
+        writer = min(holders[name], key=lambda r: (load[r], r))
+        load[writer] += size[name]
+        if writer != ctx.rank and name in held:
+            drop.add(name)
+    return {part: {k: v for k, v in sd.items() if (part, k) not in drop} for part, sd in state_dict.items()}
 
 
 def _mkparent(path: Path) -> Path:

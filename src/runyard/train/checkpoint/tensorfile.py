@@ -27,7 +27,7 @@ import torch
 
 from runyard.errors import CheckpointCorrupt
 from runyard.train.checkpoint import tree
-from runyard.train.checkpoint.checksums import HASHERS, FileEntry, HashingFile
+from runyard.train.checkpoint.checksums import HASHERS, BackgroundHasher, FileEntry, HashingFile
 
 SUFFIX = ".safetensors"
 STRUCTURE_KEY = "runyard.structure"
@@ -43,6 +43,7 @@ _DTYPES = {
 _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
 _READ_SLICE = 1 << 20  # read and hash in slices that stay in the CPU cache between the two
+_BACKGROUND_HASH = 16 << 20  # files from this size on are hashed on a second thread while they are read
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -85,15 +86,19 @@ def read_tensors(path: Path, device: str | torch.device = "cpu", into: dict[str,
     manifest entry) the file is checksummed while read and a mismatch is CheckpointCorrupt, raised after
     the bytes have landed: whoever passes `into` must treat its tensors as lost on that error."""
     into = into or {}
+    algorithm = next((a for a in HASHERS if a in expected), None) if expected is not None else None
+    if expected is not None and algorithm is None:
+        raise CheckpointCorrupt(f"{path}: its manifest entry has no known checksum")
+    hasher = HASHERS[algorithm]() if algorithm else None
+    if hasher is not None and expected["bytes"] >= _BACKGROUND_HASH:
+        # Hashed on a thread of its own, a slice or two behind the reads (still in the CPU cache): with a
+        # second core free, verifying costs the longer of the read and the hash, not their sum.
+        hasher = BackgroundHasher(hasher)
     try:
         with open(path, "rb", buffering=0) as f:
             size = os.fstat(f.fileno()).st_size
             if expected is not None and size != expected["bytes"]:
                 raise CheckpointCorrupt(f"{path} has {size} bytes, its manifest says {expected['bytes']}")
-            algorithm = next((a for a in HASHERS if a in expected), None) if expected is not None else None
-            if expected is not None and algorithm is None:
-                raise CheckpointCorrupt(f"{path}: its manifest entry has no known checksum")
-            hasher = HASHERS[algorithm]() if algorithm else None
             prefix = _read_exactly(f, 8, path, hasher)
             (head_len,) = struct.unpack("<Q", prefix)
             if head_len > min(_MAX_HEADER, size - 8):
@@ -123,6 +128,9 @@ def read_tensors(path: Path, device: str | torch.device = "cpu", into: dict[str,
             raise CheckpointCorrupt(f"{path} fails its {algorithm} checksum")
     except OSError as exc:
         raise CheckpointCorrupt(f"{path} is not a readable safetensors file: {exc}") from None
+    finally:
+        if isinstance(hasher, BackgroundHasher):
+            hasher.close()
     if torch.device(device).type != "cpu":
         tensors = {k: v.to(device) for k, v in tensors.items()}
     return tensors, metadata

@@ -152,9 +152,8 @@ def _save_sharded(state: TrainingState, root: Path, step: int, values: dict, ctx
     token = parallel.broadcast_object(uuid.uuid4().hex[:8], ctx)
     final = root / store.step_dir_name(step)
     tmp = store.staging_dir(root, step, token)
-    written = {}
-    if ctx.is_main:
-        written[store.STATE] = store.write_state_json(tmp, step, {"loader": state.loader.state_dict(), **values})
+    # The plain values as they are now (a JSON copy), written with the commit: their fsync is off the stall.
+    plain_values = json.loads(json.dumps({"loader": state.loader.state_dict(), **values})) if ctx.is_main else {}
     shards = sharded.write_shards(state.model, state.optimizer, state.rng.state_dict(), tmp, ctx, use_async)
     stall = time.perf_counter() - t0
 
@@ -163,7 +162,8 @@ def _save_sharded(state: TrainingState, root: Path, step: int, values: dict, ctx
             files = shards.result()
             if not ctx.is_main:
                 return final
-            store.commit(tmp, final, step, {**written, **files}, sharded=True)
+            files[store.STATE] = store.write_state_json(tmp, step, plain_values)
+            store.commit(tmp, final, step, files, sharded=True)
         except BaseException:
             if ctx.is_main:  # every rank's write has ended (DCP raised on all of them, or all are done)
                 shutil.rmtree(tmp, ignore_errors=True)
