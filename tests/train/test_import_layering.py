@@ -311,10 +311,13 @@ def _files_under(entries: list[str]) -> list[Path]:
 
 
 def _deferred(node: ast.Import | ast.ImportFrom) -> bool:
-    names = [node.module or ""] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-    if isinstance(node, ast.ImportFrom) and node.module == "torch.distributed":  # `from torch.distributed import pipelining`
-        names = [f"torch.distributed.{a.name}" for a in node.names]
-    return all(any(n == d or n.startswith(d + ".") for d in DEFERRED_IMPORTS) for n in names)
+    def named(module: str) -> bool:
+        return any(module == d or module.startswith(d + ".") for d in DEFERRED_IMPORTS)
+
+    if isinstance(node, ast.Import):
+        return all(named(a.name) for a in node.names)
+    # `from PACKAGE import MODULE` (from torch.distributed import pipelining) names MODULE
+    return named(node.module or "") or all(named(f"{node.module}.{a.name}") for a in node.names)
 
 
 def local_imports(path: Path) -> list[str]:
@@ -332,9 +335,11 @@ def test_deferred_imports_are_only_the_named_heavy_modules(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def f():\n    from torch.distributed.fsdp import fully_shard\n"
                        "    from torch.distributed import pipelining\n"
+                       "    from runyard.train.checkpoint import dcp_storage\n"
+                       "    from runyard.train.checkpoint import training\n"
                        "    from runyard.train import loop\n    import json\n")
     found = [line.split(" ", 1)[1] for line in local_imports(planted)]
-    assert found == ["from runyard.train import loop", "import json"]
+    assert found == ["from runyard.train.checkpoint import training", "from runyard.train import loop", "import json"]
 
 
 @pytest.mark.parametrize("path", _files_under(NO_LOCAL_IMPORTS), ids=lambda p: str(p.relative_to(SRC)))

@@ -18,6 +18,8 @@ is taken over all 64 bits and its top 32 bits are stored), seeded, so signatures
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import numpy as np
 
 _U64 = np.uint64
@@ -69,14 +71,31 @@ def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
     return cached[0][:n], cached[1][:n]
 
 
+def _joined_bytes(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A batch's texts as one UTF-8 byte array, each followed by '\n' (never a word byte, so no word
+    crosses from one text into the next), and each text's length in it, its '\n' included."""
+    encoded = [t.encode("utf-8") for t in texts]
+    lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
+    return np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8), lengths
+
+
+def _batches(texts: list[str]) -> Iterator[tuple[int, int]]:
+    """[lo, hi) ranges covering `texts` in order, each about _BATCH_CHARS characters (at least one text):
+    the intermediate arrays of a batch stay small."""
+    lo, size = 0, 0
+    for i, text in enumerate(texts):
+        size += len(text)
+        if size >= _BATCH_CHARS or i == len(texts) - 1:
+            yield lo, i + 1
+            lo, size = i + 1, 0
+
+
 def shingle_hashes(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
     """32-bit hashes of every word n-gram of every text, and the index of the text each belongs to
     (non-decreasing). A text with fewer than `ngram` words (but at least one) gets one shingle of all
     its words; a text without words gets none."""
-    encoded = [t.encode("utf-8") for t in texts]
-    lengths = np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))
-    doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(encoded) else np.zeros(0, np.int64)
-    buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
+    buf, lengths = _joined_bytes(texts)
+    doc_start = np.concatenate([[0], np.cumsum(lengths)[:-1]]) if len(texts) else np.zeros(0, np.int64)
     is_word = _WORD_BYTE[buf].view(np.int8)  # case does not change a byte's class
     # Word boundaries alternate (start, end, start, ...) because the batch begins and ends outside a word.
     bounds = np.flatnonzero(np.diff(is_word, prepend=np.int8(0), append=np.int8(0)))
@@ -157,18 +176,9 @@ def signatures(texts: list[str], num_perm: int = 128, ngram: int = 5, seed: int 
     with np.errstate(over="ignore"):
         for k in range(1, ngram):
             qpow[k] = qpow[k - 1] * _U64(_Q)
-    # One byte buffer per ~4 MB of text, as the numpy path batches: '\n' ends every text (not a word byte).
-    lo = 0
-    while lo < len(texts):
-        hi, size = lo, 0
-        while hi < len(texts) and (hi == lo or size < _BATCH_CHARS):
-            size += len(texts[hi])
-            hi += 1
-        encoded = [t.encode("utf-8") for t in texts[lo:hi]]
-        ends = np.cumsum(np.fromiter((len(e) + 1 for e in encoded), dtype=np.int64, count=len(encoded))) - 1
-        buf = np.frombuffer(b"\n".join(encoded) + b"\n", dtype=np.uint8)
-        kernel(buf, ends, _WORD_BYTE, _LOWER_PLUS_1, a, b, qpow, out[lo:hi])
-        lo = hi
+    for lo, hi in _batches(texts):
+        buf, lengths = _joined_bytes(texts[lo:hi])
+        kernel(buf, np.cumsum(lengths) - 1, _WORD_BYTE, _LOWER_PLUS_1, a, b, qpow, out[lo:hi])  # each text's '\n'
     return out
 
 
@@ -272,16 +282,8 @@ def signatures_numpy(texts: list[str], num_perm: int = 128, ngram: int = 5, seed
     """`signatures` without numba: numpy over ~4 MB batches of text."""
     a, b = permutations(num_perm, seed)
     out = np.full((len(texts), num_perm), EMPTY, dtype=np.uint32)
-    # Batches of about 4 MB of text keep the intermediate arrays small.
-    batch: list[str] = []
-    size = 0
-    first = 0
-    for i, text in enumerate(texts):
-        batch.append(text)
-        size += len(text)
-        if size >= _BATCH_CHARS or i == len(texts) - 1:
-            _signatures_into(out[first : i + 1], batch, a, b, ngram)
-            first, batch, size = i + 1, [], 0
+    for lo, hi in _batches(texts):
+        _signatures_into(out[lo:hi], texts[lo:hi], a, b, ngram)
     return out
 
 

@@ -16,7 +16,6 @@ run's start reads a large wheel once, not every time.
 from __future__ import annotations
 
 import configparser
-import json
 import os
 import re
 import sys
@@ -30,7 +29,7 @@ from packaging.utils import InvalidWheelFilename, parse_wheel_filename
 from packaging.version import InvalidVersion, Version
 
 from runyard.reproduce.installed import InstalledDist, WheelFacts, read_wheel
-from runyard.system.files import atomic_write_text, sha256_file
+from runyard.system.files import JsonMemo, sha256_file
 
 _HREF = re.compile(r'href="([^"]+)"', re.IGNORECASE)
 
@@ -116,18 +115,8 @@ def pip_locations() -> PipLocations:
     return locations
 
 
-class ArchiveMemo:
+class ArchiveMemo(JsonMemo):
     """(path, size, mtime) -> the wheel's facts and sha256, kept as JSON in the environment cache."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.entries: dict[str, dict] = {}
-        self.changed = False
-        if path is not None and path.is_file():
-            try:
-                self.entries = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                self.entries = {}
 
     def facts(self, file: Path) -> dict | None:
         """{'wheel': WheelFacts fields, 'sha256'} of a wheel file, or None if it is not a readable wheel."""
@@ -140,17 +129,11 @@ class ArchiveMemo:
             try:
                 wheel = read_wheel(file)
             except (OSError, zipfile.BadZipFile, KeyError, ValueError) as exc:  # not a candidate, then
-                self.entries[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                self.remember(key, {"error": f"{type(exc).__name__}: {exc}"})
             else:
-                self.entries[key] = {"wheel": asdict(wheel), "sha256": sha256_file(file)}
-            self.changed = True
+                self.remember(key, {"wheel": asdict(wheel), "sha256": sha256_file(file)})
         entry = self.entries[key]
         return None if "error" in entry else entry
-
-    def save(self) -> None:
-        if self.path is not None and self.changed:
-            atomic_write_text(self.path, json.dumps(self.entries, sort_keys=True))
-            self.changed = False
 
 
 def _same_release(a: str, b: str) -> bool:

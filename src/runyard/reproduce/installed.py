@@ -29,7 +29,7 @@ from pathlib import Path
 
 from packaging.utils import canonicalize_name
 
-from runyard.system.files import atomic_write_text
+from runyard.system.files import JsonMemo
 
 # Files an installer writes into a .dist-info directory itself (PEP 376, PEP 610, PEP 627).
 _INSTALLER_FILES = {"RECORD", "INSTALLER", "REQUESTED", "direct_url.json", "RECORD.jws", "RECORD.p7s"}
@@ -186,19 +186,8 @@ def _direct_url(dist: metadata.Distribution) -> dict | None:
         return None
 
 
-class DigestMemo:
-    """(RECORD's path, inode, size, mtime) -> an installed distribution's content digest, kept as JSON."""
-
-    def __init__(self, path: Path | None):
-        self.path = path
-        self.entries: dict[str, str | None] = {}
-        self.changed = False
-        if path is not None and path.is_file():
-            try:
-                loaded = json.loads(path.read_text())
-            except (OSError, json.JSONDecodeError):
-                loaded = {}
-            self.entries = loaded if isinstance(loaded, dict) else {}
+class DigestMemo(JsonMemo):
+    """(RECORD's path, inode, size, mtime) -> an installed distribution's content digest."""
 
     def content_sha256(self, dist: metadata.Distribution) -> str | None:
         key = _record_key(dist)
@@ -206,17 +195,7 @@ class DigestMemo:
             return self.entries[key]
         entries = installed_entries(dist.files)
         digest = content_digest(entries) if entries else None
-        if key is not None:
-            self.entries[key] = digest
-            self.changed = True
-        return digest
-
-    def save(self) -> None:
-        if self.path is not None and self.changed:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            # a concurrent writer's entries may be lost: they are computed again next time
-            atomic_write_text(self.path, json.dumps(self.entries, sort_keys=True))
-            self.changed = False
+        return self.remember(key, digest) if key is not None else digest
 
 
 def _record_key(dist: metadata.Distribution) -> str | None:
@@ -234,9 +213,11 @@ def _record_key(dist: metadata.Distribution) -> str | None:
 
 def describe(dist: metadata.Distribution, memo: DigestMemo | None = None) -> InstalledDist:
     """The lock's view of one installed distribution."""
+    return _described(dist, *_name_version(_metadata_text(dist)), memo if memo is not None else DigestMemo(None))
+
+
+def _described(dist: metadata.Distribution, name: str, version: str, memo: DigestMemo) -> InstalledDist:
     tags, build = _wheel_tags(dist.read_text("WHEEL"))
-    memo = memo if memo is not None else DigestMemo(None)
-    name, version = _name_version(_metadata_text(dist))
     return InstalledDist(
         name=canonicalize_name(name),
         version=version,
@@ -253,10 +234,11 @@ def installed_distributions(paths: list[str] | None = None, memo: DigestMemo | N
     """Every distribution importable from `paths` (default sys.path), the first of each name winning
     as it would for `import`, sorted by name. `memo` remembers the content digests (saved by the caller)."""
     seen: dict[str, InstalledDist] = {}
+    memo = memo if memo is not None else DigestMemo(None)
     for dist in metadata.distributions(path=paths if paths is not None else sys.path):
-        name, _version = _name_version(_metadata_text(dist))
+        name, version = _name_version(_metadata_text(dist))  # METADATA read once a distribution
         if not name:
             continue  # a broken .dist-info directory
         if canonicalize_name(name) not in seen:
-            seen[canonicalize_name(name)] = describe(dist, memo)
+            seen[canonicalize_name(name)] = _described(dist, name, version, memo)
     return [seen[name] for name in sorted(seen)]

@@ -97,6 +97,33 @@ def atomic_write_json(path: Path | str, obj: Any) -> None:
     atomic_write_bytes(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
 
 
+class JsonMemo:
+    """A dict of computed facts kept as one JSON file: read once, written atomically when changed. A file
+    that is missing or unreadable starts the memo empty, and an entry lost to a concurrent writer is
+    computed again; callers key entries by what would change the answer (a file's path, size, mtime)."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self.entries: dict[str, Any] = {}
+        self.changed = False
+        if path is not None and path.is_file():
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+                loaded = {}
+            self.entries = loaded if isinstance(loaded, dict) else {}
+
+    def remember(self, key: str, value: Any) -> Any:
+        self.entries[key] = value
+        self.changed = True
+        return value
+
+    def save(self) -> None:
+        if self.path is not None and self.changed:
+            atomic_write_text(self.path, json.dumps(self.entries, sort_keys=True))
+            self.changed = False
+
+
 def sha256_file(path: Path | str, chunk: int = 1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:

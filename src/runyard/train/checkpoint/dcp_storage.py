@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp  # noqa: F401  (sharded.py saves and loads through this module)
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -37,7 +38,12 @@ from torch.distributed.checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from torch.distributed.checkpoint.state_dict import StateDictOptions
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions  # noqa: F401  (for sharded.py)
+from torch.distributed.checkpoint.state_dict import (  # noqa: F401  (get_ and set_state_dict: for sharded.py)
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 

@@ -34,13 +34,20 @@ from runyard.train.parallel import DistContext, is_dtensor
 from runyard.train.tensor_parallel import FusedRows, fused_rows_of
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     from torch.distributed.checkpoint.staging import DefaultStager
 
     from runyard.train.checkpoint.dcp_storage import RawFileSystemWriter
 
-# torch.distributed.checkpoint (and the DTensor module it loads) is imported by the functions that save or
-# load shards, not here: every one-process run and every reader of a checkpoint imports this module, and
-# that import alone costs about a second.
+
+def _dcp_storage() -> ModuleType:
+    """dcp_storage.py, runyard's layer over torch.distributed.checkpoint, imported when shards are saved or
+    read: every one-process run and every reader of a checkpoint imports this module, and importing DCP
+    (with the DTensor module it loads) costs about a second. The one deferred import of this file."""
+    from runyard.train.checkpoint import dcp_storage
+
+    return dcp_storage
 
 DCP_DIR = "dcp"
 RNG_DIR = "rng"
@@ -71,10 +78,9 @@ def _stager_for(device: torch.device) -> DefaultStager:
     and reuses (a fresh allocation each time costs page faults, several times the copy itself)."""
     global _stager
     if _stager is None:
-        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
+        storage = _dcp_storage()
         cuda = device.type == "cuda"
-        _stager = DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
+        _stager = storage.DefaultStager(storage.StagingOptions(use_pinned_memory=cuda, use_shared_memory=False,
                                                use_async_staging=False, use_non_blocking_copy=cuda))
     return _stager
 
@@ -143,12 +149,8 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
     """Every rank calls this for the same `tmp`. Returns once the state is copied out of the model
     (async) or written (sync); the write goes on in the background when async. `rng_state` must be this
     process's own copy (it is written in the background too)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from runyard.train.checkpoint.dcp_storage import FLAT, RawFileSystemWriter
-
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=FLAT)
+    storage = _dcp_storage()
+    model_sd, optim_sd = storage.get_state_dict(model, optimizer, options=storage.FLAT)
     laid_out = fused_rows_of(model)
     if laid_out is not None:  # stored in the model's own order: any layout can load it
         MODEL_ORDER.reorder(model_sd, optim_sd, stored=laid_out)
@@ -160,14 +162,14 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
         # rank 0's save completes, every rank's RNG file is down too.
         rng[rng_file(ctx.rank)] = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
 
-    writer = RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng)
+    writer = storage.RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
     if use_async and _plain_copies.handles(state_dict):
-        future = dcp.async_save(_plain_copies.stage(state_dict), async_stager=_AsIs(), **kwargs)
+        future = storage.dcp.async_save(_plain_copies.stage(state_dict), async_stager=_AsIs(), **kwargs)
     elif use_async:
-        future = dcp.async_save(state_dict, async_stager=_stager_for(ctx.device), **kwargs)
+        future = storage.dcp.async_save(state_dict, async_stager=_stager_for(ctx.device), **kwargs)
     else:
-        dcp.save(state_dict, **kwargs)
+        storage.dcp.save(state_dict, **kwargs)
         future = Future()
         future.set_result(None)
     return ShardWrite(future, writer, rng)
@@ -221,20 +223,17 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: 
                 stored: FusedRows | None = None) -> None:
     """Model and optimizer from a sharded checkpoint, resharded onto this job's ranks and layout.
     `stored`: the fused rows' order of the checkpoint (`stored_order`)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
-
-    from runyard.train.checkpoint.dcp_storage import FLAT, RawFileSystemReader, SafeLoadPlanner
-
-    reader = RawFileSystemReader(path / DCP_DIR)
-    options = StateDictOptions() if NESTED_GROUPS in reader.read_metadata().state_dict_metadata else FLAT
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    storage = _dcp_storage()
+    reader = storage.RawFileSystemReader(path / DCP_DIR)
+    nested = NESTED_GROUPS in reader.read_metadata().state_dict_metadata
+    options = storage.StateDictOptions() if nested else storage.FLAT
+    model_sd, optim_sd = storage.get_state_dict(model, optimizer, options=options)
     sd = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     # The placeholders have the global shapes and placements; the rows they receive are in `stored`'s order.
-    dcp.load(sd, storage_reader=reader, planner=SafeLoadPlanner(), process_group=ctx.ckpt_group,
-             no_dist=not ctx.distributed)
+    storage.dcp.load(sd, storage_reader=reader, planner=storage.SafeLoadPlanner(), process_group=ctx.ckpt_group,
+                     no_dist=not ctx.distributed)
     (fused_rows_of(model) or MODEL_ORDER).reorder(sd[MODEL_KEY], sd[OPTIM_KEY], stored=stored)
-    set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
+    storage.set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
                    options=options)
 
 
@@ -242,8 +241,7 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     """A one-process checkpoint's model and optimizer (parameters numbered in group order) placed onto
     DDP or FSDP shards or a tensor-parallel split: the path a job that grew from one process to several
     takes."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
-
+    storage = _dcp_storage()
     names = {id(p): n for n, p in model.named_parameters()}
     order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
     by_name = {
@@ -254,8 +252,8 @@ def load_whole(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_s
     if laid_out is not None:  # whole tensors in the model's order, split by rows below: rank by rank first
         model_sd = dict(model_sd)
         laid_out.reorder(model_sd, by_name)
-    set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=by_name,
-                   options=StateDictOptions(full_state_dict=True))
+    storage.set_state_dict(model, optimizer, model_state_dict=model_sd, optim_state_dict=by_name,
+                           options=storage.StateDictOptions(full_state_dict=True))
 
 
 def read_model(path: Path, map_location: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -278,12 +276,8 @@ def read_optimizer_state(path: Path, map_location: str | torch.device = "cpu") -
 
 
 def _read_tensors(path: Path, part: str, map_location) -> dict[tuple[str, ...], torch.Tensor]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from runyard.train.checkpoint.dcp_storage import RawFileSystemReader, SafeLoadPlanner
-
-    reader = RawFileSystemReader(path / DCP_DIR)
+    storage = _dcp_storage()
+    reader = storage.RawFileSystemReader(path / DCP_DIR)
     metadata = reader.read_metadata()
     prefix = part + "."
     # DCP flattens {"model": {name: tensor}} to "model.<name>"; the planner data maps each back to its path.
@@ -291,10 +285,11 @@ def _read_tensors(path: Path, part: str, map_location) -> dict[tuple[str, ...], 
     flat: dict[str, torch.Tensor] = {}
     keys: dict[str, tuple[str, ...]] = {}
     for fqn, md in metadata.state_dict_metadata.items():
-        if not fqn.startswith(prefix) or not isinstance(md, TensorStorageMetadata):
+        if not fqn.startswith(prefix) or not isinstance(md, storage.TensorStorageMetadata):
             continue
         key_path = paths.get(fqn, (part, fqn[len(prefix):]))
         flat[fqn] = torch.empty(md.size, dtype=md.properties.dtype)
         keys[fqn] = tuple(str(p) for p in key_path[1:])
-    dcp.load(flat, storage_reader=reader, planner=SafeLoadPlanner(flatten_state_dict=False), no_dist=True)
+    storage.dcp.load(flat, storage_reader=reader, planner=storage.SafeLoadPlanner(flatten_state_dict=False),
+                     no_dist=True)
     return {keys[fqn]: v.to(map_location) for fqn, v in flat.items()}
