@@ -1,8 +1,8 @@
 """MinHash signatures over word n-grams: one compiled pass (numba, the `fast` extra) or numpy.
 
 With numba installed, `signatures` runs one compiled loop over the bytes of a batch of texts (words,
-shingles and the `num_perm` minima in registers, no intermediate arrays; about 2x the numpy path on
-one core) once a process has hashed enough text to pay for loading it (KERNEL_AFTER_CHARS). Before
+shingles and the `num_perm` minima in registers, no intermediate arrays; 2.3x the numpy path on one
+core in benchmarks/data_throughput.py) once a process has hashed enough text to pay for loading it (KERNEL_AFTER_CHARS). Before
 that, and without numba, the numpy path below computes the same bits (tests/data/test_minhash_kernel.py).
 
 The numpy path never calls Python per word or per shingle: a batch of documents is joined into one byte
@@ -146,11 +146,11 @@ def permutations(num_perm: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
     return a, b
 
 
-# The compiled kernel's first call in a process costs about 1.4 s (numba's import and loading its cached
-# machine code; about 2.5 s the first time it compiles), which its lead over the numpy path (~75 against
-# ~30 MB/s on one core) pays back only after some 70 MB of text. A process therefore switches to it once
-# it has hashed this many characters: a large prepare runs on the kernel, a small one (an example, a test)
-# never loads numba.
+# The compiled kernel's first call in a process pays for numba's import and its cached machine code (more
+# the first time it compiles), which its lead over the numpy path pays back only after some tens of MB of
+# text (benchmarks/data_throughput.py prints both figures). A process therefore switches to it once it has
+# hashed this many characters: a large prepare runs on the kernel, a small one (an example, a test) never
+# loads numba.
 KERNEL_AFTER_CHARS = 64 * 1024 * 1024
 _hashed_chars = 0
 
