@@ -12,4 +12,7 @@ repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$repo_root/scripts/setup_env.sh"
 setup_env dev
 cd "$repo_root"
+# pytest keeps its assertion-rewritten test modules in __pycache__ only when bytecode may be written; with
+# PYTHONDONTWRITEBYTECODE set (as on some machines) every xdist worker rewrites all ~500 of them at every run.
+unset PYTHONDONTWRITEBYTECODE
 exec python -m pytest -n "${RUNYARD_TEST_WORKERS:-auto}" --dist loadgroup --durations=25 "$@"

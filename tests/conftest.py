@@ -106,12 +106,21 @@ def pytest_collection_modifyitems(config, items):
     # Tests that share one daemon or database run on one xdist worker (serially, as before xdist), unless
     # their module already keeps them with its own expensive fixtures (one group per test: xdist joins
     # several names into a new group).
+    postgres_cases: set[tuple[str, str]] = set()
     for item in items:
+        on_postgres = "postgres" in _param_values(item)  # a `backend` or `market_url` case on PostgreSQL
+        if on_postgres:
+            # The rest of a matrix on PostgreSQL is the full tier's: its first case proves the property
+            # on PostgreSQL, every case runs on SQLite (e.g. 15 bad bodies x 2 backends: 15 + 1 fast).
+            function = (item.path.as_posix(), item.originalname)
+            if function in postgres_cases:
+                item.add_marker(pytest.mark.full)
+            postgres_cases.add(function)
         if item.get_closest_marker("xdist_group"):
             continue
         if item.get_closest_marker("slurm"):
             item.add_marker(pytest.mark.xdist_group("slurm"))  # one Slurm cluster, its queue and nodes
-        elif "postgres" in _param_values(item):  # a `backend` or `market_url` case on PostgreSQL
+        elif on_postgres:
             item.add_marker(pytest.mark.xdist_group("postgres"))  # one PostgreSQL server
     if tiers.full_tier() or "full" in (config.getoption("markexpr", "") or ""):
         return

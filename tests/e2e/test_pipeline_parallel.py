@@ -128,6 +128,7 @@ def test_a_pipeline_checkpoint_resumes_on_one_process(one_process, pp_1f1b, tmp_
 
 
 @pytest.mark.slow
+@pytest.mark.full  # fast tier: sft masks across processes (test_finetune_run, DDP); 1F1B trains (above)
 def test_an_sft_stage_under_1f1b_matches_one_process(tmp_path):
     """Masks under pp 2, 20 steps of two accumulated batches, each run by 1F1B in two chunks whose supervised
     counts differ: the one-process losses, held-out response losses, padding and step-1 gradients."""

@@ -223,6 +223,7 @@ def test_fsdp_over_tensor_parallel_groups_on_four_processes_matches_one_process(
     assert torch.equal(exported["model.layers.0.self_attn.o_proj.weight"], trained["blocks.0.attn.wo.weight"])
 
 
+@pytest.mark.full  # fast tier: sft masks across processes (test_finetune_run, DDP); tp 2 trains (above)
 def test_an_sft_stage_under_tensor_parallel_matches_one_process(tmp_path):
     """Masks under tp 2: the same losses, held-out response losses, padding and step-1 gradients as one process."""
     sft = sft_stage_patch(write_uneven_records(tmp_path / "records.jsonl"))

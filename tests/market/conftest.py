@@ -102,5 +102,14 @@ def backend(request) -> str:
 
 @pytest.fixture
 def store_url(backend, url_factory) -> str:
-    """A fresh, empty store on each backend (the test runs once per backend)."""
+    """A fresh store on each backend (the test runs once per backend), its schema at the newest revision:
+    on SQLite a copy of the session's migrated template (SQLite's migrations rebuild tables and take about
+    a second; tests/market/test_store.py proves them on an empty store), on PostgreSQL a new schema that
+    the market migrates when it opens it."""
+    return url_factory(backend, migrated=True)
+
+
+@pytest.fixture
+def empty_store_url(backend, url_factory) -> str:
+    """A fresh, empty store on each backend: for tests of the migrations themselves."""
     return url_factory(backend)

@@ -128,8 +128,9 @@ def test_bad_job_is_refused_and_changes_nothing(world, case):
     assert t1.balances() == balances and t1.demands() == []
 
 
-def test_upgrade_from_0001_keeps_demands_and_adds_the_job_columns(store_url):
+def test_upgrade_from_0001_keeps_demands_and_adds_the_job_columns(empty_store_url):
     """A store made by revision 0001 (before jobs) upgrades in place; its demands read as job-less."""
+    store_url = empty_store_url
     store = Store(store_url)
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS_DIR))

@@ -18,8 +18,8 @@ from runyard.market.store import Store
 from .helpers import open_market
 
 
-def test_migrations_create_the_declared_schema(store_url):
-    market = open_market(store_url)
+def test_migrations_create_the_declared_schema(empty_store_url):
+    market = open_market(empty_store_url)
     with market.store.engine.connect() as conn:
         diff = compare_metadata(MigrationContext.configure(conn), metadata)
     assert diff == []
@@ -28,8 +28,8 @@ def test_migrations_create_the_declared_schema(store_url):
         assert compare_metadata(MigrationContext.configure(conn), metadata) == []
 
 
-def test_history_tables_refuse_update_and_delete(store_url):
-    market = open_market(store_url)
+def test_history_tables_refuse_update_and_delete(empty_store_url):
+    market = open_market(empty_store_url)
     t = identity.register(market, "t", "tenant", generate_keypair()[1])
     identity.request_verification(market, identity.authenticate(market, t["token"]), "")
     ops = identity.authenticate(market, identity.create_operator(market, "ops")["token"])

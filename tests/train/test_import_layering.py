@@ -143,8 +143,16 @@ def imports_of(path: Path) -> tuple[Import, ...]:
     return tuple(found)
 
 
-ALL_FILES = sorted(SRC.rglob("*.py"))
-ALL_IMPORTS = [imp for path in ALL_FILES for imp in imports_of(path)]
+@cache
+def all_files() -> tuple[Path, ...]:
+    return tuple(sorted(SRC.rglob("*.py")))
+
+
+@cache
+def all_imports() -> tuple[Import, ...]:
+    """Every runyard import of every source file: parsed when a test first asks (not at collection, which
+    every xdist worker does)."""
+    return tuple(imp for path in all_files() for imp in imports_of(path))
 
 
 def find_cycles(edges: dict[str, dict[str, Import]]) -> list[list[str]]:
@@ -212,7 +220,7 @@ def describe(cycle: list[str], edges: dict[str, dict[str, Import]]) -> str:
 def graph(key) -> dict[str, dict[str, Import]]:
     """Edges between `key(module)` nodes, each with one import that makes it (the first found)."""
     edges: dict[str, dict[str, Import]] = {}
-    for imp in ALL_IMPORTS:
+    for imp in all_imports():
         a, b = key(imp.importer), key(imp.imported)
         if a != b:
             edges.setdefault(a, {}).setdefault(b, imp)
@@ -241,7 +249,7 @@ def test_no_folder_level_cycles():
     """Within each folder, at every depth, its files and its subfolders (each taken whole) import each
     other without a cycle: no train <-> plan at the top, no train.checkpoint <-> train.loop below."""
     edges: dict[str, dict[str, Import]] = {}
-    for imp in ALL_IMPORTS:
+    for imp in all_imports():
         a, b = sibling_parts(imp.importer, imp.imported)
         if a != b and not imp.importer.startswith(b + ".") and not imp.imported.startswith(a + "."):
             edges.setdefault(a, {}).setdefault(b, imp)
@@ -250,12 +258,12 @@ def test_no_folder_level_cycles():
 
 
 def test_every_top_level_part_has_a_layer():
-    parts = {top_folder(module_name(p)) for p in ALL_FILES}
+    parts = {top_folder(module_name(p)) for p in all_files()}
     assert parts - set(RANK) == set(), f"parts of src/runyard with no layer in LAYERS: {parts - set(RANK)}"
 
 
 def test_layer_order():
-    upward = [imp for imp in ALL_IMPORTS
+    upward = [imp for imp in all_imports()
               if RANK[top_folder(imp.imported)] > RANK[top_folder(imp.importer)]]
     assert not upward, "imports of a higher layer (" + " > ".join("/".join(layer) for layer in LAYERS) + "):\n" + \
         "\n".join(f"  {imp}" for imp in upward)
@@ -267,12 +275,12 @@ def forbidden_imports(imports) -> list[str]:
 
 
 def test_no_forbidden_imports():
-    bad = forbidden_imports(ALL_IMPORTS)
+    bad = forbidden_imports(all_imports())
     assert not bad, "imports a lower layer that this part must not use:\n" + "\n".join(bad)
 
 
 def test_market_imports_neither_torch_nor_the_trainer():
-    bad = [f"{imp}" for imp in ALL_IMPORTS
+    bad = [f"{imp}" for imp in all_imports()
            if top_folder(imp.importer) == "market" and top_folder(imp.imported) not in MARKET_MAY_IMPORT]
     for path in (SRC / "market").rglob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
@@ -287,7 +295,7 @@ def test_the_checks_see_a_planted_cycle_and_an_upward_import():
     """The checks are only as good as the graph: a cycle and an upward import made on purpose are found."""
     planted = {"a": {"b": None}, "b": {"c": None}, "c": {"a": None}, "d": {"a": None}}
     assert find_cycles(planted) == [["a", "b", "c", "a"]]
-    assert any(imp.importer == "runyard.cli" or imp.importer.startswith("runyard.cli.") for imp in ALL_IMPORTS)
+    assert any(imp.importer == "runyard.cli" or imp.importer.startswith("runyard.cli.") for imp in all_imports())
     assert RANK["cli"] > RANK["train"] > RANK["plan"] > RANK["model"] > RANK["spec"] > RANK["system"]
     planted_import = Import("runyard.train.loop", "runyard.plan.sizing", SRC / "train" / "loop.py", 1, False)
     assert forbidden_imports([planted_import]) == [
