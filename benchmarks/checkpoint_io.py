@@ -15,6 +15,8 @@ torch.distributed.checkpoint, rank 0 committing):
   - the synchronous sharded save against both ranks writing half the bytes each, raw, concurrently,
     between the same barriers. Target >= 0.8x.
   - how long an async sharded save stalls the training loop, against the synchronous save. Target <= 0.1x.
+  - the sharded load into every rank's model and optimizer (under DDP each rank holds the whole state, so
+    reads all of it) against each rank raw-reading the same bytes from one file, concurrently. Target >= 0.8x.
 
 All contenders alternate in interleaved rounds; each figure is the median over `--repeats` with its
 spread. The page cache is not dropped (that needs root); the raw peers see the same conditions.
@@ -191,6 +193,12 @@ def sharded(args, report: Report) -> None:
                  {"gib": gib, **result["seconds"]})
     report.ratio("checkpoint_async_stall_ws2", paired_ratio(samples["async stall"], samples["runyard save"]),
                  "runyard's own synchronous sharded save", "<=", 0.1, {"gib": gib})
+    loads = {name: Samples(v) for name, v in result["load_seconds"].items()}
+    print("== world size 2: sharded load into model + optimizer (every rank holds the whole state) ==")
+    show(loads, gib)
+    report.ratio("checkpoint_load_sharded_ws2", paired_ratio(loads["raw read"], loads["runyard load"]),
+                 "2 ranks each raw-reading the whole state's bytes (what DDP ranks hold) into memory allocated "
+                 "for them", ">=", 0.8, {"gib": gib, **result["load_seconds"]})
 
 
 def sharded_worker(args) -> None:
@@ -244,10 +252,49 @@ def sharded_worker(args) -> None:
         if ctx.is_main:
             print(f"  round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {seconds[n][-1]:.3g}s" for n in names),
                   file=sys.stderr, flush=True)
+    load_seconds = sharded_loads(args, setup, tensors, ctx, root, sync_save)
     clear()
     if ctx.is_main:
-        args.sharded_worker.write_text(json.dumps({"gib": nbytes(tensors) / 2**30, "seconds": seconds}))
+        args.sharded_worker.write_text(json.dumps({"gib": nbytes(tensors) / 2**30, "seconds": seconds,
+                                                   "load_seconds": load_seconds}))
     parallel.teardown()
+
+
+def sharded_loads(args, setup: TrainSetup, tensors: list[torch.Tensor], ctx: parallel.DistContext, root: Path,
+                  sync_save) -> dict[str, list[float]]:
+    """The sharded checkpoint read back into every rank's model and optimizer (torch.distributed.checkpoint's
+    load: under DDP each rank holds, so reads, the whole state), against each rank raw-reading the same bytes
+    from one file into memory allocated for them, concurrently, between the same barriers."""
+    sync_save()
+    whole = root / "raw-whole.bin"
+    if ctx.is_main:
+        raw_write(whole, tensors)
+    parallel.barrier(ctx)
+    ref = ckpt.latest_good(root / "ckpt")
+    dest = torch.zeros(whole.stat().st_size, dtype=torch.uint8)  # touched once, as live tensors are
+
+    def timed(fn) -> float:
+        parallel.barrier(ctx)
+        t0 = time.perf_counter()
+        fn()
+        parallel.barrier(ctx)
+        return time.perf_counter() - t0
+
+    contenders = {"raw read": lambda: timed(lambda: raw_read(whole, dest)),
+                  "runyard load": lambda: timed(lambda: ckpt.load_from(setup.state, ref.path, ctx))}
+    for fn in contenders.values():  # warm-up: the page cache holds both, as it would after a save
+        fn()
+    seconds: dict[str, list[float]] = {name: [] for name in contenders}
+    names = list(contenders)
+    for r in range(args.repeats):
+        for name in names if r % 2 == 0 else names[::-1]:
+            seconds[name].append(parallel.all_reduce_max(contenders[name](), ctx))
+        if ctx.is_main:
+            print(f"  load round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {seconds[n][-1]:.3g}s" for n in names),
+                  file=sys.stderr, flush=True)
+    if ctx.is_main:
+        whole.unlink(missing_ok=True)
+    return seconds
 
 
 def main(argv: list[str] | None = None) -> int:
