@@ -3,9 +3,11 @@
 Written the way nanoGPT's model.py is (a handful of plain modules, no framework), with the same fusions
 runyard makes: one Q/K/V projection (`c_attn`), one gate+up projection (`c_fc`), SDPA with grouped-query
 attention, and torch's own `F.rms_norm`. Rotary embeddings rotate the two halves of each head (HF Llama's
-convention, as runyard's). What differs from runyard is only runyard's own code: its fused RMSNorm,
-rotary and SwiGLU ops with hand-written backwards. `load_from_runyard` copies a runyard model's weights
-so the two compute the same function (train_throughput.py checks the logits).
+convention, as runyard's). What differs from runyard is only runyard's own code (model/ops.py): its fused
+RMSNorm, rotary and SwiGLU ops with hand-written backwards, the heads-major queries, keys and values it hands
+SDPA, and its bf16 linear on CPUs without bf16 matmul instructions. `load_from_runyard` copies a runyard
+model's weights so the two compute the same function (train_throughput.py checks the logits); the loops
+that train it (nanoGPT's train.py loop) are in train_throughput.py and gpu_check.py.
 """
 
 from __future__ import annotations

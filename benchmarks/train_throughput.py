@@ -1,25 +1,51 @@
-"""Training throughput: runyard's Transformer against HF transformers' LlamaForCausalLM and against a
-nanoGPT-style model of the same shape that fuses its projections as runyard does.
+"""Training throughput: runyard's own stage loop against nanoGPT's train.py loop, on a nanoGPT-style model of
+the same shape (the same fused projections) and on HF transformers' LlamaForCausalLM, on CPU in fp32 and under
+bf16 autocast.
 
-All three have the same shape (hidden size, layers, heads, kv heads, intermediate size, vocab, context,
-tied embeddings); HF's uses attn_implementation="sdpa". The peers' weights are copied from runyard's, so all
-start from the same point, and the script checks that their logits agree before timing anything (the same
-math, not just the same shape). Each then trains with the same plain loop (forward, cross-entropy, backward,
-AdamW step) on the same batches, in this process, on CPU: once in fp32 and once under CPU bf16 autocast
-(`torch.autocast("cpu", torch.bfloat16)`, fp32 master weights, the loss in fp32).
+- runyard: `runyard.train.loop.train_stage`, what `runyard run` calls to train a stage, with the process
+  settings `runyard run` gives it (run/execute.py: the threads, deterministic algorithms): its loader over a
+  token store written here, the learning-rate schedule, forward and the loss normalised by the step's tokens,
+  backward, gradient clipping, the non-finite guard, AdamW (foreach), a readback and a metrics.jsonl row every
+  step (the CPU default), and checkpoints at the spec's `checkpoint.interval` (the plain format: safetensors
+  files, checksummed, fsynced, committed by a rename, retention applied).
+- The peers run nanoGPT's train.py loop (a plain loop, as its author would write it for this model): the same
+  initial weights (copied from the model runyard's stage builds), the very batches runyard's loader yields
+  (their sequence ids drawn before timing; each batch is sliced from a uint16 memmap of the same tokens inside
+  the timed loop, as nanoGPT's `get_batch` does), nanoGPT's warmup + cosine learning rate, cross-entropy,
+  backward, `clip_grad_norm_` to the same 1.0, AdamW with the same hyperparameters (foreach, as runyard's;
+  nanoGPT's groups: every matrix decays, the embedding too), `loss.item()` every step (nanoGPT's log_interval
+  1), and at the same steps as runyard's checkpoints nanoGPT's checkpoint: `torch.save` of {model, optimizer,
+  model_args, iter_num, best_val_loss, config} to ckpt.pt, so the checkpoint's cost falls on both sides at the
+  same cadence. nanoGPT's evaluation at its eval_interval has no counterpart inside the timed steps: runyard's
+  held-out evaluation is set to the stage's last step, after them.
+- HF Llama (attn_implementation="sdpa", separate q/k/v and gate/up projections) is the framework a user would
+  otherwise train with; the nanoGPT-style model (benchmarks/nanogpt_peer.py: fused Q/K/V and gate/up, F.rms_norm,
+  autograd's rotary and SwiGLU) isolates what runyard's own model code and loop cost or save.
 
-- HF Llama is the framework a user would otherwise train with; its projections are separate matmuls.
-- The nanoGPT-style peer (benchmarks/nanogpt_peer.py) fuses Q/K/V and gate/up like runyard and uses torch's
-  own F.rms_norm and autograd for rotary and SwiGLU, so runyard / nanoGPT isolates what runyard's own
-  fused ops and framework cost or save, with fusion equal on both sides.
+The models' logits are checked to agree before anything is timed, and each round's first-step losses are printed
+side by side (the same weights on the same batch: the same number, to the precision's rounding).
 
-Timing: the models alternate in interleaved rounds (order reversed every other round), each round a few
-steps per model; a figure is the median round with its spread, a ratio the median of per-round ratios.
+bf16: `torch.autocast("cpu", torch.bfloat16)` around each forward, fp32 master weights, the loss in fp32. runyard's
+loop autocasts on CUDA only (`resources.precision: bf16` trains in fp32 on a CPU, model/compute.py's
+`autocast_for`), so for the bf16 rounds the benchmark hands the loop the CPU autocast in place of `autocast_for`
+(`unittest.mock.patch` of `runyard.train.loop.autocast_for`): the same context the loop enters on CUDA, around
+the same forward; nothing else in the loop changes. On a CPU without bf16 instructions (no AVX512-BF16, no AMX)
+the peers' bf16 runs torch's generic bf16 matmul, many times slower than its fp32 one, and runyard's takes the
+bf16 product in fp32 (model/ops.py's `linear`), hence large bf16 ratios there (benchmarks/results/
+train_profile.md); on a CPU with them both run torch's kernels.
 
-Peak memory: each model trains three steps in its own fresh subprocess, and we report its peak resident set
-size minus the resident set just before the model is built (Linux: `/proc/self/clear_refs` = 5 resets the
-high-water mark, `VmHWM` reads it; elsewhere `ru_maxrss`, which cannot be reset). Weights, gradients, AdamW
-state, activations and allocator overhead; not the interpreter or libraries.
+Timing: every step's end is stamped on both sides (runyard's metrics rows carry it: `time`); a round's figure is
+the seconds per step over `--steps-per-round` steps (`--bf16-steps-per-round` in bf16) after `--warmup` untimed
+ones, the checkpoints among them included (by default one per round's timed steps). The three
+contenders alternate in rounds, the order reversed every other round; a ratio is the median of the per-round
+ratios (each round's pair saw the same machine).
+
+Peak memory: each model trains three steps of the plain loop in its own fresh subprocess (fp32), and we report
+its peak resident set size minus the resident set just before the model is built (Linux: `/proc/self/clear_refs`
+= 5 resets the high-water mark, `VmHWM` reads it; elsewhere `ru_maxrss`, which cannot be reset).
+
+`--profile` prints torch.profiler's top operators of one training step of each model in each precision
+(what benchmarks/results/train_profile.md summarises) and times nothing.
 
 Run: python benchmarks/train_throughput.py [--record]   (needs the `bench` extra for transformers)
 """
@@ -27,24 +53,44 @@ Run: python benchmarks/train_throughput.py [--record]   (needs the `bench` extra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_peer  # noqa: E402
-from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
+from harness import Report, Samples, add_common_args, paired_ratio  # noqa: E402
 
+from runyard.data.loader import TokenLoader  # noqa: E402
+from runyard.data.pipeline import PreparedData  # noqa: E402
+from runyard.data.shards import ShardWriter, write_index  # noqa: E402
 from runyard.model.config import default_ffn_hidden  # noqa: E402
+from runyard.model.registry import get_family  # noqa: E402
 from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
+from runyard.run.execute import _configure_threads  # noqa: E402
+from runyard.spec.job import parse_spec, resolved_stage  # noqa: E402
+from runyard.spec.seeds import derive_seed  # noqa: E402
+from runyard.train import loop as stage_loop  # noqa: E402
+from runyard.train import parallel  # noqa: E402
+from runyard.train.metrics import MetricsLog  # noqa: E402
 
 MODELS = ("runyard", "hf", "nanogpt")
+STAGE = "main"
+CTX = parallel.DistContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+# nanoGPT's train.py settings, given to runyard's spec too.
+OPTIM = {"lr": 6e-4, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1, "grad_clip": 1.0}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,14 +104,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--vocab", type=int, default=4096, help="vocabulary size")
     p.add_argument("--untied", action="store_true", help="separate output head (default: tied embeddings)")
     p.add_argument("--batch", type=int, default=8, help="sequences per step")
-    p.add_argument("--steps-per-round", type=int, default=4, help="timed steps per model in each round")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per model first")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--steps-per-round", type=int, default=8, help="timed fp32 steps per contender in each round")
+    p.add_argument("--bf16-steps-per-round", type=int, default=2,
+                   help="timed bf16 steps per contender in each round (torch's own bf16 matmul is slow on a CPU "
+                        "without bf16 instructions, and the peers use it)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps per contender at the start of each round")
+    p.add_argument("--checkpoint-interval", type=int, default=None,
+                   help="steps between checkpoints, both sides (default: the round's timed steps: one per round)")
+    # One thread by default: this machine's two cores are shared, and spin-waiting intra-op threads make the
+    # timings swing with other processes' load rather than with the work measured. The same for every contender.
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads, every contender (default 1)")
     p.add_argument("--precisions", default="fp32,bf16", help="comma-separated: fp32, bf16 (CPU autocast)")
-    p.add_argument("--seed", type=int, default=0, help="seed for init and batches")
+    p.add_argument("--seed", type=int, default=0, help="the spec's seed: initial weights and batches")
+    p.add_argument("--profile", action="store_true",
+                   help="print torch.profiler's top operators of one step per model and precision; time nothing")
     p.add_argument("--memory-only", choices=MODELS, help=argparse.SUPPRESS)
-    add_common_args(p, repeats=6)
-    return p.parse_args(argv)
+    add_common_args(p, repeats=5)
+    args = p.parse_args(argv)
+    if args.warmup < 1:  # the timed steps are measured from the end of the step before them
+        p.error("--warmup must be at least 1")
+    return args
 
 
 def model_config(args: argparse.Namespace) -> ModelConfig:
@@ -137,14 +195,14 @@ def build(name: str, cfg: ModelConfig) -> torch.nn.Module:
     return build_hf(cfg) if name == "hf" else nanogpt_peer.from_config(cfg)
 
 
-def make_models(cfg: ModelConfig, seed: int) -> dict[str, torch.nn.Module]:
-    torch.manual_seed(seed)
-    ours = Transformer(cfg)
-    hf = build_hf(cfg)
-    copy_weights_to_hf(ours, hf)
-    nano = nanogpt_peer.from_config(cfg)
-    nanogpt_peer.load_from_runyard(nano, ours)
-    return {"runyard": ours, "hf": hf, "nanogpt": nano}
+def peer_from(name: str, ours: Transformer) -> torch.nn.Module:
+    """A peer holding `ours`'s weights."""
+    peer = build(name, ours.cfg)
+    if name == "hf":
+        copy_weights_to_hf(ours, peer)
+    else:
+        nanogpt_peer.load_from_runyard(peer, ours)
+    return peer
 
 
 def forward_fn(name: str, model: torch.nn.Module, precision: str = "fp32"):
@@ -170,7 +228,8 @@ def make_batches(cfg: ModelConfig, n: int, batch: int, seed: int) -> list[tuple[
 
 
 def train_steps(forward, opt, batches, vocab: int) -> list[float]:
-    """The plain loop both models run. Returns each step's wall time in seconds."""
+    """A bare step (forward, cross-entropy, backward, AdamW step), for the memory figure and the profile.
+    Returns each step's wall time in seconds."""
     times = []
     for x, y in batches:
         t0 = time.perf_counter()
@@ -184,8 +243,195 @@ def train_steps(forward, opt, batches, vocab: int) -> list[float]:
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    # foreach=True for both: the default everywhere torch can, stated so neither side differs.
-    return torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    """nanoGPT's AdamW groups (matrices decay, vectors do not); foreach, as runyard's loop steps."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM["weight_decay"]},
+              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], foreach=True)
+
+
+# -- the data both sides read ---------------------------------------------------------------------------------
+
+
+def write_split(root: Path, name: str, vocab: int, tokens: int, seed: int) -> tuple[Path, Path]:
+    """Random tokens as runyard's token store (shards + index) and, the same stream, as nanoGPT's .bin."""
+    ids = np.random.default_rng(seed).integers(1, vocab, size=tokens).astype(np.uint16)
+    lengths = np.full(max(tokens // 4096, 1), min(tokens, 4096))
+    lengths[-1] += tokens - int(lengths.sum())
+    writer = ShardWriter(root, name, 1 << 20, np.dtype(np.uint16))
+    writer.add_tokens(ids, lengths)
+    write_index(root / f"{name}.json", writer.finish(), dtype=np.dtype(np.uint16), vocab_size=vocab, eos_id=0,
+                shard_tokens=1 << 20, num_documents=len(lengths))
+    ids.tofile(root / f"{name}.bin")
+    return root / f"{name}.json", root / f"{name}.bin"
+
+
+class Workload:
+    """One precision's stage: its spec, the prepared token store, the batches' sequence ids, the initial model."""
+
+    def __init__(self, args: argparse.Namespace, precision: str, root: Path):
+        self.precision = precision
+        self.steps = args.bf16_steps_per_round if precision == "bf16" else args.steps_per_round
+        self.warmup = args.warmup
+        self.total = self.warmup + self.steps
+        self.checkpoint_interval = args.checkpoint_interval or self.steps
+        cfg = model_config(args)
+        self.spec = parse_spec({
+            "name": "train-throughput", "seed": args.seed, "data": {"sources": [{"path": "unused"}]},
+            "model": {"d_model": cfg.d_model, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
+                      "n_kv_heads": cfg.n_kv_heads, "ffn_hidden": cfg.ffn_hidden, "context_length": cfg.context_length,
+                      "tie_embeddings": cfg.tie_embeddings, "dropout": 0.0},
+            "optim": {**OPTIM, "betas": list(OPTIM["betas"])},
+            "schedule": {"warmup_steps": self.warmup},
+            "train": {"steps": self.total, "batch_size": args.batch},
+            # Held-out evaluation at the last step only (after the timed steps), on one batch.
+            "eval": {"interval": self.total, "batches": 1},
+            "checkpoint": {"interval": self.checkpoint_interval},
+            "resources": {"device": "cpu", "precision": precision, "threads": args.threads},
+        })
+        self.stage = resolved_stage(self.spec, STAGE)
+        self.cfg = get_family("decoder").config_from_spec(self.stage.model, vocab_size=args.vocab)
+        if self.cfg != cfg:
+            raise SystemExit(f"the spec's model config {self.cfg} is not the benchmark's shape {cfg}")
+        seqs = self.total * args.batch
+        root.mkdir(parents=True, exist_ok=True)
+        train_index, self.train_bin = write_split(root, "train", args.vocab, 2 * seqs * (cfg.context_length + 1), 0)
+        heldout_index, _ = write_split(root, "heldout", args.vocab, 2 * args.batch * (cfg.context_length + 1), 1)
+        self.prepared = PreparedData(tokenizer_path=root / "unused.json", vocab_size=args.vocab, eos_id=0,
+                                     train_index=train_index, heldout_index=heldout_index, fingerprint="bench",
+                                     stats={}, input_fingerprints={})
+        # The sequences runyard's loader reads at each step (train/batches.py's loader: the stage's data seed).
+        loader = TokenLoader(train_index, seq_len=cfg.context_length, batch_size=args.batch,
+                             seed=derive_seed(self.spec.seed, "data", STAGE))
+        self.sequence_ids = [loader.sequence_ids(step * args.batch) for step in range(self.total)]
+        first = loader.next_batch()
+        # The model the stage starts from (its seeded init), to copy into the peers.
+        self.initial = stage_loop.build_model(self.spec, self.stage, self.prepared, CTX, run_dir=None)[0]
+        data = np.memmap(self.train_bin, dtype=np.uint16, mode="r")
+        peer_first = nanogpt_batch(data, self.sequence_ids[0], cfg.context_length)
+        if not (torch.equal(first[0], peer_first[0]) and torch.equal(first[1], peer_first[1])):
+            raise SystemExit("the peers' get_batch does not read the batches runyard's loader yields")
+
+
+def nanogpt_batch(data: np.ndarray, ids: np.ndarray, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """nanoGPT's get_batch, at the given sequences' offsets instead of random ones."""
+    starts = [int(i) * (block + 1) for i in ids]
+    x = torch.stack([torch.from_numpy(data[i:i + block].astype(np.int64)) for i in starts])
+    y = torch.stack([torch.from_numpy(data[i + 1:i + 1 + block].astype(np.int64)) for i in starts])
+    return x, y
+
+
+# -- the contenders' rounds -------------------------------------------------------------------------------------
+
+
+def cpu_autocast_for(device: torch.device, precision: str):
+    """The loop's autocast_for with CPU bf16 autocast: what it gives on CUDA, given on the CPU."""
+    if precision == "bf16":
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+def window(stamps: dict[int, float], w: Workload) -> float:
+    """Seconds per step over steps warmup+1 .. total, from each step's end time."""
+    return (stamps[w.total] - stamps[w.warmup]) / w.steps
+
+
+def runyard_round(w: Workload, workdir: Path) -> tuple[float, float]:
+    """One stage through runyard's loop, as `runyard run` runs it. (seconds per step, first step's loss)"""
+    run_dir = workdir / "runyard"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    stage_dir = run_dir / "stages" / STAGE
+    patch = (mock.patch.object(stage_loop, "autocast_for", cpu_autocast_for) if w.precision == "bf16"
+             else contextlib.nullcontext())
+    _configure_threads(w.spec)  # runyard run's process settings: threads, deterministic algorithms
+    try:
+        with patch:
+            stage_loop.train_stage(w.spec, w.stage, w.prepared, stage_dir, CTX, show_progress=False)
+    finally:
+        torch._C._set_deterministic_algorithms(False)  # the peers' processes do not set it
+    rows = [r for r in MetricsLog(stage_dir / "metrics.jsonl").read() if "loss" in r]
+    return window({r["step"]: r["time"] for r in rows}, w), rows[0]["loss"]
+
+
+def nanogpt_lr(it: int, w: Workload) -> float:
+    """nanoGPT's get_lr: linear warmup, cosine decay to a tenth over the run."""
+    lr, min_lr, warmup, decay_iters = OPTIM["lr"], OPTIM["lr"] / 10, w.warmup, w.total
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    ratio = min(1.0, (it - warmup) / max(1, decay_iters - warmup))
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+def peer_round(name: str, w: Workload, workdir: Path) -> tuple[float, float]:
+    """nanoGPT's train.py loop on a peer model. (seconds per step, first step's loss)"""
+    out_dir = workdir / name
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    torch.set_num_threads(w.spec.resources.threads)
+    model = peer_from(name, w.initial)
+    model.train()
+    optimizer = make_optimizer(model)
+    forward = forward_fn(name, model, w.precision)
+    data = np.memmap(w.train_bin, dtype=np.uint16, mode="r")
+    block, vocab = w.cfg.context_length, w.cfg.vocab_size
+    model_args = {"vocab": vocab, "d_model": w.cfg.d_model, "n_layers": w.cfg.n_layers, "block_size": block}
+    stamps, first_loss = {}, math.nan
+    x, y = nanogpt_batch(data, w.sequence_ids[0], block)
+    for it in range(w.total):
+        for group in optimizer.param_groups:
+            group["lr"] = nanogpt_lr(it, w)
+        logits = forward(x)
+        loss = F.cross_entropy(logits.float().view(-1, vocab), y.view(-1))
+        if it + 1 < w.total:
+            x, y = nanogpt_batch(data, w.sequence_ids[it + 1], block)  # fetched before backward, as nanoGPT does
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), OPTIM["grad_clip"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        lossf = loss.item()  # log_interval 1: the loss printed every step
+        first_loss = lossf if it == 0 else first_loss
+        step = it + 1
+        stamps[step] = time.time()
+        if step % w.checkpoint_interval == 0:
+            torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "model_args": model_args,
+                        "iter_num": step, "best_val_loss": 1e9, "config": {"learning_rate": OPTIM["lr"]}},
+                       out_dir / "ckpt.pt")
+    return window(stamps, w), first_loss
+
+
+def time_precision(args: argparse.Namespace, precision: str, report: Report, root: Path) -> None:
+    w = Workload(args, precision, root / precision)
+    print(f"== {precision}{' (CPU autocast)' if precision == 'bf16' else ''}: {args.repeats} rounds of {w.warmup} "
+          f"untimed + {w.steps} timed steps per contender; a checkpoint every {w.checkpoint_interval} steps ==",
+          flush=True)
+    seconds = {name: Samples() for name in MODELS}
+    for r in range(args.repeats):
+        losses = {}
+        for name in MODELS if r % 2 == 0 else MODELS[::-1]:
+            if name == "runyard":
+                per_step, losses[name] = runyard_round(w, root / "work")
+            else:
+                per_step, losses[name] = peer_round(name, w, root / "work")
+            seconds[name].values.append(per_step)
+        print(f"  round {r + 1}/{args.repeats}: " + ", ".join(f"{n} {seconds[n].values[-1]:.3g} s/step" for n in MODELS)
+              + "; first-step loss " + ", ".join(f"{n} {losses[n]:.5f}" for n in MODELS), file=sys.stderr, flush=True)
+        # The same weights on the same batch: the same loss, to the precision's rounding.
+        spread = max(abs(losses[n] - losses["runyard"]) for n in MODELS)
+        if spread > (1e-3 if precision == "fp32" else 2e-2):
+            raise SystemExit(f"first-step losses differ by {spread:.2e}: the contenders did not train alike")
+    tokens = args.batch * w.cfg.context_length
+    for name, s in seconds.items():
+        print(f"  {name:<10} {s.rate(tokens).spread()} tokens/s")
+    detail = {"tokens_per_s": {n: tokens / s.median for n, s in seconds.items()},
+              "steps_per_round": w.steps, "warmup_steps": w.warmup, "checkpoint_interval": w.checkpoint_interval,
+              "threads": args.threads}
+    report.ratio(f"train_{precision}_vs_hf_llama", paired_ratio(seconds["hf"], seconds["runyard"]),
+                 f"HF LlamaForCausalLM sdpa in nanoGPT's loop, CPU {precision}", ">=", 1.3, detail)
+    report.ratio(f"train_{precision}_vs_nanogpt_fused", paired_ratio(seconds["nanogpt"], seconds["runyard"]),
+                 f"nanoGPT's loop on a nanoGPT-style fused model, CPU {precision}", ">=", 1.0, detail)
+
+
+# -- peak memory and the profile ----------------------------------------------------------------------------------
 
 
 def _proc_status_kib(field: str) -> int | None:
@@ -235,6 +481,12 @@ def memory_in_subprocess(args: argparse.Namespace, argv: list[str], name: str) -
     return json.loads(out.stdout.strip().splitlines()[-1])["peak_rss_growth_bytes"]
 
 
+def make_models(cfg: ModelConfig, seed: int) -> dict[str, torch.nn.Module]:
+    torch.manual_seed(seed)
+    ours = Transformer(cfg)
+    return {"runyard": ours, "hf": peer_from("hf", ours), "nanogpt": peer_from("nanogpt", ours)}
+
+
 def check_same_function(models: dict[str, torch.nn.Module], cfg: ModelConfig, seed: int) -> float:
     """Largest |logit difference| of each peer from runyard on one probe batch (fp32, eval mode)."""
     probe = make_batches(cfg, 1, 2, seed + 99)[0][0]
@@ -245,43 +497,44 @@ def check_same_function(models: dict[str, torch.nn.Module], cfg: ModelConfig, se
     return max((logits[name] - logits["runyard"]).abs().max().item() for name in models if name != "runyard")
 
 
-def time_precision(models, cfg, args, precision: str, report: Report) -> None:
-    batches = make_batches(cfg, args.steps_per_round, args.batch, args.seed)
-    opts = {name: make_optimizer(m) for name, m in models.items()}
-    for name, model in models.items():
-        model.train()
-        train_steps(forward_fn(name, model, precision), opts[name], batches[: args.warmup], cfg.vocab_size)
-    contenders = {
-        name: (lambda name=name: train_steps(forward_fn(name, models[name], precision), opts[name], batches,
-                                             cfg.vocab_size))
-        for name in models
-    }
-    print(f"== {precision}{' (CPU autocast)' if precision == 'bf16' else ''}: {args.repeats} rounds of "
-          f"{args.steps_per_round} steps per model ==", flush=True)
-    samples = interleaved(contenders, args.repeats, warmup=0)
-    tokens = args.batch * cfg.context_length * args.steps_per_round
-    for name, s in samples.items():
-        print(f"  {name:<10} {s.rate(tokens).spread()} tokens/s")
-    report.ratio(f"train_{precision}_vs_hf_llama", paired_ratio(samples["hf"], samples["runyard"]),
-                 f"HF LlamaForCausalLM sdpa, CPU {precision}", ">=", 1.0,
-                 {"tokens_per_s": {n: tokens / s.median for n, s in samples.items()}})
-    report.ratio(f"train_{precision}_vs_nanogpt_fused", paired_ratio(samples["nanogpt"], samples["runyard"]),
-                 f"nanoGPT-style fused model, CPU {precision}", ">=", 1.0,
-                 {"tokens_per_s": {n: tokens / s.median for n, s in samples.items()}})
+def profile(models: dict[str, torch.nn.Module], cfg: ModelConfig, args: argparse.Namespace, rows: int = 15) -> None:
+    """torch.profiler's operators by self CPU time over two bare steps of each model, per step; matrix
+    products also by shape (where a layout's kernel is slow, that is where it shows)."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    batches = make_batches(cfg, 3, args.batch, args.seed)
+    for precision in args.precisions.split(","):
+        for name, model in models.items():
+            opt, forward = make_optimizer(model), forward_fn(name, model, precision)
+            step = train_steps(forward, opt, batches[:1], cfg.vocab_size)[0]  # warm: allocations, lazy init
+            with torch_profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                train_steps(forward, opt, batches[1:], cfg.vocab_size)
+            ops = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)
+            total = sum(e.self_cpu_time_total for e in ops) / 2e3
+            print(f"\n### {name}, {precision}: {total:.0f} ms of operator time per step "
+                  f"(the unprofiled step before it: {step * 1e3:.0f} ms)\n")
+            print("| ms/step | share | calls/step | operator |\n|---:|---:|---:|---|")
+            for e in ops[:rows]:
+                ms = e.self_cpu_time_total / 2e3
+                print(f"| {ms:.1f} | {ms / total:.1%} | {e.count // 2} | `{e.key}` |")
+            mms = sorted((e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::mm"),
+                         key=lambda e: -e.self_cpu_time_total)
+            print("\n`aten::mm` by shape: " + "; ".join(
+                f"{'x'.join(map(str, e.input_shapes[0]))} @ {'x'.join(map(str, e.input_shapes[1]))} "
+                f"{e.self_cpu_time_total / 2e3:.0f} ms" for e in mms[:6]))
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     if args.memory_only:
         print(json.dumps({"peak_rss_growth_bytes": measure_memory(args, args.memory_only)}))
         return 0
 
     import transformers  # the bench extra's peer
 
-    report = Report("train_throughput", args, packages=["transformers"])
     cfg = model_config(args)
     models = make_models(cfg, args.seed)
     print(
@@ -290,17 +543,24 @@ def main(argv: list[str] | None = None) -> int:
         f"batch={args.batch}; parameters "
         + ", ".join(f"{n}={sum(p.numel() for p in m.parameters()):,}" for n, m in models.items())
     )
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads, "
+          f"CPU capability {torch.backends.cpu.get_cpu_capability()}")
     diff = check_same_function(models, cfg, args.seed)
     print(f"same weights, max |logit difference| from runyard = {diff:.2e}")
     if diff > 1e-3:
         print("error: the models do not compute the same function; the comparison would be unfair")
         return 1
+    if args.profile:
+        profile(models, cfg, args)
+        return 0
+    del models
 
-    for precision in args.precisions.split(","):
-        if precision not in ("fp32", "bf16"):
-            raise SystemExit(f"--precisions: unknown precision {precision!r} (fp32, bf16)")
-        time_precision(models, cfg, args, precision, report)
+    report = Report("train_throughput", args, packages=["transformers"])
+    with tempfile.TemporaryDirectory(prefix="train-throughput-") as tmp:
+        for precision in args.precisions.split(","):
+            if precision not in ("fp32", "bf16"):
+                raise SystemExit(f"--precisions: unknown precision {precision!r} (fp32, bf16)")
+            time_precision(args, precision, report, Path(tmp))
 
     mem = {name: memory_in_subprocess(args, argv, name) for name in MODELS}
     print("peak RSS growth, fp32, 3 steps, each model alone in a fresh subprocess: "

@@ -4,11 +4,19 @@ Autograd's versions of these are chains of small ops that each keep their inputs
 fused projection's output is split, pay a zero-fill or a `cat` in backward. The versions here save
 only what backward needs and write gradients straight into one buffer. Each is checked against plain
 autograd (tests/model/test_ops.py); the math is unchanged.
+
+`linear` is the projections' matmul. Under CPU bf16 autocast on an x86 CPU without bf16 matrix
+instructions (no AVX512-BF16, no AMX), torch's bf16 matmul falls back to a generic kernel that runs at
+0.3-25 GFLOP/s depending on the operands' layout, against ~85 for fp32 on the same core
+(benchmarks/results/train_profile.md); there the product of the bf16-rounded operands is taken in fp32
+instead, which is what a bf16 matmul computes (exact products, fp32 accumulation, the result rounded to
+bf16), so the values autocast defines are kept, to the order of accumulation.
 """
 
 from __future__ import annotations
 
 import math
+import platform
 from typing import Any
 
 import torch
@@ -120,6 +128,42 @@ def rotary_qk(
     return _RotaryQK.apply(qk, cos, sin, n_q)
 
 
+class _RotaryQKV(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, qkv, cos, sin, n_q, n_kv):
+        ctx.save_for_backward(cos, sin)
+        ctx.n_q, ctx.n_kv = n_q, n_kv
+        B, T, _, D = qkv.shape
+        # Heads-major [B, heads, T, D] in memory: CPU SDPA alone runs ~20% faster on it than on the projection's
+        # [B, T, heads, D] (benchmarks/results/train_profile.md); written there directly, not copied after.
+        q, k, v = (qkv.new_empty(B, n, T, D) for n in (n_q, n_kv, n_kv))
+        _rotate_into(q.transpose(1, 2), qkv[:, :, :n_q], cos, sin, 1.0)
+        _rotate_into(k.transpose(1, 2), qkv[:, :, n_q:n_q + n_kv], cos, sin, 1.0)
+        v.transpose(1, 2).copy_(qkv[:, :, n_q + n_kv:])
+        return q, k, v
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k, grad_v):
+        # The inverse rotations and V's gradient land in one buffer of the projection's layout (no cat).
+        cos, sin = ctx.saved_tensors
+        n_q, n_kv = ctx.n_q, ctx.n_kv
+        B, _, T, D = grad_q.shape
+        grad = grad_q.new_empty(B, T, n_q + 2 * n_kv, D)
+        _rotate_into(grad[:, :, :n_q], grad_q.transpose(1, 2), cos, sin, -1.0)
+        _rotate_into(grad[:, :, n_q:n_q + n_kv], grad_k.transpose(1, 2), cos, sin, -1.0)
+        grad[:, :, n_q + n_kv:].copy_(grad_v.transpose(1, 2))
+        return grad, None, None, None, None
+
+
+def rotary_qkv(
+    qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, n_q: int, n_kv: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`rotary_qk` of the queries and keys in a fused projection's output `qkv` [B, T, n_q + 2 n_kv, head_dim],
+    returned with its values as attention takes them: q [B, n_q, T, d], k and v [B, n_kv, T, d], each
+    contiguous."""
+    return _RotaryQKV.apply(qkv, cos, sin, n_q, n_kv)
+
+
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate_up):
@@ -146,3 +190,60 @@ class _SwiGLU(torch.autograd.Function):
 def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up, where `gate_up` holds gate and up side by side in its last dimension."""
     return _SwiGLU.apply(gate_up)
+
+
+def _cpu_has_bf16_matmul() -> bool:
+    """Whether torch multiplies bf16 in hardware on this CPU: x86 with AVX512-BF16 or AMX. Other
+    architectures are taken to (their bf16 path is left as torch has it)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return True
+    cpu = torch.cpu
+    checks = (getattr(cpu, "_is_avx512_bf16_supported", None), getattr(cpu, "_is_amx_tile_supported", None))
+    return any(check is None or check() for check in checks)  # an unknown torch: leave its kernels alone
+
+
+# Decided once per process: the CPU does not change under it.
+BF16_MATMUL_IN_FP32 = not _cpu_has_bf16_matmul()
+
+
+class _Bf16LinearInFp32(torch.autograd.Function):
+    """x @ weight.T (+ bias) for bf16 operands, the products summed in fp32, the result rounded to bf16;
+    backward likewise. Saves the bf16 operands, as autocast's linear does."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        if any(ctx.needs_input_grad):
+            ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        out = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return out.to(torch.bfloat16)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        g = grad.reshape(-1, grad.shape[-1]).float()
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (g @ weight.float()).to(torch.bfloat16).view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = (g.t() @ x.reshape(-1, x.shape[-1]).float()).to(torch.bfloat16)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g.sum(0).to(torch.bfloat16)
+        return grad_x, grad_w, grad_b
+
+
+def _bf16_in_fp32(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """CPU bf16 autocast on a CPU without bf16 matmul, for plain tensors (not a DTensor's shards)."""
+    return (BF16_MATMUL_IN_FP32 and x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and type(x) is torch.Tensor and type(weight) in (torch.Tensor, torch.nn.Parameter))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear: x @ weight.T (+ bias). Under CPU bf16 autocast on a CPU without bf16 matmul, the
+    bf16-rounded operands are multiplied in fp32 and the result rounded to bf16 (module docstring)."""
+    if not _bf16_in_fp32(x, weight):
+        return F.linear(x, weight, bias)
+    bf16 = torch.bfloat16
+    with torch.autocast("cpu", enabled=False):  # the casts autocast would make, recorded for backward
+        return _Bf16LinearInFp32.apply(x.to(bf16), weight.to(bf16), None if bias is None else bias.to(bf16))

@@ -7,7 +7,10 @@ training loop live elsewhere (train/); this module never knows how it is run.
 
 Speed notes: Q, K and V come from one fused projection and the SwiGLU gate and up projections are
 one matmul; RMSNorm, rotary embeddings and the SwiGLU activation are fused ops with hand-written
-backwards (model/ops.py) that save less and copy less than autograd's chains. The rotary convention
+backwards (model/ops.py) that save less and copy less than autograd's chains. Rotary writes the queries,
+keys and values heads-major, the layout CPU SDPA runs fastest on, and takes their gradients back in one
+buffer. The projections are `Linear` (nn.Linear with model/ops.py's `linear`: under CPU bf16 autocast on a
+CPU without bf16 matmul instructions, the bf16 product is taken in fp32). The rotary convention
 (rotate the two halves of each head) is the one HF's Llama uses, so weights map one to one
 (benchmarks/train_throughput.py checks both give the same logits).
 """
@@ -22,13 +25,20 @@ from torch import nn
 
 from runyard.model.config import ModelConfig, default_ffn_hidden
 from runyard.model.kv_cache import KVCache, KVPool, PoolStep
-from runyard.model.ops import rms_norm, rotary_qk, rotary_tables, swiglu
+from runyard.model.ops import linear, rms_norm, rotary_qk, rotary_qkv, rotary_tables, swiglu
 
 __all__ = ["KVCache", "KVPool", "ModelConfig", "Transformer", "default_ffn_hidden"]
 
 KVView = KVCache | PoolStep  # what attention layers accept as `kv_cache`
 
 INIT_STD = 0.02
+
+
+class Linear(nn.Linear):
+    """nn.Linear (the same parameters, names and hooks) whose product is model/ops.py's `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -46,8 +56,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.dropout = cfg.dropout
-        self.wqkv = nn.Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
-        self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.wqkv = Linear(cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.qkv_bias)
+        self.wo = Linear(cfg.d_model, cfg.d_model, bias=False)
 
     def forward(
         self,
@@ -61,16 +71,17 @@ class Attention(nn.Module):
         B, T, _ = x.shape
         H, KV = self.n_heads, self.n_kv_heads
         qkv = self.wqkv(x).view(B, T, H + 2 * KV, self.head_dim)
-        # split (not slicing) so the backward is one cat rather than a zero-filled buffer per slice.
-        qk, v = qkv.split([H + KV, KV], dim=2)
-        q, k = rotary_qk(qk, cos, sin, H)
-        if isinstance(kv_cache, PoolStep):  # serving: one flat row of many sequences' tokens (B == 1)
-            y = kv_cache.attend(layer, q[0], k[0], v[0])
-            return self.wo(y.reshape(B, T, H * self.head_dim))
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-        mask, causal = None, True
-        if kv_cache is not None:
+        if kv_cache is None:  # training, and any forward of whole sequences
+            q, k, v = rotary_qkv(qkv, cos, sin, H, KV)  # heads-major and contiguous: what SDPA reads fastest
+            mask, causal = None, True
+        else:
+            # split (not slicing) so the backward is one cat rather than a zero-filled buffer per slice.
+            qk, v = qkv.split([H + KV, KV], dim=2)
+            q, k = rotary_qk(qk, cos, sin, H)
+            if isinstance(kv_cache, PoolStep):  # serving: one flat row of many sequences' tokens (B == 1)
+                y = kv_cache.attend(layer, q[0], k[0], v[0])
+                return self.wo(y.reshape(B, T, H * self.head_dim))
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             k, v = kv_cache.update(layer, start_pos, k, v)
             mask, causal = kv_cache.attention_mask(T, start_pos, x.device)
         # enable_gqa lets each K/V head serve its group of query heads without materialising copies.
@@ -89,8 +100,8 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate_up = nn.Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
-        self.w_down = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w_gate_up = Linear(cfg.d_model, 2 * cfg.ffn_hidden, bias=False)
+        self.w_down = Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w_down(swiglu(self.w_gate_up(x)))
@@ -120,7 +131,7 @@ class Transformer(nn.Module):
         self.drop = nn.Dropout(cfg.dropout) if cfg.dropout > 0 else nn.Identity()
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.d_model, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
         cos, sin = rotary_tables(cfg.head_dim, cfg.context_length, cfg.rope_theta, cfg.rope_scaling)
