@@ -48,9 +48,9 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_peer  # noqa: E402
 from harness import Report, Samples, add_common_args  # noqa: E402
+from token_split import write_random_split  # noqa: E402
 
 from runyard.data.pipeline import PreparedData  # noqa: E402
-from runyard.data.shards import ShardWriter, write_index  # noqa: E402
 from runyard.model.registry import get_family  # noqa: E402
 from runyard.spec.job import parse_spec, resolved_stage  # noqa: E402
 from runyard.train import parallel  # noqa: E402
@@ -81,17 +81,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def write_tokens(root: Path, vocab: int, tokens: int, seed: int) -> tuple[Path, Path]:
     """A split of random tokens as runyard's token store (shards + index) and as nanoGPT's train.bin."""
-    rng = np.random.default_rng(seed)
-    ids = rng.integers(1, vocab, size=tokens, dtype=np.int64).astype(np.uint16)
-    lengths = np.full(max(tokens // 4096, 1), min(tokens, 4096))
-    lengths[-1] += tokens - int(lengths.sum())
-    name = f"split{seed}"
-    writer = ShardWriter(root, name, 1 << 22, np.dtype(np.uint16))
-    writer.add_tokens(ids, lengths)
-    write_index(root / f"{name}.json", writer.finish(), dtype=np.dtype(np.uint16), vocab_size=vocab, eos_id=0,
-                shard_tokens=1 << 22, num_documents=len(lengths))
-    ids.tofile(root / f"{name}.bin")
-    return root / f"{name}.json", root / f"{name}.bin"
+    return write_random_split(root, f"split{seed}", vocab, tokens, seed, shard_tokens=1 << 22)
 
 
 def spec_for(shape: dict, args: argparse.Namespace, ac: str, device: str, compile_model: bool):

@@ -72,10 +72,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import nanogpt_peer  # noqa: E402
 from harness import Report, Samples, add_common_args, paired_ratio  # noqa: E402
+from token_split import write_random_split  # noqa: E402
 
 from runyard.data.loader import TokenLoader  # noqa: E402
 from runyard.data.pipeline import PreparedData  # noqa: E402
-from runyard.data.shards import ShardWriter, write_index  # noqa: E402
 from runyard.model.config import default_ffn_hidden  # noqa: E402
 from runyard.model.registry import get_family  # noqa: E402
 from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
@@ -255,15 +255,7 @@ def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
 
 def write_split(root: Path, name: str, vocab: int, tokens: int, seed: int) -> tuple[Path, Path]:
     """Random tokens as runyard's token store (shards + index) and, the same stream, as nanoGPT's .bin."""
-    ids = np.random.default_rng(seed).integers(1, vocab, size=tokens).astype(np.uint16)
-    lengths = np.full(max(tokens // 4096, 1), min(tokens, 4096))
-    lengths[-1] += tokens - int(lengths.sum())
-    writer = ShardWriter(root, name, 1 << 20, np.dtype(np.uint16))
-    writer.add_tokens(ids, lengths)
-    write_index(root / f"{name}.json", writer.finish(), dtype=np.dtype(np.uint16), vocab_size=vocab, eos_id=0,
-                shard_tokens=1 << 20, num_documents=len(lengths))
-    ids.tofile(root / f"{name}.bin")
-    return root / f"{name}.json", root / f"{name}.bin"
+    return write_random_split(root, name, vocab, tokens, seed, shard_tokens=1 << 20)
 
 
 class Workload:
