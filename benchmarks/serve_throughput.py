@@ -37,6 +37,7 @@ import asyncio
 import ctypes
 import glob
 import json
+import logging
 import os
 import queue
 import signal
@@ -362,6 +363,8 @@ class LlamaCppEngine:
     def __init__(self, path: Path, threads: int, max_seqs: int, context: int, max_batch_tokens: int = 2048):
         import llama_cpp as lc  # optional extra (bench)
 
+        # llama.cpp's own log (hundreds of loading lines on stderr) down to errors, as Llama(verbose=False) sets it.
+        logging.getLogger("llama-cpp-python").setLevel(logging.ERROR)
         self.lc = lc
         lc.llama_backend_init()
         self.model = lc.llama_model_load_from_file(str(path).encode(), lc.llama_model_default_params())
