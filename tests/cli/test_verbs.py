@@ -16,7 +16,7 @@ from runyard.cli import VERBS, MissingExtra, build_parser, import_verb_module, v
 def registered_by(module_name: str) -> list[tuple[str, str]]:
     parser = argparse.ArgumentParser()
     verbs = parser.add_subparsers()
-    importlib.import_module(module_name).register(verbs)
+    importlib.import_module(module_name).register(verbs, [])
     return [(action.dest, action.help) for action in verbs._choices_actions]
 
 
@@ -42,18 +42,20 @@ def test_top_level_help_lists_every_verb_and_imports_none_of_their_modules():
     assert out.strip() == "[] [] []"
 
 
-@pytest.mark.parametrize("verb, absent", [
-    ("spec", ["torch", "fastapi", "sqlalchemy"]),
-    ("train", ["fastapi", "sqlalchemy", "uvicorn", "httpx", "alembic"]),
-    ("market", ["torch"]),
+@pytest.mark.parametrize("words, absent", [
+    (["spec"], ["torch", "fastapi", "sqlalchemy"]),
+    (["train"], ["fastapi", "sqlalchemy", "uvicorn", "httpx", "alembic"]),
+    (["market"], ["torch"]),
+    # a tenant's trading verb loads neither the store nor the server the administration verbs need
+    (["market", "demand"], ["torch", "fastapi", "sqlalchemy", "uvicorn", "alembic"]),
 ])
-def test_a_command_loads_only_its_own_stack(verb, absent):
-    if verb == "market":
+def test_a_command_loads_only_its_own_stack(words, absent):
+    if words[0] == "market":
         pytest.importorskip("sqlalchemy")
     probe = (
         "import sys\n"
         f"from runyard.cli import build_parser\n"
-        f"build_parser([{verb!r}, '--help'])\n"
+        f"build_parser({[*words, '--help']!r})\n"
         f"print(sorted(set({absent!r}) & set(sys.modules)))\n"
     )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
@@ -69,6 +71,20 @@ def test_the_verb_is_the_first_word_that_is_not_an_option():
 def test_the_named_verb_parses_for_real():
     args = build_parser(["show", "some/run"]).parse_args(["show", "some/run"])
     assert callable(args.handler)
+
+
+def test_a_market_group_not_named_is_listed_and_the_named_one_parses():
+    pytest.importorskip("sqlalchemy")
+    trading = ["market", "demand", "--kinds", "l4", "--devices", "1", "--duration-s", "60", "--max-price", "5"]
+    parser = build_parser(trading)
+    assert callable(parser.parse_args(trading).handler)
+    listed = parser.format_help() + next(
+        a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices["market"].format_help()
+    assert "serve" in listed and "admin" in listed  # the administration verbs, by name and help
+    serving = ["market", "serve", "--db", "m.db", "--port", "1"]
+    assert build_parser(serving).parse_args(serving).port == 1
+    admin = ["market", "admin", "token", "ops", "--db", "m.db"]
+    assert build_parser(admin).parse_args(admin).name == "ops"
 
 
 def test_a_missing_extra_names_the_extra(monkeypatch):

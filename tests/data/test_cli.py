@@ -15,7 +15,7 @@ from tests.data.data_fixtures import write_corpus
 
 def run_cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="runyard")
-    data_cli.register(parser.add_subparsers(dest="verb", required=True))
+    data_cli.register(parser.add_subparsers(dest="verb", required=True), argv)
     args = parser.parse_args(argv)
     try:
         return args.handler(args)

@@ -97,12 +97,15 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"runyard {__version__}")
     verbs = parser.add_subparsers(dest="verb", metavar="VERB", required=True)
-    wanted = verb_of(sys.argv[1:] if argv is None else argv)
+    words = sys.argv[1:] if argv is None else argv
+    wanted = verb_of(words)
     loaded = import_verb_module(wanted) if wanted in VERBS else None
     for verb, (module_name, _, help_text) in VERBS.items():
         if loaded is not None and module_name == loaded.__name__:
             if verb not in verbs.choices:
-                loaded.register(verbs)
+                # The whole command line goes along: a verb with groups of its own (`market`) loads only
+                # the group it names, as this table does for the verbs.
+                loaded.register(verbs, words)
         else:
             verbs.add_parser(verb, help=help_text)
     return parser

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.control.agent import (
@@ -35,7 +36,7 @@ def _state_dir_arg(parser: argparse.ArgumentParser) -> None:
                         help="the control plane's state directory (env RUNYARD_CONTROL_DIR; default %(default)s)")
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     control = subparsers.add_parser("control", help="run the provider's control plane (a local job scheduler)")
     verbs = control.add_subparsers(dest="control_verb", metavar="ACTION", required=True)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -16,7 +17,7 @@ from runyard.spec.job import load_spec
 from runyard.system.progress import NO_PROGRESS_HELP
 
 
-def register(subparsers) -> None:
+def register(subparsers: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = subparsers.add_parser(
         "prepare",
         help="run the data stage alone and print its report",

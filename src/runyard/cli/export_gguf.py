@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.cli.readers import say_if_live
@@ -19,7 +20,7 @@ Ollama Modelfile: `FROM ./FILE`.
 """
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "export-gguf",
         help="write a run's exported decoder as a GGUF file for llama.cpp and Ollama",

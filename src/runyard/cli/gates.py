@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.errors import EXIT_GATE_FAILED, RunyardError
@@ -16,7 +17,7 @@ from runyard.train.rejudge import rejudge
 from runyard.train.stage_result import stage_dir
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "gates",
         help="judge a run's stages again with its spec's gates (or an edited spec's), without training",

@@ -14,6 +14,7 @@ import argparse
 import logging
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.cli.market_common import DEFAULT_IDENTITY, DEFAULT_URL, client_for
@@ -25,7 +26,7 @@ from runyard.serve.retrain import DEFAULT_MIN_LOGGED
 from runyard.serve.retrain_market import DEFAULT_DEADLINE_S
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "maintain", help="keep a model served on a standing lease fit: drift buys its retraining, the retrained model is rolled out",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -21,7 +21,7 @@ from typing import Any
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import DBAPIError
 
-from runyard.cli.market_common import print_json
+from runyard.cli.market_common import ADMIN_ACTIONS, print_json
 from runyard.cli.market_trade import _option
 from runyard.errors import EXIT_FAILURE, RunyardError
 from runyard.market import identity
@@ -108,7 +108,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _add_serve(verbs: argparse._SubParsersAction) -> None:
-    serve_p = verbs.add_parser("serve", help="run the market service (HTTP API)")
+    serve_p = verbs.add_parser("serve", help=ADMIN_ACTIONS["serve"])
     _db_arg(serve_p)
     serve_p.add_argument("--host", default="127.0.0.1", help="address to listen on (default %(default)s)")
     serve_p.add_argument("--port", type=int, default=8470, help="port (default %(default)s)")
@@ -198,7 +198,7 @@ def _token(args: argparse.Namespace) -> int:
 def add_verbs(verbs: argparse._SubParsersAction) -> None:
     """`serve`, and `admin` with one verb per operator operation plus `token`."""
     _add_serve(verbs)
-    admin = verbs.add_parser("admin", help="operator actions directly on a store (--db)")
+    admin = verbs.add_parser("admin", help=ADMIN_ACTIONS["admin"])
     admin_verbs = admin.add_subparsers(dest="admin_verb", metavar="ACTION", required=True)
     for op in OPERATIONS:
         if op.admin is None:

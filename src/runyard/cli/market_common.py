@@ -1,4 +1,4 @@
-"""What the market's trading and administration verbs share: printing and argument types."""
+"""What the market's trading and administration verbs share: printing, argument types, the groups' names."""
 
 from __future__ import annotations
 
@@ -26,6 +26,12 @@ def timestamp(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is neither Unix seconds nor an ISO date-time") from exc
     return int((moment if moment.tzinfo else moment.replace(tzinfo=UTC)).timestamp())
 
+
+# The administration verbs (cli/market_admin.py) and their help: listed by name when a trading verb runs.
+ADMIN_ACTIONS = {
+    "serve": "run the market service (HTTP API)",
+    "admin": "operator actions directly on a store (--db)",
+}
 
 DEFAULT_IDENTITY = os.environ.get("RUNYARD_MARKET_IDENTITY", str(Path.home() / ".runyard" / "market.json"))
 DEFAULT_URL = os.environ.get("RUNYARD_MARKET_URL")

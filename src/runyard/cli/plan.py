@@ -8,6 +8,7 @@ import importlib
 import importlib.util
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.errors import SpecError
@@ -77,7 +78,7 @@ def _at_least_one(text: str) -> int:
     return value
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "plan",
         help="size a spec: time, memory, hardware, energy, cost, requirement; training vs inference",

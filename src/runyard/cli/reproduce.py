@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.reproduce.archives import ArchiveFinder, ArchiveMemo, PipLocations, env_cache_root
@@ -37,7 +38,7 @@ def _add_source_options(p: argparse.ArgumentParser) -> None:
                    help="use no package index: only the run's wheelhouse and --find-links folders")
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     env = verbs.add_parser(
         "env",
         help="the environment lock of a run: write it, bundle its wheels, build it; prune the built ones",

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -70,7 +71,7 @@ def _tracked(spec, flags: list[str] | None):
     return spec.model_copy(update={"tracking": with_tracking_flags(spec.tracking, flags)})
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     for verb, evaluate, help_text, description in (
         (
             "run",

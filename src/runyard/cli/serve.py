@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from pathlib import Path
 
 from runyard.cli.readers import say_if_live
@@ -62,7 +63,7 @@ def _port(text: str) -> int:
     return value
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "serve",
         help="serve a run's exported model over an OpenAI-compatible HTTP API",

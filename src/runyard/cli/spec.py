@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import re
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import yaml
@@ -22,7 +23,7 @@ from runyard.spec.templates import render_template
 from runyard.system.files import atomic_write_text
 
 
-def register(verbs: argparse._SubParsersAction) -> None:
+def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
     p = verbs.add_parser(
         "spec",
         help="the job spec's reference (Markdown, JSON Schema) and a starting spec",
