@@ -48,7 +48,7 @@ def test_top_level_help_lists_every_verb_and_imports_none_of_their_modules():
     (["market"], ["torch"]),
     # a tenant's trading verb loads neither the store nor the server the administration verbs need
     (["market", "demand"], ["torch", "fastapi", "sqlalchemy", "uvicorn", "alembic"]),
-])
+], ids=["spec-absent0", "train-absent1", "market-absent2", "market-demand-absent3"])  # ids as before the cases took words
 def test_a_command_loads_only_its_own_stack(words, absent):
     if words[0] == "market":
         pytest.importorskip("sqlalchemy")
