@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # README command 2: set up .venv with the test extras and run the test suite on every core
 # (pytest-xdist, `-n auto --dist loadgroup`), printing the 25 slowest tests at the end.
-#   scripts/test.sh           the fast tier (16 to 19 minutes on 2 idle cores): every property the suite proves,
+#   scripts/test.sh           the fast tier (about 10 to 13 minutes on 2 idle cores): every property the suite proves,
 #                             at least once
 #   scripts/test.sh --all     the full tier too: every kill point and layout, hypothesis at full example
 #                             counts, the API fuzzer (what CI runs)
