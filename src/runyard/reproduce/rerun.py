@@ -9,8 +9,7 @@ group with a parent-death signal, a Slurm one is cancelled if this process is in
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import functools
 import json
 import os
 import shlex
@@ -21,6 +20,7 @@ from pathlib import Path
 
 from runyard.reproduce.errors import RerunFailed
 from runyard.system import slurm
+from runyard.system.processes import die_with_parent
 from runyard.system.slurm import SlurmError, state_name
 
 BACKENDS = ("local", "slurm")
@@ -44,18 +44,13 @@ def rerun_environment(python: Path, archives: Path, data_cache: Path) -> dict[st
     return env
 
 
-def _parent_death_sigterm() -> None:
-    """Linux: SIGTERM the child if this process dies, even by SIGKILL (it leads its own session)."""
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def run_local(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -> int:
     """Run `argv` here; its output goes to `log_path`. Returns its exit code."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True, preexec_fn=_parent_death_sigterm)
+        # SIGTERM (a checkpoint, then exit) if this process dies, even by SIGKILL: the run leads its own session.
+        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
         try:
             return proc.wait()
         except BaseException:
