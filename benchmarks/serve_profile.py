@@ -37,8 +37,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import serve_throughput as st  # noqa: E402  (a sibling script: the model, workload and llama.cpp peer)
 
 from runyard.model import kv_cache, transformer
-from runyard.model.config import default_ffn_hidden
-from runyard.model.transformer import ModelConfig, Transformer
 from runyard.serve import batch_engine
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.sampling import SamplingParams
@@ -83,15 +81,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--llama-kv-split", action="store_true",
                    help="llama.cpp with a KV stream per sequence (kv_unified off) instead of serve_throughput.py's unified cache")
     return p.parse_args()
-
-
-def build(args: argparse.Namespace):
-    d = st.parse_args([])
-    tok, texts = st.make_tokenizer(d.vocab)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=d.d_model, n_layers=d.layers, n_heads=d.heads,
-                      n_kv_heads=d.kv_heads, ffn_hidden=default_ffn_hidden(d.d_model), context_length=d.context)
-    torch.manual_seed(args.seed)
-    return Transformer(cfg).eval(), cfg, tok, texts
 
 
 def drive(engine: BatchEngine, workload, clients: int, profiler=None) -> list[dict]:
@@ -187,10 +176,7 @@ def llama_profile(model, cfg, tok, texts, workload_for, args) -> None:
     with tempfile.TemporaryDirectory(prefix="serve-profile-") as tmp:
         tok_path = Path(tmp) / "tokenizer.json"
         tok.save(str(tok_path))
-        tok_config = {k: v for k, v in st.tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
-        export = st.export_model(model, cfg, tok_path, Path(tmp) / "export-gguf",
-                                 tokenizer_config={**tok_config, "eos_token": st.GGUF_EOS})
-        path = st.write_gguf(export, Path(tmp) / "model.f32.gguf", "f32")
+        path = st.write_gguf_f32(model, cfg, tok_path, Path(tmp))
         for clients in args.clients:
             engine = st.LlamaCppEngine(path, args.threads, max_seqs=max(args.clients), context=cfg.context_length)
             calls = []
@@ -223,7 +209,8 @@ def llama_profile(model, cfg, tok, texts, workload_for, args) -> None:
 def main() -> int:
     args = parse_args()
     torch.set_num_threads(args.threads)
-    model, cfg, tok, texts = build(args)
+    # serve_throughput.py's model at its defaults, seeded from this script's --seed
+    model, cfg, tok, texts = st.build_model(st.parse_args(["--seed", str(args.seed)]))
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), model d_model={cfg.d_model} "
           f"layers={cfg.n_layers} vocab={cfg.vocab_size}")
 

@@ -498,6 +498,28 @@ def summary(runs: list[Result]) -> dict[str, tuple[float, float, float]]:
     return {k: (statistics.median(v), min(v), max(v)) for k, v in figures.items()}
 
 
+def build_model(args: argparse.Namespace) -> tuple[Transformer, ModelConfig, Tokenizer, list[str]]:
+    """The benchmark's model (random weights from args.seed, in eval mode), its config, tokenizer and texts."""
+    tok, texts = make_tokenizer(args.vocab)
+    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                      n_kv_heads=args.kv_heads, ffn_hidden=default_ffn_hidden(args.d_model), context_length=args.context)
+    torch.manual_seed(args.seed)
+    return Transformer(cfg).eval(), cfg, tok, texts
+
+
+def bench_tokenizer_config(cfg: ModelConfig) -> dict:
+    """No eos_token: every request generates exactly its output length (see make_tokenizer)."""
+    return {k: v for k, v in tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
+
+
+def write_gguf_f32(model: Transformer, cfg: ModelConfig, tok_path: Path, tmp: Path) -> Path:
+    """The same weights as GGUF f32, from an export that differs only in naming an end-of-sequence token
+    (llama.cpp's loader needs one; no request reaches it)."""
+    export = export_model(model, cfg, tok_path, tmp / "export-gguf",
+                          tokenizer_config={**bench_tokenizer_config(cfg), "eos_token": GGUF_EOS})
+    return write_gguf(export, tmp / "model.f32.gguf", "f32")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     report = Report("serve_throughput", args, packages=["transformers", "tokenizers", "gguf", "llama_cpp_python"])
@@ -505,11 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers  # optional extra (bench): the peer
 
     torch.set_num_threads(args.threads)
-    tok, texts = make_tokenizer(args.vocab)
-    cfg = ModelConfig(vocab_size=tok.get_vocab_size(), d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                      n_kv_heads=args.kv_heads, ffn_hidden=default_ffn_hidden(args.d_model), context_length=args.context)
-    torch.manual_seed(args.seed)
-    ours = Transformer(cfg).eval()
+    ours, cfg, tok, texts = build_model(args)
     hf = build_hf(cfg)
     copy_weights_to_hf(ours, hf)
     hf.eval()
@@ -527,15 +545,10 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="serve-bench-") as tmp:
         tok_path = Path(tmp) / "tokenizer.json"
         tok.save(str(tok_path))
-        # No eos_token: every request generates exactly its output length (see make_tokenizer).
-        tok_config = {k: v for k, v in tokenizer_config_for(cfg.context_length).items() if k != "eos_token"}
-        export = export_model(ours, cfg, tok_path, Path(tmp) / "export", tokenizer_config=tok_config)
+        export = export_model(ours, cfg, tok_path, Path(tmp) / "export", tokenizer_config=bench_tokenizer_config(cfg))
         llama = None
         if llama_cpp_available():
-            # The same weights as GGUF f32, from an export that differs only in naming an end-of-sequence token.
-            gguf_export = export_model(ours, cfg, tok_path, Path(tmp) / "export-gguf",
-                                       tokenizer_config={**tok_config, "eos_token": GGUF_EOS})
-            llama = LlamaCppEngine(write_gguf(gguf_export, Path(tmp) / "model.f32.gguf", "f32"), args.threads,
+            llama = LlamaCppEngine(write_gguf_f32(ours, cfg, tok_path, Path(tmp)), args.threads,
                                    max_seqs=max(args.clients), context=cfg.context_length)
         else:
             print("llama.cpp: not measured (needs llama-cpp-python, in the bench extra)")

@@ -64,9 +64,11 @@ def verb_of(argv: list[str]) -> str | None:
     return next((word for word in argv if not word.startswith("-")), None)
 
 
-def import_verb_module(verb: str) -> ModuleType:
+def import_verb_module(verb: str, module_name: str | None = None) -> ModuleType:
+    """The module that registers `verb` (its entry in VERBS), or `module_name`: a group of the verb's own that
+    is loaded only when the command line names it (`runyard market serve`)."""
     try:
-        return importlib.import_module(VERBS[verb][0])
+        return importlib.import_module(module_name or VERBS[verb][0])
     except ModuleNotFoundError as exc:
         raise missing_dependency(verb, exc) from exc
 

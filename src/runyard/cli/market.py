@@ -13,10 +13,9 @@ sqlalchemy: most of a trading verb's start-up), and those are listed by name and
 from __future__ import annotations
 
 import argparse
-import importlib
 from collections.abc import Sequence
 
-from runyard.cli import market_trade, verb_of
+from runyard.cli import import_verb_module, market_trade, verb_of
 from runyard.cli.market_common import ADMIN_ACTIONS
 
 ADMIN_MODULE = "runyard.cli.market_admin"
@@ -30,7 +29,7 @@ def register(subparsers: argparse._SubParsersAction, argv: Sequence[str]) -> Non
     words = list(argv)
     action = verb_of(words[words.index("market") + 1 :]) if "market" in words else None
     if action is None or action in ADMIN_ACTIONS:
-        importlib.import_module(ADMIN_MODULE).add_verbs(verbs)
+        import_verb_module("market", ADMIN_MODULE).add_verbs(verbs)
     else:
         for name, help_text in ADMIN_ACTIONS.items():
             verbs.add_parser(name, help=help_text)
