@@ -189,6 +189,7 @@ def test_a_cgroup_left_with_a_live_process_is_removed(tmp_path):
     name = f"runyard-test-left-{os.getpid()}"
     # A child of ours joins the cgroup (so this test process never sits in it), starts a sleeper in a
     # session of its own and leaves: what a job that exits with live children leaves behind.
+    # (Its sleeper has no parent-death signal on purpose: it must outlive the child that starts it.)
     script = (
         "import subprocess, sys, time\n"
         "from runyard.control import limits\n"

@@ -20,6 +20,7 @@ from runyard.control.endpoint import Endpoint, percentile
 from runyard.control.serve_relay import STOPPED, exit_code
 from runyard.market.serving import token_digest
 from runyard.system.http_thread import free_port
+from tests.processes import popen
 
 ECHO = str(Path(__file__).with_name("echo_server.py"))
 TOKEN = "rye_the-tenants-own-token"
@@ -40,7 +41,7 @@ class Relay:
     def __init__(self, folder: Path, extra: tuple[str, ...] = ()):
         port = free_port()
         self.socket = folder / f"{port}.sock"
-        self.proc = subprocess.Popen(
+        self.proc = popen(
             [sys.executable, "-m", "runyard.control.serve_relay", str(self.socket), str(port), "--",
              sys.executable, ECHO, "--port", str(port), *extra])
         _until(self.socket.exists)

@@ -25,6 +25,7 @@ from runyard.control.lease_job import LeaseFolder, write_files
 from runyard.control.sandbox import SandboxPolicy, allocated_devices, bwrap_argv, wrap_argv
 from runyard.control.states import FailureReason, classify_exit
 from runyard.errors import EXIT_OUT_OF_MEMORY
+from tests.processes import popen
 
 SECRET = "provider-secret-4242"
 MARKER_INSTANCE = "sandboxtest"
@@ -289,8 +290,8 @@ def test_cpu_slots_become_the_jobs_cores(sandboxed, provider):
 def _launch(folder: LeaseFolder, script: str, job_id: int) -> subprocess.Popen:
     env = {**os.environ, "RUNYARD_DEVICES": "cpu:0", "RUNYARD_JOB_ID": str(job_id),
            "RUNYARD_CONTROL_JOB": procs.marker(MARKER_INSTANCE, job_id, 1)}
-    return subprocess.Popen(wrap_argv([sys.executable, "-c", script], folder.policy), env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return popen(wrap_argv([sys.executable, "-c", script], folder.policy), env=env,
+                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _wait_for(path: Path, timeout_s: float = 60) -> None:
@@ -314,6 +315,7 @@ def test_sigterm_reaches_the_job_which_checkpoints_and_exits_4(sandboxed, provid
 
 def test_nothing_outlives_a_killed_launcher(sandboxed, provider):
     folder = provider["folder"]
+    # The job's child has no parent-death signal on purpose: the sandbox, not the kernel's signal, must end it.
     script = ("import subprocess, sys, time\n"
               "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
               "open('run/ready', 'w').close()\ntime.sleep(300)")

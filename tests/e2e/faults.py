@@ -23,6 +23,7 @@ import uuid
 from pathlib import Path
 
 from runyard.system.processes import is_zombie_or_gone, processes_with_env
+from tests import processes
 
 TREE_ENV = "RUNYARD_TEST_TREE"
 FAULT_SEED_ENV = "RUNYARD_FAULT_SEED"
@@ -49,9 +50,9 @@ class ProcessTree:
         """Start `argv` in its own process group, output to `log` (or pipes)."""
         out = open(log, "ab") if log is not None else subprocess.PIPE  # noqa: SIM115
         try:
-            return subprocess.Popen(argv, env=popen.pop("env", None) or self.env(), stdout=out,
-                                    stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
-                                    start_new_session=True, **popen)
+            return processes.popen(argv, env=popen.pop("env", None) or self.env(), stdout=out,
+                                   stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
+                                   start_new_session=True, **popen)
         finally:
             if log is not None:
                 out.close()

@@ -25,6 +25,7 @@ import yaml
 
 from runyard.errors import EXIT_PREEMPTED
 from runyard.train import checkpoint as ckpt
+from tests.processes import popen
 
 from .conftest import TINY_SPEC, merge, runyard
 
@@ -71,7 +72,7 @@ def train(spec: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess
 
 
 def start(*args: str) -> subprocess.Popen:
-    return subprocess.Popen(
+    return popen(
         [sys.executable, "-m", "runyard", *args, "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )

@@ -24,6 +24,7 @@ from runyard.spec.job import load_spec, parse_spec
 from runyard.system.cpus import choose_threads
 from runyard.system.http_thread import free_port
 from tests.e2e.conftest import runyard
+from tests.processes import popen
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -63,8 +64,8 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
     assert shown["test_metrics"] == p["metrics"] and shown["exported"]
 
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port)],
-                              env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server = popen([sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port)],
+                   env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 90
         while True:

@@ -24,6 +24,7 @@ from runyard.tracking.mirror import tracked_run_id
 from runyard.tracking.process import MIRROR_ENV, NICENESS
 from runyard.tracking.sinks import default_mlflow_uri
 from tests.e2e.conftest import TINY_SPEC, merge, runyard, shared_once, write_spec  # noqa: F401  (write_spec: a fixture)
+from tests.processes import popen
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the tracking extra: pip install 'runyard[tracking]'")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -165,8 +166,8 @@ def thread_niceness(pid: int) -> list[int]:
 def test_the_mirror_runs_in_a_process_of_its_own_that_dies_with_a_killed_run(write_spec, tmp_path):  # noqa: F811
     spec = write_spec({"train": {"steps": 100000}, "tracking": {"tensorboard": True, "interval_s": 0.5}})
     run_dir = tmp_path / "run"
-    run = subprocess.Popen([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
-                           env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    run = popen([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
+                env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state, mirrors = run_dir / "tracking" / "state.json", []
     try:
         deadline = time.monotonic() + 240
