@@ -16,6 +16,8 @@ import torch
 from runyard.errors import EXIT_GATE_FAILED, EXIT_PREEMPTED
 from runyard.model.hf.export import load_export
 from runyard.train import checkpoint as ckpt
+from runyard.train.checkpoint.checksums import CHECKSUM
+from tests.processes import popen
 
 from .conftest import REFERENCE_STEPS as STEPS
 from .conftest import runyard
@@ -123,7 +125,7 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 def test_sigterm_then_resume_is_bitwise_identical(reference, tmp_path, corrupt_newest):
     spec, ref_dir, _ = reference
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
+    proc = popen(
         [sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
@@ -144,7 +146,7 @@ def test_sigterm_then_resume_is_bitwise_identical(reference, tmp_path, corrupt_n
     resumed = runyard("resume", str(run_dir), "--no-progress", check=True)
     if corrupt_newest:
         # Log lines wrap at the terminal's width, wherever the run directory's path puts them.
-        assert "fails its xxh3_128 checksum" in " ".join((resumed.stderr + resumed.stdout).split())
+        assert f"fails its {CHECKSUM} checksum" in " ".join((resumed.stderr + resumed.stdout).split())
     reference, result = final_weights(ref_dir), final_weights(run_dir)
     assert reference.keys() == result.keys()
     for name in reference:

@@ -14,7 +14,8 @@ from runyard.model.transformer import Transformer
 from runyard.system.files import sha256_file
 from runyard.train import checkpoint as ckpt
 from runyard.train.checkpoint import store, tensorfile
-from runyard.train.checkpoint.checksums import file_checksum
+from runyard.train.checkpoint.checksums import CHECKSUM
+from runyard.train.checkpoint.parallel_read import file_checksum
 from runyard.train.checkpoint.tree import UnstorableState
 from runyard.train.parallel import DistContext
 from runyard.train.rng import capture_rng
@@ -203,7 +204,7 @@ def test_checksums_taken_while_writing_match_the_files(tmp_path):
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     assert sorted(manifest["files"]) == ["model.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
     for rel, meta in manifest["files"].items():
-        assert meta["xxh3_128"] == file_checksum(path / rel) and meta["bytes"] == (path / rel).stat().st_size
+        assert meta[CHECKSUM] == file_checksum(path / rel, CHECKSUM) and meta["bytes"] == (path / rel).stat().st_size
 
 
 def test_a_value_that_is_not_plain_data_is_refused_where_it_is(tmp_path):
@@ -283,7 +284,7 @@ def test_a_byte_flipped_after_verification_is_caught_while_loading(tmp_path):
     data = bytearray(target.read_bytes())
     data[-5] ^= 0x01  # inside the last tensor's bytes: the size and the header stay valid
     target.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match=r"optimizer\.safetensors fails its xxh3_128 checksum"):
+    with pytest.raises(CheckpointCorrupt, match=rf"optimizer\.safetensors fails its {CHECKSUM} checksum"):
         ckpt.load_from(tiny_training_state(seed=1), path, CPU_CTX)
 
 

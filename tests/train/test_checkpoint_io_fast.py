@@ -1,76 +1,131 @@
-"""The fast paths of checkpoint I/O keep every guarantee: a large file is hashed on a second thread while
-it is read and still refused when one byte differs; old sha256 entries verify through the same path; data
-parallel ranks each stage only the copies they write."""
+"""The fast paths of checkpoint I/O keep every guarantee: a file is read piece by piece on several threads,
+each piece hashed as it lands, and still refused when one byte differs or the file ends early; whole-file
+xxh3-128 and sha256 entries (formats 2 and 1) verify through the same path; data parallel ranks each stage
+only the copies they write."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+
 import pytest
 import torch
+import xxhash
 
 from runyard.errors import CheckpointCorrupt
-from runyard.train.checkpoint import sharded, tensorfile
-from runyard.train.checkpoint.checksums import BackgroundHasher, file_checksum
+from runyard.train.checkpoint import checksums, sharded, store, tensorfile
+from runyard.train.checkpoint.checksums import CHECKSUM
+from runyard.train.checkpoint.parallel_read import Span, file_checksum, reading_pool, start
 from runyard.train.parallel import DistContext
 
-BIG = tensorfile._BACKGROUND_HASH // 4 + 1000  # float32 elements: a file past the background-hash size
+PIECE = 4096  # the tree checksum's piece, made small so a small file spans many pieces
 
 
-def big_file(tmp_path):
+@pytest.fixture(autouse=True)
+def small_pieces(monkeypatch):
+    monkeypatch.setitem(checksums.PIECEWISE, CHECKSUM, PIECE)
+
+
+def tree_checksum(data: bytes) -> str:
+    """The tree checksum computed from its definition (checksums.py's docstring)."""
+    return xxhash.xxh3_128(b"".join(xxhash.xxh3_128(data[i : i + PIECE]).digest()
+                                    for i in range(0, len(data), PIECE))).hexdigest()
+
+
+def many_piece_file(tmp_path, n=10_000):
+    """Tensors whose bytes cross piece boundaries at odd places, in a file of ~10 pieces."""
     path = tmp_path / "big.safetensors"
-    tensors = {"a": torch.randn(BIG), "b": torch.arange(10, dtype=torch.int64)}
+    tensors = {"a": torch.randn(n), "b": torch.arange(10, dtype=torch.int64), "c": torch.randn(777).to(torch.bfloat16)}
     entry = tensorfile.write_tensors(path, tensors)
     return path, tensors, entry
 
 
-def test_a_large_file_is_checked_while_read_on_a_second_thread(tmp_path):
-    path, tensors, entry = big_file(tmp_path)
-    assert entry["bytes"] >= tensorfile._BACKGROUND_HASH
-    into = {"a": torch.zeros(BIG)}
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_the_tree_checksum_is_the_same_written_read_back_and_from_its_definition(tmp_path):
+    path, _, entry = many_piece_file(tmp_path)
+    data = path.read_bytes()
+    assert len(data) > 8 * PIECE and entry["bytes"] == len(data)
+    assert entry[CHECKSUM] == tree_checksum(data)
+    with reading_pool() as pool:
+        assert file_checksum(path, CHECKSUM, pool) == entry[CHECKSUM]
+    assert file_checksum(path, CHECKSUM) == entry[CHECKSUM]  # without a pool: the pieces in turn
+    exact = tmp_path / "exact"
+    exact.write_bytes(data[: 3 * PIECE])  # a whole number of pieces: no empty last piece
+    hasher = checksums.TreeHasher()
+    hasher.update(data[:100])
+    hasher.update(data[100 : 3 * PIECE])
+    assert hasher.hexdigest() == file_checksum(exact, CHECKSUM) == tree_checksum(data[: 3 * PIECE])
+
+
+def test_a_file_read_piece_by_piece_lands_in_place_and_a_flipped_byte_is_refused(tmp_path):
+    path, tensors, entry = many_piece_file(tmp_path)
+    into = {"a": torch.zeros(10_000)}
     got, _ = tensorfile.read_tensors(path, into=into, expected=entry)
-    assert got["a"].data_ptr() == into["a"].data_ptr() and torch.equal(got["a"], tensors["a"]) and torch.equal(got["b"], tensors["b"])
+    assert got["a"].data_ptr() == into["a"].data_ptr()
+    assert all(torch.equal(got[k], tensors[k]) for k in tensors)
 
     data = bytearray(path.read_bytes())
-    data[len(data) // 2] ^= 0x10  # in the middle of the large tensor: the size and header stay valid
-    path.write_bytes(bytes(data))
-    with pytest.raises(CheckpointCorrupt, match="fails its xxh3_128 checksum"):
-        tensorfile.read_tensors(path, into={"a": torch.zeros(BIG)}, expected=entry)
+    for where in (len(data) // 2, len(data) - 1):  # in a middle piece, in the last one
+        flipped = bytearray(data)
+        flipped[where] ^= 0x10  # the size and the header stay valid
+        path.write_bytes(bytes(flipped))
+        fds = open_fds()
+        with pytest.raises(CheckpointCorrupt, match=f"fails its {CHECKSUM} checksum"):
+            tensorfile.read_tensors(path, into={"a": torch.zeros(10_000)}, expected=entry)
+        assert open_fds() == fds, "the file is closed on the way out"
 
 
-def test_a_large_file_with_a_sha256_entry_is_checked_too(tmp_path):
-    path, tensors, entry = big_file(tmp_path)
-    old = {"sha256": file_checksum(path, "sha256"), "bytes": entry["bytes"]}  # a format-1 era manifest entry
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_a_whole_file_checksum_of_an_older_format_is_checked_too(tmp_path, algorithm):
+    path, tensors, entry = many_piece_file(tmp_path)
+    digest = getattr(xxhash, algorithm, None) or getattr(hashlib, algorithm)
+    old = {algorithm: digest(path.read_bytes()).hexdigest(), "bytes": entry["bytes"]}
     got, _ = tensorfile.read_tensors(path, expected=old)
     assert torch.equal(got["a"], tensors["a"])
-    with pytest.raises(CheckpointCorrupt, match="fails its sha256 checksum"):
-        tensorfile.read_tensors(path, expected={**old, "sha256": "0" * 64})
+    assert file_checksum(path, algorithm) == old[algorithm]
+    with pytest.raises(CheckpointCorrupt, match=f"fails its {algorithm} checksum"):
+        tensorfile.read_tensors(path, expected={**old, algorithm: "0" * len(old[algorithm])})
 
 
-def test_a_truncated_large_file_is_refused(tmp_path):
-    path, _, entry = big_file(tmp_path)
+def test_a_truncated_file_is_refused_and_closed(tmp_path):
+    path, _, entry = many_piece_file(tmp_path)
     data = path.read_bytes()
     path.write_bytes(data[:-4096])
+    fds = open_fds()
     with pytest.raises(CheckpointCorrupt, match="bytes, its manifest says"):
         tensorfile.read_tensors(path, expected=entry)
-    with pytest.raises(CheckpointCorrupt, match="ends early"):
+    with pytest.raises(CheckpointCorrupt, match="ends early: its tensors end at byte"):
         tensorfile.read_tensors(path, expected={**entry, "bytes": len(data) - 4096})
+    # A file that shrinks while it is read: the spans ask for more bytes than are there.
+    spans = [Span(0, memoryview(bytearray(len(data))))]
+    with reading_pool() as pool:
+        pending = start(os.open(path, os.O_RDONLY), path, spans, pool)
+        with pytest.raises(CheckpointCorrupt, match="ends early: no bytes at offset"):
+            pending.result()
+    assert open_fds() == fds
 
 
-def test_the_background_hasher_hashes_in_order_and_reports_errors():
-    import xxhash
+def test_a_manifest_entry_without_a_known_checksum_is_refused(tmp_path):
+    path, _, entry = many_piece_file(tmp_path)
+    with pytest.raises(CheckpointCorrupt, match="no known checksum"):
+        tensorfile.read_tensors(path, expected={"md5": "0", "bytes": entry["bytes"]})
 
-    pieces = [bytes([i]) * (1000 + i) for i in range(50)]
-    hasher = BackgroundHasher(xxhash.xxh3_128())
-    for p in pieces:
-        hasher.update(p)
-    assert hasher.hexdigest() == xxhash.xxh3_128(b"".join(pieces)).hexdigest()
 
-    broken = BackgroundHasher(xxhash.xxh3_128())
-    broken.update(object())
-    with pytest.raises(TypeError):
-        broken.hexdigest()
-    closed = BackgroundHasher(xxhash.xxh3_128())
-    closed.close()
-    closed.close()  # twice is harmless (read_tensors closes it on every way out)
+def test_verification_hashes_the_pieces_and_names_the_file(tmp_path):
+    step = tmp_path / "step_00000001"
+    step.mkdir()
+    path, _, entry = many_piece_file(step)
+    (step / store.MANIFEST).write_text(json.dumps({"format": 3, "step": 1, "files": {"big.safetensors": entry}}))
+    store.verify_checkpoint(step)
+    data = bytearray(path.read_bytes())
+    data[5 * PIECE + 3] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointCorrupt, match=f"big.safetensors fails its {CHECKSUM} checksum"):
+        store.verify_checkpoint(step)
 
 
 def test_data_parallel_ranks_split_the_plain_tensors_they_all_hold(monkeypatch):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -19,7 +20,7 @@ from runyard.model.compute import forward_backward
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
-from runyard.train.checkpoint import store
+from runyard.train.checkpoint import dcp_storage, store
 from runyard.train.loop import TrainSetup
 from runyard.train.rng import capture_rng
 
@@ -140,6 +141,25 @@ def test_tensor_chunks_are_raw_memory_and_dcp_stock_reader_refuses_them(index, t
     sd = {"model": {"tok_emb.weight": torch.empty_like(a.model.tok_emb.weight)}}
     with pytest.raises(CheckpointException, match="Unknown extension name='raw@runyard'"):  # never misread
         dcp.load(sd, checkpoint_id=str(path / "dcp"), no_dist=True)
+
+
+def test_non_tensor_values_are_json_and_come_back_with_their_types(index, tmp_path):
+    """An optimizer group's values (floats, a tuple of betas, bools, None) are stored as JSON, marked so that
+    DCP's stock reader refuses them, and a sharded load gives back the same values with the same types."""
+    a = make_setup(index)
+    train_steps(a, 1)
+    path = ckpt.save(a.state, tmp_path, 1, {}, CTX, wait=True, sharded_format=True)
+    metadata = FileSystemReader(str(path / "dcp")).read_metadata()
+    marks = {k.fqn: v.transform_descriptors for k, v in metadata.storage_data.items()}
+    betas = next(k for k in marks if k.endswith(".betas"))
+    assert marks[betas] == [dcp_storage.JSON]
+    b = make_setup(index, seed=1)
+    b.optimizer.param_groups[0]["betas"] = (0.5, 0.5)
+    b.optimizer.param_groups[0]["lr"] = 123.0
+    ckpt.load_from(b.state, path, CTX)
+    want, got = a.optimizer.state_dict()["param_groups"], b.optimizer.state_dict()["param_groups"]
+    assert got == want and all(type(g[k]) is type(w[k]) for g, w in zip(got, want, strict=True) for k in w)
+    assert isinstance(got[0]["betas"], tuple)
 
 
 def test_a_sharded_checkpoint_written_by_stock_dcp_still_resumes(index, tmp_path):

@@ -1,89 +1,75 @@
-"""File checksums for checkpoint manifests, computed while a file is written or read back from disk.
+"""The checksums of checkpoint manifests, and the file that computes one while it is written.
 
 The manifest's checksum guards against torn writes and flipped bits, so it needs to be fast, not
-cryptographic (an unsigned manifest is no defence against someone who can rewrite it anyway): xxh3-128
-hashes at memory speed. Manifests written with sha256 (checkpoint format 1) still verify.
+cryptographic (an unsigned manifest is no defence against someone who can rewrite it anyway). Since
+checkpoint format 3 it is a tree of xxh3-128 hashes: the xxh3-128 of the 16-byte xxh3-128 digests of the
+file's 64 MiB pieces, in order. A writer computes it in one pass; a reader hashes the pieces apart, each on
+its own thread while it reads it (parallel_read.py), so a verified load goes at the speed of parallel reads.
+Entries written with a whole-file xxh3-128 (format 2) or sha256 (format 1) still verify, in one pass.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-import queue
-import threading
 from pathlib import Path
 from typing import Any
 
 import xxhash
 
-from runyard.system.files import fsync_file
+from runyard.errors import CheckpointCorrupt
 
-CHECKSUM = "xxh3_128"
-HASHERS = {"xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+CHECKSUM = "xxh3_128_tree_64MiB"
 
-# A manifest entry: {"xxh3_128": hex digest, "bytes": size}.
+# The algorithms whose pieces of this many bytes a reader may hash apart (combine gives the checksum).
+PIECEWISE = {CHECKSUM: 64 << 20}
+
+# A manifest entry: {CHECKSUM: hex digest, "bytes": size}.
 FileEntry = dict[str, Any]
 
 
-def new_hasher():
-    return HASHERS[CHECKSUM]()
+def combine(piece_digests: list[bytes]) -> str:
+    """The tree checksum of a file from its pieces' xxh3-128 digests, in file order."""
+    return xxhash.xxh3_128(b"".join(piece_digests)).hexdigest()
+
+
+class TreeHasher:
+    """The tree checksum (CHECKSUM) fed with a file's bytes in order, as hashlib's hashers are fed."""
+
+    def __init__(self):
+        self._size = PIECEWISE[CHECKSUM]
+        self._digests: list[bytes] = []
+        self._piece = xxhash.xxh3_128()
+        self._filled = 0
+
+    def update(self, data) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            take = min(view.nbytes, self._size - self._filled)
+            self._piece.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self._size:
+                self._digests.append(self._piece.digest())
+                self._piece, self._filled = xxhash.xxh3_128(), 0
+
+    def hexdigest(self) -> str:
+        return combine(self._digests + ([self._piece.digest()] if self._filled else []))
+
+
+HASHERS = {CHECKSUM: TreeHasher, "xxh3_128": xxhash.xxh3_128, "sha256": hashlib.sha256}
+
+
+def algorithm_of(entry: FileEntry, where: str) -> str:
+    """The checksum algorithm a manifest entry records; CheckpointCorrupt naming `where` if none known."""
+    algorithm = next((a for a in HASHERS if a in entry), None)
+    if algorithm is None:
+        raise CheckpointCorrupt(f"{where}: its manifest entry has no known checksum")
+    return algorithm
 
 
 def entry(hasher, nbytes: int) -> FileEntry:
     return {CHECKSUM: hasher.hexdigest(), "bytes": nbytes}
-
-
-def file_checksum(path: Path, algorithm: str = CHECKSUM, chunk: int = 8 << 20) -> str:
-    """The checksum of a file as it is on disk (read back in chunks)."""
-    h = HASHERS[algorithm]()
-    buf = bytearray(chunk)
-    view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-    return h.hexdigest()
-
-
-def durable_entry(path: Path) -> FileEntry:
-    """fsync a file written by someone else and describe it for the manifest by reading it back."""
-    fsync_file(path)
-    return {CHECKSUM: file_checksum(path), "bytes": os.path.getsize(path)}
-
-
-class BackgroundHasher:
-    """A hasher fed from one thread and run on another: `update` queues a slice (which must not change
-    until `hexdigest`), a worker hashes the slices in order while the caller reads the next ones, so a
-    verified read costs the longer of the read and the hash, not their sum. Both release the GIL.
-    `hexdigest` waits for the queue to drain; `close` stops the worker without a digest."""
-
-    def __init__(self, hasher):
-        self._hasher = hasher
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="runyard-ckpt-hash", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while (piece := self._queue.get()) is not None:
-            if self._error is None:
-                try:
-                    self._hasher.update(piece)
-                except BaseException as exc:  # handed to the caller by hexdigest
-                    self._error = exc
-
-    def update(self, piece) -> None:
-        self._queue.put(piece)
-
-    def close(self) -> None:
-        if self._thread.is_alive():
-            self._queue.put(None)
-            self._thread.join()
-
-    def hexdigest(self) -> str:
-        self.close()
-        if self._error is not None:
-            raise self._error
-        return self._hasher.hexdigest()
 
 
 # Hash and write in slices that stay in the CPU cache: the write then copies from cache what the hash
@@ -99,7 +85,7 @@ class HashingFile:
         self.path = path
         # Buffered: a large write goes straight through, and is written in full. Closed by close()/abort().
         self._file = open(path, "wb")  # noqa: SIM115
-        self._hasher = new_hasher()
+        self._hasher = TreeHasher()
         self.nbytes = 0
 
     def write(self, data) -> int:

@@ -14,9 +14,7 @@ checkpoints of format 1 (torch.save files, `*.pt`) are still read, with `torch.l
 
 from __future__ import annotations
 
-import os
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +22,7 @@ import torch
 
 from runyard.errors import CheckpointCorrupt
 from runyard.system.diskspace import nbytes_of, writing
-from runyard.train.checkpoint import store, tensorfile
+from runyard.train.checkpoint import parallel_read, store, tensorfile, tree
 from runyard.train.checkpoint.checksums import FileEntry
 
 LEGACY_SUFFIX = ".pt"
@@ -53,8 +51,7 @@ def read_parts(path: Path, manifest: dict[str, Any], map_location: str | torch.d
                into: dict[str, Any] | None = None) -> dict[str, Any]:
     """The state dicts of a one-process checkpoint's top-level files, by stem, each file checked against
     its manifest entry while it is read. `into` maps stems to live state dicts whose tensors receive the
-    stored ones in place (tensorfile.read_state). The files are read concurrently: reading and hashing
-    release the GIL, and a disk or page cache serves several streams faster than one."""
+    stored ones in place (tensorfile.start_read). Every file's pieces are read on one pool of threads."""
     into = into or {}
     files: dict[str, str] = {}
     for rel in sorted(manifest["files"]):
@@ -65,16 +62,22 @@ def read_parts(path: Path, manifest: dict[str, Any], map_location: str | torch.d
             raise CheckpointCorrupt(f"checkpoint {path}: two files hold {stem!r}")
         files[stem] = rel
 
-    def read(stem: str) -> Any:
-        rel = files[stem]
-        if rel.endswith(LEGACY_SUFFIX):
-            return torch.load(path / rel, map_location=map_location, weights_only=True)
-        return tensorfile.read_state(path / rel, map_location, into.get(stem), manifest["files"][rel])
-
-    if len(files) < 2:
-        return {stem: read(stem) for stem in files}
-    with ThreadPoolExecutor(max_workers=min(len(files), os.cpu_count() or 1)) as pool:
-        return dict(zip(files, pool.map(read, files), strict=True))
+    parts: dict[str, Any] = {}
+    reads: dict[str, tensorfile.TensorRead] = {}
+    with parallel_read.reading_pool() as pool:
+        try:
+            for stem, rel in files.items():
+                if rel.endswith(LEGACY_SUFFIX):
+                    parts[stem] = torch.load(path / rel, map_location=map_location, weights_only=True)
+                else:
+                    flat_into = tree.flatten(into[stem])[0] if stem in into else None
+                    reads[stem] = tensorfile.start_read(path / rel, pool, flat_into, manifest["files"][rel])
+            for stem, reading in reads.items():
+                parts[stem] = reading.state(map_location)
+        finally:
+            for reading in reads.values():
+                reading.close()
+    return parts
 
 
 def legacy_rng(parts: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:

@@ -230,8 +230,9 @@ def load_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, path: 
     model_sd, optim_sd = storage.get_state_dict(model, optimizer, options=options)
     sd = {MODEL_KEY: model_sd, OPTIM_KEY: optim_sd}
     # The placeholders have the global shapes and placements; the rows they receive are in `stored`'s order.
-    storage.dcp.load(sd, storage_reader=reader, planner=storage.SafeLoadPlanner(), process_group=ctx.ckpt_group,
-                     no_dist=not ctx.distributed)
+    # Each rank plans its own reads (no_dist): its placeholders already say which chunks it needs, and
+    # gathering every rank's plan to a coordinator cost more than the reads (a pickled item per value).
+    storage.dcp.load(sd, storage_reader=reader, planner=storage.SafeLoadPlanner(), no_dist=True)
     (fused_rows_of(model) or MODEL_ORDER).reorder(sd[MODEL_KEY], sd[OPTIM_KEY], stored=stored)
     storage.set_state_dict(model, optimizer, model_state_dict=sd[MODEL_KEY], optim_state_dict=sd[OPTIM_KEY],
                    options=options)

@@ -22,14 +22,15 @@ from typing import Any
 
 from runyard.errors import CheckpointCorrupt
 from runyard.system.files import fsync_dir, fsync_file
-from runyard.train.checkpoint.checksums import HASHERS, FileEntry, durable_entry, file_checksum
+from runyard.train.checkpoint.checksums import CHECKSUM, FileEntry, algorithm_of
+from runyard.train.checkpoint.parallel_read import file_checksum, reading_pool
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "MANIFEST.json"
 STATE = "state.json"
 CHECKPOINT_LOG = "checkpoints.jsonl"  # beside the checkpoints directory: one line per save
-FORMAT_VERSION = 2  # 1: torch.save files; 2: safetensors-layout files
+FORMAT_VERSION = 3  # 1: torch.save files; 2: safetensors-layout files; 3: tree checksums (checksums.py)
 _PREFIX = "step_"
 _TMP = ".tmp-"
 _REPLACED = ".replaced-"
@@ -59,6 +60,12 @@ def write_state_json(tmp: Path, step: int, state: dict[str, Any]) -> FileEntry:
     path = tmp / STATE
     path.write_text(json.dumps({"format": FORMAT_VERSION, "step": step, **state}, indent=1))
     return durable_entry(path)
+
+
+def durable_entry(path: Path) -> FileEntry:
+    """fsync a file written by someone else and describe it for the manifest by reading it back."""
+    fsync_file(path)
+    return {CHECKSUM: file_checksum(path, CHECKSUM), "bytes": os.path.getsize(path)}
 
 
 def read_state_json(path: Path) -> dict[str, Any]:
@@ -137,23 +144,23 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 def verify_checkpoint(path: Path) -> dict[str, Any]:
     """Check every file against the manifest (size, then checksum); return the manifest.
-    Raises CheckpointCorrupt naming the checkpoint and the file."""
+    Raises CheckpointCorrupt naming the checkpoint and the file. Large files are hashed piece by piece
+    on a pool of threads."""
     manifest = read_manifest(path)
-    for rel, meta in manifest["files"].items():
-        file = (path / rel).resolve()
-        if path.resolve() not in file.parents:
-            raise CheckpointCorrupt(f"checkpoint {path}: manifest names {rel!r}, outside the checkpoint")
-        if not file.is_file():
-            raise CheckpointCorrupt(f"checkpoint {path}: file {rel} is missing")
-        if file.stat().st_size != meta["bytes"]:
-            raise CheckpointCorrupt(
-                f"checkpoint {path}: {rel} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
-            )
-        algorithm = next((a for a in HASHERS if a in meta), None)
-        if algorithm is None:
-            raise CheckpointCorrupt(f"checkpoint {path}: manifest entry for {rel} has no known checksum")
-        if file_checksum(file, algorithm) != meta[algorithm]:
-            raise CheckpointCorrupt(f"checkpoint {path}: {rel} fails its {algorithm} checksum")
+    with reading_pool() as pool:
+        for rel, meta in manifest["files"].items():
+            file = (path / rel).resolve()
+            if path.resolve() not in file.parents:
+                raise CheckpointCorrupt(f"checkpoint {path}: manifest names {rel!r}, outside the checkpoint")
+            if not file.is_file():
+                raise CheckpointCorrupt(f"checkpoint {path}: file {rel} is missing")
+            if file.stat().st_size != meta["bytes"]:
+                raise CheckpointCorrupt(
+                    f"checkpoint {path}: {rel} has {file.stat().st_size} bytes, manifest says {meta['bytes']}"
+                )
+            algorithm = algorithm_of(meta, f"checkpoint {path}: {rel}")
+            if file_checksum(file, algorithm, pool) != meta[algorithm]:
+                raise CheckpointCorrupt(f"checkpoint {path}: {rel} fails its {algorithm} checksum")
     return manifest
 
 

@@ -9,10 +9,10 @@ of every tensor); here each tensor's memory goes to the file as it is, checksumm
 `write_state` / `read_state` store a whole nested state dict (an optimizer's, an RNG's) this way: its
 tensors in the data section, its structure (tree.py) as JSON in the metadata. Reading never unpickles.
 
-Reading parses the header here and `readinto`s each tensor's bytes straight into its final tensor (one
-the caller already holds, such as a live parameter, or a fresh one): no mmap, no intermediate copy. The
-file's checksum is taken over the same slices while they are still in the CPU cache, so verifying
-against the manifest costs no second read.
+Reading parses the header here and reads each tensor's bytes straight into its final tensor (one the
+caller already holds, such as a live parameter, or a fresh one): no mmap, no intermediate copy. The
+reads run on a pool of threads, piece by piece of the checksum, each slice hashed while it is still in
+the CPU cache (parallel_read.py), so verifying against the manifest costs no second read.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from runyard.errors import CheckpointCorrupt
-from runyard.train.checkpoint import tree
-from runyard.train.checkpoint.checksums import HASHERS, BackgroundHasher, FileEntry, HashingFile
+from runyard.train.checkpoint import parallel_read, tree
+from runyard.train.checkpoint.checksums import FileEntry, HashingFile, algorithm_of
 
 SUFFIX = ".safetensors"
 STRUCTURE_KEY = "runyard.structure"
@@ -42,8 +43,6 @@ _DTYPES = {
 }
 _FROM_CODE = {code: dtype for dtype, code in _DTYPES.items()}
 _MAX_HEADER = 100 << 20  # the safetensors library's own limit
-_READ_SLICE = 1 << 20  # read and hash in slices that stay in the CPU cache between the two
-_BACKGROUND_HASH = 16 << 20  # files from this size on are hashed on a second thread while they are read
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -77,79 +76,114 @@ def write_tensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[s
         return out.close()
 
 
-def read_tensors(path: Path, device: str | torch.device = "cpu", into: dict[str, torch.Tensor] | None = None,
-                 expected: FileEntry | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """(tensors, metadata) of a safetensors file; a malformed one is CheckpointCorrupt.
+class TensorRead:
+    """A tensor file being read (`start_read`): its tensors, already placed, fill on the pool's threads."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], metadata: dict[str, str], pending: parallel_read.PendingRead):
+        self._tensors, self.metadata, self._pending = tensors, metadata, pending
+
+    def tensors(self, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """Wait for every byte; CheckpointCorrupt if the file ends early or fails its checksum."""
+        try:
+            self._pending.result()
+        except OSError as exc:
+            raise CheckpointCorrupt(f"{self._pending.path} is not a readable safetensors file: {exc}") from None
+        if torch.device(device).type != "cpu":
+            return {k: v.to(device) for k, v in self._tensors.items()}
+        return self._tensors
+
+    def state(self, device: str | torch.device = "cpu") -> Any:
+        """The nested state dict `write_state` wrote (a plain safetensors file: its flat dict of tensors)."""
+        tensors = self.tensors(device)
+        if STRUCTURE_KEY not in self.metadata:
+            return tensors
+        try:
+            skeleton = json.loads(self.metadata[STRUCTURE_KEY])
+        except json.JSONDecodeError as exc:
+            raise CheckpointCorrupt(f"{self._pending.path}: its recorded structure is not JSON ({exc})") from None
+        return tree.unflatten(skeleton, tensors, where=str(self._pending.path))
+
+    def close(self) -> None:
+        """Wait for the reads in flight and close the file, without checking it (the way out on an error)."""
+        self._pending.close()
+
+
+def start_read(path: Path, pool: ThreadPoolExecutor, into: dict[str, torch.Tensor] | None = None,
+               expected: FileEntry | None = None) -> TensorRead:
+    """Parse a safetensors file's header, place its tensors, and start reading their bytes on `pool`.
 
     A tensor of `into` with the stored name, dtype and shape (contiguous, on the CPU) receives the bytes
     in place and is returned itself; others are read into fresh tensors. With `expected` (the file's
     manifest entry) the file is checksummed while read and a mismatch is CheckpointCorrupt, raised after
-    the bytes have landed: whoever passes `into` must treat its tensors as lost on that error."""
+    the bytes have landed: whoever passes `into` must treat its tensors as lost on that error. A malformed
+    header is CheckpointCorrupt here; a short file or a checksum that differs, from the read's `tensors()`."""
     into = into or {}
-    algorithm = next((a for a in HASHERS if a in expected), None) if expected is not None else None
-    if expected is not None and algorithm is None:
-        raise CheckpointCorrupt(f"{path}: its manifest entry has no known checksum")
-    hasher = HASHERS[algorithm]() if algorithm else None
-    if hasher is not None and expected["bytes"] >= _BACKGROUND_HASH:
-        # Hashed on a thread of its own, a slice or two behind the reads (still in the CPU cache): with a
-        # second core free, verifying costs the longer of the read and the hash, not their sum.
-        hasher = BackgroundHasher(hasher)
+    algorithm = algorithm_of(expected, str(path)) if expected is not None else None
     try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if expected is not None and size != expected["bytes"]:
-                raise CheckpointCorrupt(f"{path} has {size} bytes, its manifest says {expected['bytes']}")
-            prefix = _read_exactly(f, 8, path, hasher)
-            (head_len,) = struct.unpack("<Q", prefix)
-            if head_len > min(_MAX_HEADER, size - 8):
-                raise CheckpointCorrupt(f"{path}: header length {head_len} does not fit a {size}-byte file")
-            header = _parse_header(bytes(_read_exactly(f, head_len, path, hasher)), path)
-            metadata = header.pop("__metadata__", None) or {}
-            position = 0  # within the data section: the tensors must tile it exactly, as safetensors requires
-            tensors: dict[str, torch.Tensor] = {}
-            for name, (dtype, shape, start, end) in sorted(header.items(), key=lambda kv: kv[1][2]):
-                if start != position:
-                    raise CheckpointCorrupt(f"{path}: tensor {name} starts at byte {start}, expected {position}")
-                dest = into.get(name)
-                if not (isinstance(dest, torch.Tensor) and dest.dtype == dtype and tuple(dest.shape) == shape
-                        and dest.device.type == "cpu" and dest.is_contiguous()):
-                    dest = torch.empty(shape, dtype=dtype)
-                dest = dest.detach()
-                if dest.numel() * dest.element_size() != end - start:
-                    raise CheckpointCorrupt(f"{path}: tensor {name} holds {end - start} bytes, its shape and dtype "
-                                            f"need {dest.numel() * dest.element_size()}")
-                if end > start:
-                    _read_exactly(f, end - start, path, hasher, memoryview(dest.reshape(-1).view(torch.uint8).numpy()))
-                tensors[name] = dest
-                position = end
-            if 8 + head_len + position != size:
-                raise CheckpointCorrupt(f"{path}: {size - 8 - head_len - position} bytes after the last tensor")
-        if hasher is not None and hasher.hexdigest() != expected[algorithm]:
-            raise CheckpointCorrupt(f"{path} fails its {algorithm} checksum")
+        fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise CheckpointCorrupt(f"{path} is not a readable safetensors file: {exc}") from None
-    finally:
-        if isinstance(hasher, BackgroundHasher):
-            hasher.close()
-    if torch.device(device).type != "cpu":
-        tensors = {k: v.to(device) for k, v in tensors.items()}
-    return tensors, metadata
+    try:
+        size = os.fstat(fd).st_size
+        if expected is not None and size != expected["bytes"]:
+            raise CheckpointCorrupt(f"{path} has {size} bytes, its manifest says {expected['bytes']}")
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointCorrupt(f"{path} ends early: {len(prefix)} bytes, not even a header length")
+        (head_len,) = struct.unpack("<Q", prefix)
+        if head_len > min(_MAX_HEADER, size - 8):
+            raise CheckpointCorrupt(f"{path}: header length {head_len} does not fit a {size}-byte file")
+        head = os.pread(fd, head_len, 8)
+        if len(head) < head_len:
+            raise CheckpointCorrupt(f"{path} ends early: {len(head)} of its {head_len} header bytes")
+        header = _parse_header(head, path)
+        metadata = header.pop("__metadata__", None) or {}
+        data_start = 8 + head_len
+        spans = [parallel_read.Span(0, memoryview(prefix + head), read=False)]
+        position = 0  # within the data section: the tensors must tile it exactly, as safetensors requires
+        tensors: dict[str, torch.Tensor] = {}
+        for name, (dtype, shape, begin, end) in sorted(header.items(), key=lambda kv: kv[1][2]):
+            if begin != position:
+                raise CheckpointCorrupt(f"{path}: tensor {name} starts at byte {begin}, expected {position}")
+            dest = into.get(name)
+            if not (isinstance(dest, torch.Tensor) and dest.dtype == dtype and tuple(dest.shape) == shape
+                    and dest.device.type == "cpu" and dest.is_contiguous()):
+                dest = torch.empty(shape, dtype=dtype)
+            dest = dest.detach()
+            if dest.numel() * dest.element_size() != end - begin:
+                raise CheckpointCorrupt(f"{path}: tensor {name} holds {end - begin} bytes, its shape and dtype "
+                                        f"need {dest.numel() * dest.element_size()}")
+            if end > begin:
+                spans.append(parallel_read.Span(data_start + begin, tensor_bytes(dest)))
+            tensors[name] = dest
+            position = end
+        if data_start + position > size:
+            raise CheckpointCorrupt(f"{path} ends early: its tensors end at byte {data_start + position}, "
+                                    f"the file at {size}")
+        if data_start + position < size:
+            raise CheckpointCorrupt(f"{path}: {size - data_start - position} bytes after the last tensor")
+        pending = parallel_read.start(fd, path, spans, pool, algorithm,
+                                      expected[algorithm] if algorithm is not None else None)
+    except OSError as exc:
+        os.close(fd)
+        raise CheckpointCorrupt(f"{path} is not a readable safetensors file: {exc}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+    return TensorRead(tensors, metadata, pending)
 
 
-def _read_exactly(f, nbytes: int, path: Path, hasher, view: memoryview | None = None) -> memoryview:
-    """Fill `view` (or a new buffer) with the next `nbytes` of `f`, hashing each slice as it arrives."""
-    view = view if view is not None else memoryview(bytearray(nbytes))
-    for start in range(0, nbytes, _READ_SLICE):
-        piece = view[start : start + _READ_SLICE]
-        got = 0
-        while got < len(piece):
-            n = f.readinto(piece[got:])
-            if not n:
-                raise CheckpointCorrupt(f"{path} ends early: {start + got} of {nbytes} bytes of a section read")
-            got += n
-        if hasher is not None:
-            hasher.update(piece)
-    return view
+def read_tensors(path: Path, device: str | torch.device = "cpu", into: dict[str, torch.Tensor] | None = None,
+                 expected: FileEntry | None = None) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """(tensors, metadata) of a safetensors file, read on a pool of threads (start_read says how);
+    a malformed or (with `expected`) corrupt one is CheckpointCorrupt."""
+    with parallel_read.reading_pool() as pool:
+        reading = start_read(path, pool, into, expected)
+        try:
+            tensors = reading.tensors(device)
+        finally:
+            reading.close()
+    return tensors, reading.metadata
 
 
 def _parse_header(raw: bytes, path: Path) -> dict[str, Any]:
@@ -188,12 +222,10 @@ def read_state(path: Path, device: str | torch.device = "cpu", into: Any = None,
                expected: FileEntry | None = None) -> Any:
     """The nested state dict `write_state` wrote. A plain safetensors file (no structure recorded)
     reads as its flat dict of tensors. `into`: a state dict of the same structure whose tensors receive
-    the stored ones in place where they match (read_tensors); `expected`: the manifest entry to verify."""
-    tensors, metadata = read_tensors(path, device, tree.flatten(into)[0] if into is not None else None, expected)
-    if STRUCTURE_KEY not in metadata:
-        return tensors
-    try:
-        skeleton = json.loads(metadata[STRUCTURE_KEY])
-    except json.JSONDecodeError as exc:
-        raise CheckpointCorrupt(f"{path}: its recorded structure is not JSON ({exc})") from None
-    return tree.unflatten(skeleton, tensors, where=str(path))
+    the stored ones in place where they match (start_read); `expected`: the manifest entry to verify."""
+    with parallel_read.reading_pool() as pool:
+        reading = start_read(path, pool, tree.flatten(into)[0] if into is not None else None, expected)
+        try:
+            return reading.state(device)
+        finally:
+            reading.close()
