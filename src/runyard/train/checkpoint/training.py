@@ -28,6 +28,7 @@ import torch
 
 from runyard.errors import RunyardError
 from runyard.spec.seeds import derive_seed
+from runyard.system.collector import collector_paused
 from runyard.train import parallel
 from runyard.train.checkpoint import plain, sharded, store, tensorfile
 from runyard.train.checkpoint.store import CheckpointRef
@@ -154,7 +155,8 @@ def _save_sharded(state: TrainingState, root: Path, step: int, values: dict, ctx
     tmp = store.staging_dir(root, step, token)
     # The plain values as they are now (a JSON copy), written with the commit: their fsync is off the stall.
     plain_values = json.loads(json.dumps({"loader": state.loader.state_dict(), **values})) if ctx.is_main else {}
-    shards = sharded.write_shards(state.model, state.optimizer, state.rng.state_dict(), tmp, ctx, use_async)
+    with collector_paused():  # DCP's plans are many objects: no full collection inside the stall
+        shards = sharded.write_shards(state.model, state.optimizer, state.rng.state_dict(), tmp, ctx, use_async)
     stall = time.perf_counter() - t0
 
     def finish() -> Path:
@@ -206,6 +208,11 @@ def load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, A
     size and parallelism, whatever wrote it. Returns the plain values saved with it. A one-process
     checkpoint's files are checked against the manifest again as they are read; a mismatch (the files
     changed since they were verified) is CheckpointCorrupt with `state` partly overwritten."""
+    with collector_paused():  # DCP's metadata and plans are many objects: no full collection midway
+        return _load_from(state, path, ctx)
+
+
+def _load_from(state: TrainingState, path: Path, ctx: DistContext) -> dict[str, Any]:
     values = store.read_state_json(path)
     # The ranks of one tensor-parallel group draw the same numbers (dropout on activations every rank holds
     # whole), so each restores the stream of its group's first rank.
