@@ -76,11 +76,17 @@ class PendingRead:
 def start(fd: int, path: Path, spans: list[Span], pool: ThreadPoolExecutor, algorithm: str | None = None,
           expected: str | None = None) -> PendingRead:
     """Read `spans` (tiling the file `fd` from offset 0) on `pool`'s threads, hashed with `algorithm`
-    against the hex digest `expected` when given. The returned read owns `fd` and closes it."""
+    against the hex digest `expected` when given. The returned read owns `fd` and closes it; if this
+    raises, `fd` is still the caller's, and nothing reads from it any more."""
     # Unchecked reads are cut as checked ones are; a whole-file hash (no piece size) reads as one piece.
     piece = PIECEWISE[CHECKSUM] if algorithm is None else PIECEWISE.get(algorithm)
-    futures = [pool.submit(_read_piece, fd, path, part, _hasher_for(algorithm))
-               for part in _cut(spans, piece)]
+    futures: list[Future] = []
+    try:
+        for part in _cut(spans, piece):
+            futures.append(pool.submit(_read_piece, fd, path, part, _hasher_for(algorithm)))
+    except BaseException:
+        wait(futures)  # none may still be reading when the caller closes `fd`
+        raise
     return PendingRead(fd, path, futures, algorithm, expected)
 
 
