@@ -131,3 +131,31 @@ def loss_and_grads_fp32(model, x, y):
     loss = F.cross_entropy(model(x).view(-1, model.cfg.vocab_size), y.view(-1))
     loss.backward()
     return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def test_the_decoder_traces_as_one_graph_in_training_and_with_a_kv_cache():
+    """torch.compile (`resources.compile`, the GPU step) sees each forward, backward included, as one graph:
+    the fused ops write into strided views without `out=` while Dynamo traces, and compute the same values
+    (to rounding) forward and backward."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, context_length=16)
+    model = Transformer(cfg)
+    x = torch.randint(0, 64, (2, 8))
+    try:
+        training = torch._dynamo.explain(model)(x)
+        assert training.graph_count == 1 and training.graph_break_count == 0, training.break_reasons
+        compiled = torch.compile(model, backend="aot_eager")  # Dynamo and AOT autograd, no code generation
+        eager_out, compiled_out = model(x), compiled(x)
+        torch.testing.assert_close(compiled_out, eager_out)  # AOT autograd's decompositions round differently
+        eager_out.square().mean().backward()
+        eager_grads = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad()
+        compiled_out.square().mean().backward()
+        for p, g in zip(model.parameters(), eager_grads, strict=True):
+            torch.testing.assert_close(p.grad, g)
+        cache = model.new_kv_cache(1)
+        with torch.inference_mode():
+            decode = torch._dynamo.explain(model)(x[:1, :4], kv_cache=cache, start_pos=0)
+        assert decode.graph_break_count == 0, decode.break_reasons
+    finally:
+        torch._dynamo.reset()

@@ -91,9 +91,15 @@ def _rotate_into(
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     o1, o2 = out[..., :half], out[..., half:]
-    torch.mul(x1, cos, out=o1)
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace `out=` into a strided view (a graph break at every block); a product copied
+        # in is the same arithmetic, and inductor fuses it away.
+        o1.copy_(x1 * cos)
+        o2.copy_(x2 * cos)
+    else:
+        torch.mul(x1, cos, out=o1)
+        torch.mul(x2, cos, out=o2)
     o1.addcmul_(x2, sin, value=-sign)
-    torch.mul(x2, cos, out=o2)
     o2.addcmul_(x1, sin, value=sign)
 
 
@@ -182,8 +188,12 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = gate_up.chunk(2, dim=-1)
         grad_in = torch.empty_like(gate_up)
         grad_gate, grad_up = grad_in.chunk(2, dim=-1)
-        torch.mul(grad, act, out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        if torch.compiler.is_compiling():  # no `out=` into strided views under Dynamo (see _rotate_into)
+            grad_up.copy_(grad * act)
+            grad_gate.copy_(torch.ops.aten.silu_backward(grad * up, gate))
+        else:
+            torch.mul(grad, act, out=grad_up)
+            torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
         return grad_in
 
 
