@@ -11,6 +11,9 @@ end-of-text token, so every request generates exactly its output length on both 
 - runyard http: `runyard serve` on the export, in its own process, clients streaming over HTTP (SSE);
   time to first token and time per output token are measured at the client, so they include HTTP
   (on a two-core machine, the server's event loop and the clients share the cores with the engine).
+- runyard engine compiled / runyard http compiled: the same with `compile` (`runyard serve --compile`): a
+  lone decoding sequence's steps run as a compiled graph (serve/decode_graph.py). Measured at the fewest
+  clients only (where steps hold one sequence), after one long request has compiled every key bucket.
 - HF one at a time: `LlamaForCausalLM.generate` with its KV cache, one request after another in
   arrival order (what a server without batching does).
 - HF statically batched: whatever requests are waiting (up to 32) form one batch, left-padded, and
@@ -555,11 +558,19 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
+        # `compile` (runyard serve --compile): one sequence's decode steps compiled; measured at one client,
+        # after a request long enough to compile every key bucket has warmed both up.
+        server_c = RunyardServer(export, args.threads, max_batch=max(args.clients), extra=("--compile",))
+        engine_c = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096, compile=True).start()
+        warm = [(tok.encode(texts[0]).ids[:16], cfg.context_length - 17)]
+        run_engine(engine_c, warm, 1)
+        run_runyard(server_c.url, warm, 1)
         try:
             for r in range(args.repeats):
                 for clients in args.clients:
                     workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
                     modes = ["runyard http", "runyard engine", "hf one at a time", "hf static batch"]
+                    modes += ["runyard http compiled", "runyard engine compiled"] if clients == min(args.clients) else []
                     modes += ["llama.cpp"] if llama is not None else []
                     modes = modes[r % len(modes) :] + modes[: r % len(modes)]  # interleaved: each round starts elsewhere
                     for mode in modes:
@@ -567,6 +578,10 @@ def main(argv: list[str] | None = None) -> int:
                             res = run_runyard(server.url, workload, clients)
                         elif mode == "runyard engine":
                             res = run_engine(engine, workload, clients)
+                        elif mode == "runyard http compiled":
+                            res = run_runyard(server_c.url, workload, clients)
+                        elif mode == "runyard engine compiled":
+                            res = run_engine(engine_c, workload, clients)
                         elif mode == "llama.cpp":
                             res = llama.run(workload, clients)
                         else:
@@ -576,7 +591,9 @@ def main(argv: list[str] | None = None) -> int:
                               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             engine.close()
+            engine_c.close()
             server.close()
+            server_c.close()
             if llama is not None:
                 llama.close()
 
@@ -610,6 +627,10 @@ def main(argv: list[str] | None = None) -> int:
                          f"llama.cpp (GGUF f32, continuous batching), {top} clients", ">=", 1.0)
             report.ratio(f"serve_{tag}_time_per_output_token_{one}_client_vs_llama_cpp",
                          paired(mode, "llama.cpp", one, "tpot p50 ms"), "llama.cpp (GGUF f32), one client", "<=", 1.5)
+        if llama is not None:
+            report.ratio(f"serve_{tag}_compiled_time_per_output_token_{one}_client_vs_llama_cpp",
+                         paired(f"{mode} compiled", "llama.cpp", one, "tpot p50 ms"),
+                         "llama.cpp (GGUF f32), one client; runyard with compile (its decode steps compiled)", "<=", 1.5)
         ttft = paired(mode, "hf static batch", top, "ttft p50 ms")
         report.note(f"{mode}: time to first token p50 at {top} clients over HF static batching's: {ttft.spread()} "
                     "(lower is better; no target)")

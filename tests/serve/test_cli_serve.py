@@ -205,6 +205,6 @@ def test_bf16_on_cuda_matches_cpu_greedy_prefix(tokenizer, make_model):
     prompt = tokenizer.encode("def add(a, b):").ids
     cpu = BatchEngine(model, tokenizer).generate([prompt], [SamplingParams(max_tokens=4, temperature=0)])[0]
     gpu_engine = BatchEngine(make_model(tokenizer), tokenizer, device="cuda")
-    assert gpu_engine.dtype == torch.bfloat16 and gpu_engine.pool.k.dtype == torch.bfloat16
+    assert gpu_engine.dtype == torch.bfloat16 and gpu_engine.pool.dtype == torch.bfloat16
     gpu = gpu_engine.generate([prompt], [SamplingParams(max_tokens=4, temperature=0)])[0]
     assert gpu.token_ids[:1] == cpu.token_ids[:1]

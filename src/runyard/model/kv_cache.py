@@ -23,8 +23,10 @@ import torch.nn.functional as F
 
 
 class KVStore:
-    """Preallocated keys and values, [n_layers, rows, n_kv_heads, max_len, head_dim] each: the memory both
-    kinds of cache hold (a row is a batch row of `KVCache`, a slot of `KVPool`)."""
+    """Preallocated keys and values, one [rows, n_kv_heads, max_len, head_dim] tensor per layer each: the
+    memory both kinds of cache hold (a row is a batch row of `KVCache`, a slot of `KVPool`). A tensor per
+    layer rather than one for all: a compiled decode step writes each layer's new keys into its own input,
+    where a write into a view of one shared tensor makes the compiler copy the whole of it."""
 
     def __init__(
         self,
@@ -36,10 +38,10 @@ class KVStore:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ):
-        shape = (n_layers, rows, n_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        self.max_len = max_len
+        shape = (rows, n_kv_heads, max_len, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        self.max_len, self.dtype, self.device = max_len, dtype, torch.device(device)
 
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -48,7 +50,7 @@ class KVStore:
 
     @property
     def nbytes(self) -> int:
-        return self.k.nbytes + self.v.nbytes
+        return sum(t.nbytes for t in self.k + self.v)
 
 
 class KVCache(KVStore):
@@ -67,9 +69,9 @@ class KVCache(KVStore):
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; asked to write up to {end}")
         batch = k.shape[0]
-        self.k[layer, :batch, :, start_pos:end] = k
-        self.v[layer, :batch, :, start_pos:end] = v
-        return self.k[layer, :batch, :, :end], self.v[layer, :batch, :, :end]
+        self.k[layer][:batch, :, start_pos:end] = k
+        self.v[layer][:batch, :, start_pos:end] = v
+        return self.k[layer][:batch, :, :end], self.v[layer][:batch, :, :end]
 
     def attention_mask(
         self, n_queries: int, start_pos: int, device: torch.device
@@ -86,7 +88,7 @@ class KVCache(KVStore):
 
 class KVPool(KVStore):
     """The serving engine's KV memory: `n_slots` sequences of up to `max_len` positions each, allocated
-    once, [n_layers, n_slots, n_kv_heads, max_len, head_dim] for keys and the same for values.
+    once, [n_slots, n_kv_heads, max_len, head_dim] per layer for keys and the same for values.
 
     Decoding sequences occupy slots 0..n-1 in order (the engine moves the last one into a slot that
     frees up), so a decode step reads one contiguous view of the pool and copies nothing."""
@@ -104,8 +106,8 @@ class KVPool(KVStore):
     def move(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` positions of slot `src` into slot `dst` (compaction after a
         sequence leaves)."""
-        self.k[:, dst, :, :length] = self.k[:, src, :, :length]
-        self.v[:, dst, :, :length] = self.v[:, src, :, :length]
+        for layer in self.k + self.v:
+            layer[dst, :, :length] = layer[src, :, :length]
 
 
 class PrefillChunk(NamedTuple):
@@ -137,7 +139,7 @@ class PoolStep:
             raise ValueError(f"a step uses slots outside the pool's {pool.n_slots}")
         if ends and max(ends) > pool.max_len:
             raise ValueError(f"KV pool slots hold {pool.max_len} positions; a step writes up to {max(ends)}")
-        device = pool.k.device
+        device = pool.device
         positions = list(decode_positions)
         for c in chunks:
             positions.extend(range(c.start, c.start + c.length))
@@ -146,7 +148,7 @@ class PoolStep:
         self.bias = None
         if self.n_decode and min(decode_positions) + 1 < self.length:
             past = torch.arange(self.length, device=device) > self.positions[: self.n_decode, None]
-            self.bias = torch.zeros(past.shape, dtype=pool.k.dtype, device=device).masked_fill_(past, float("-inf"))
+            self.bias = torch.zeros(past.shape, dtype=pool.dtype, device=device).masked_fill_(past, float("-inf"))
             self.bias = self.bias[:, None, None, :]  # [B, 1 (kv heads), 1 (group), keys]
         self.decode_slots = torch.arange(self.n_decode, device=device)
         # A chunk that continues a prompt sees its earlier positions and, causally, its own.
@@ -190,3 +192,27 @@ class PoolStep:
             out.append(y[0].transpose(0, 1))
             offset += chunk.length
         return out[0] if len(out) == 1 else torch.cat(out)
+
+
+class DecodeRows(PoolStep):
+    """A decode-only step of the sequences in slots 0..rows-1 that attends over the first `keys` positions
+    of every slot, each row's keys past its own position masked: the same shapes step after step, so a
+    compiled forward keeps one graph while its sequences grow up to `keys` positions (serve/decode_graph.py).
+    `move_to(positions)` makes it the next step's view, in place."""
+
+    def __init__(self, pool: KVPool, rows: int, keys: int):
+        # PoolStep's own __init__ builds a step from Python lists; this one holds tensors updated in place.
+        self.pool, self.chunks, self.chunk_masks = pool, [], []
+        self.n_decode = self.n_tokens = rows
+        self.length = keys
+        self.positions = torch.zeros(rows, dtype=torch.long, device=pool.device)
+        self.decode_slots = torch.arange(rows, device=pool.device)
+        self.bias = torch.zeros(rows, 1, 1, keys, dtype=pool.dtype, device=pool.device)
+        self._keys = torch.arange(keys, device=pool.device)
+
+    def move_to(self, positions: list[int]) -> None:
+        if len(positions) != self.n_decode or max(positions) >= self.length:
+            raise ValueError(f"a step of {self.n_decode} rows over {self.length} keys cannot hold positions {positions}")
+        self.positions.copy_(torch.tensor(positions))
+        past = self._keys > self.positions[:, None]
+        self.bias.zero_().masked_fill_(past[:, None, None, :], float("-inf"))
