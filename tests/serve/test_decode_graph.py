@@ -64,6 +64,11 @@ def test_an_engine_compiling_its_decode_steps_gives_the_eager_engines_tokens(tok
     assert [c.token_ids for c in alone] == [c.token_ids for c in eager]
     together = engine.generate(ids, [greedy(20)] * len(ids))  # several at once: eager steps, same tokens
     assert [c.token_ids for c in together] == [c.token_ids for c in eager]
+    # One sequence decodes alone (compiled steps write its keys), then a second joins (eager steps read them).
+    before = engine.decode_graph.steps
+    joined = engine.generate(ids[:2], [greedy(20)] * 2, start_at_step=[0, 6])
+    assert engine.decode_graph.steps > before
+    assert [c.token_ids for c in joined] == [c.token_ids for c in eager[:2]]
 
 
 def test_an_engine_whose_compiler_fails_decodes_eagerly_and_says_so(tokenizer, make_model, monkeypatch, caplog):
