@@ -562,32 +562,30 @@ def main(argv: list[str] | None = None) -> int:
         # after a request long enough to compile every key bucket has warmed both up.
         server_c = RunyardServer(export, args.threads, max_batch=max(args.clients), extra=("--compile",))
         engine_c = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096, compile=True).start()
-        warm = [(tok.encode(texts[0]).ids[:16], cfg.context_length - 17)]
-        run_engine(engine_c, warm, 1)
-        run_runyard(server_c.url, warm, 1)
+        runners = {
+            "runyard http": lambda w, c: run_runyard(server.url, w, c),
+            "runyard engine": lambda w, c: run_engine(engine, w, c),
+            "hf one at a time": lambda w, c: run_hf(hf, w, c, static=False, pad_id=0),
+            "hf static batch": lambda w, c: run_hf(hf, w, c, static=True, pad_id=0),
+            "runyard http compiled": lambda w, c: run_runyard(server_c.url, w, c),
+            "runyard engine compiled": lambda w, c: run_engine(engine_c, w, c),
+        }
+        if llama is not None:
+            runners["llama.cpp"] = llama.run
         try:
+            warm = [(tok.encode(texts[0]).ids[:16], cfg.context_length - 17)]
+            runners["runyard engine compiled"](warm, 1)
+            runners["runyard http compiled"](warm, 1)
             for r in range(args.repeats):
                 for clients in args.clients:
                     workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
-                    modes = ["runyard http", "runyard engine", "hf one at a time", "hf static batch"]
-                    modes += ["runyard http compiled", "runyard engine compiled"] if clients == min(args.clients) else []
-                    modes += ["llama.cpp"] if llama is not None else []
+                    # the compiled modes only where steps hold one sequence
+                    modes = [m for m in runners if not m.endswith("compiled") or clients == min(args.clients)]
                     modes = modes[r % len(modes) :] + modes[: r % len(modes)]  # interleaved: each round starts elsewhere
                     for mode in modes:
-                        if mode == "runyard http":
-                            res = run_runyard(server.url, workload, clients)
-                        elif mode == "runyard engine":
-                            res = run_engine(engine, workload, clients)
-                        elif mode == "runyard http compiled":
-                            res = run_runyard(server_c.url, workload, clients)
-                        elif mode == "runyard engine compiled":
-                            res = run_engine(engine_c, workload, clients)
-                        elif mode == "llama.cpp":
-                            res = llama.run(workload, clients)
-                        else:
-                            res = run_hf(hf, workload, clients, static=mode.endswith("batch"), pad_id=0)
+                        res = runners[mode](workload, clients)
                         results.setdefault((mode, clients), []).append(res)
-                        print(f"round {r + 1} {mode:<17} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s "
+                        print(f"round {r + 1} {mode:<23} {clients:>2} clients: {res.tokens_per_s:8.0f} tokens/s "
                               f"(load average {os.getloadavg()[0]:.1f})", flush=True)
         finally:
             engine.close()
@@ -598,12 +596,12 @@ def main(argv: list[str] | None = None) -> int:
                 llama.close()
 
     print()
-    header = f"{'engine':<18}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(next(iter(results.values()))))
+    header = f"{'engine':<24}{'clients':>8}" + "".join(f"{k:>24}" for k in summary(next(iter(results.values()))))
     print(header)
     for (mode, clients), runs in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         s = summary(runs)
         cells = "".join(f"{f'{m:.1f} ({lo:.1f}..{hi:.1f})':>24}" for m, lo, hi in s.values())
-        print(f"{mode:<18}{clients:>8}{cells}")
+        print(f"{mode:<24}{clients:>8}{cells}")
     print("(median over rounds, min..max in brackets; 'runyard http': `runyard serve` measured at streaming HTTP "
           "clients; 'runyard engine', HF and llama.cpp: in this process, no HTTP)")
 

@@ -14,7 +14,7 @@ import pytest
 
 from runyard.control import sandbox
 from runyard.control.client import ControlClient
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 JOBSCRIPT = str(Path(__file__).with_name("jobscript.py"))
 REPO = Path(__file__).resolve().parents[2]
@@ -37,7 +37,7 @@ class Daemon:
         (self.state_dir / "daemon.json").unlink(missing_ok=True)
         env = {**os.environ, "RUNYARD_TEST_EVENTS": str(self.events), "PYTHONPATH": str(REPO / "src")}
         self.log = open(self.state_dir.parent / "daemon.log", "ab")  # noqa: SIM115
-        self.proc = popen(
+        self.proc = popen_dying_with_me(
             [sys.executable, "-m", "runyard", "control", "start", "--foreground", "--state-dir", str(self.state_dir),
              *self.flags],
             env=env, stdout=self.log, stderr=subprocess.STDOUT,

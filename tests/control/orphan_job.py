@@ -15,7 +15,7 @@ from pathlib import Path
 
 run_dir = Path(os.environ["RUNYARD_RUN_DIR"])
 if int(os.environ.get("RUNYARD_RESTART_COUNT", "0")) == 0:
-    # Not tests.processes.popen: this sleeper is the orphan the test is about (no parent-death signal).
+    # Not runyard.system.processes.popen_dying_with_me: this sleeper is the orphan the test is about (no parent-death signal).
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True)
     (run_dir / "orphan.pid").write_text(str(sleeper.pid))
     os.kill(os.getpid(), signal.SIGKILL)

@@ -20,7 +20,7 @@ from runyard.control.endpoint import Endpoint, percentile
 from runyard.control.serve_relay import STOPPED, exit_code
 from runyard.market.serving import token_digest
 from runyard.system.http_thread import free_port
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 ECHO = str(Path(__file__).with_name("echo_server.py"))
 TOKEN = "rye_the-tenants-own-token"
@@ -41,7 +41,7 @@ class Relay:
     def __init__(self, folder: Path, extra: tuple[str, ...] = ()):
         port = free_port()
         self.socket = folder / f"{port}.sock"
-        self.proc = popen(
+        self.proc = popen_dying_with_me(
             [sys.executable, "-m", "runyard.control.serve_relay", str(self.socket), str(port), "--",
              sys.executable, ECHO, "--port", str(port), *extra])
         _until(self.socket.exists)

@@ -25,7 +25,7 @@ from runyard.control.lease_job import LeaseFolder, write_files
 from runyard.control.sandbox import SandboxPolicy, allocated_devices, bwrap_argv, wrap_argv
 from runyard.control.states import FailureReason, classify_exit
 from runyard.errors import EXIT_OUT_OF_MEMORY
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 SECRET = "provider-secret-4242"
 MARKER_INSTANCE = "sandboxtest"
@@ -290,7 +290,7 @@ def test_cpu_slots_become_the_jobs_cores(sandboxed, provider):
 def _launch(folder: LeaseFolder, script: str, job_id: int) -> subprocess.Popen:
     env = {**os.environ, "RUNYARD_DEVICES": "cpu:0", "RUNYARD_JOB_ID": str(job_id),
            "RUNYARD_CONTROL_JOB": procs.marker(MARKER_INSTANCE, job_id, 1)}
-    return popen(wrap_argv([sys.executable, "-c", script], folder.policy), env=env,
+    return popen_dying_with_me(wrap_argv([sys.executable, "-c", script], folder.policy), env=env,
                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

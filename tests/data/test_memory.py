@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from runyard.data.budget import MIB
+from runyard.system.processes import popen_dying_with_me
 from tests.data.data_fixtures import age_file
 from tests.data.tree_memory import TreeMemory
-from tests.processes import popen
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,7 +59,7 @@ def test_prepare_stays_under_the_memory_limit(tmp_path: Path, workers: int):
         f"  memory_limit: {limit}\n"
         "  tokenizer: {vocab_size: 4096, train_max_bytes: 4000000}\n"
     )
-    proc = popen(
+    proc = popen_dying_with_me(
         [sys.executable, "-m", "runyard", "prepare", str(spec), "--cache-dir", str(tmp_path / "cache"),
          "--no-progress"],
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, cwd=ROOT,

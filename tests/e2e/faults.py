@@ -22,8 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from runyard.system.processes import is_zombie_or_gone, processes_with_env
-from tests import processes
+from runyard.system.processes import is_zombie_or_gone, popen_dying_with_me, processes_with_env
 
 TREE_ENV = "RUNYARD_TEST_TREE"
 FAULT_SEED_ENV = "RUNYARD_FAULT_SEED"
@@ -50,7 +49,7 @@ class ProcessTree:
         """Start `argv` in its own process group, output to `log` (or pipes)."""
         out = open(log, "ab") if log is not None else subprocess.PIPE  # noqa: SIM115
         try:
-            return processes.popen(argv, env=popen.pop("env", None) or self.env(), stdout=out,
+            return popen_dying_with_me(argv, env=popen.pop("env", None) or self.env(), stdout=out,
                                    stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
                                    start_new_session=True, **popen)
         finally:

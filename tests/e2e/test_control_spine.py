@@ -16,8 +16,8 @@ import torch
 import yaml
 
 from runyard.control.client import ControlClient
+from runyard.system.processes import popen_dying_with_me
 from runyard.train import checkpoint as ckpt
-from tests.processes import popen
 
 from .conftest import REFERENCE_STEPS as STEPS
 from .conftest import TINY_SPEC, merge, runyard
@@ -35,7 +35,7 @@ def final_weights(run_dir: Path) -> dict[str, torch.Tensor]:
 def control(tmp_path):
     state = tmp_path / "control"
     with open(tmp_path / "daemon.log", "wb") as log:
-        proc = popen(
+        proc = popen_dying_with_me(
             [sys.executable, "-m", "runyard", "control", "start", "--foreground", "--state-dir", str(state),
              "--cpu-slots", "1", "--stop-grace", "60", "--allow-argv"],  # the urgent job below is a raw command
             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,

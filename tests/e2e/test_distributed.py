@@ -24,8 +24,8 @@ import torch
 import yaml
 
 from runyard.errors import EXIT_PREEMPTED
+from runyard.system.processes import popen_dying_with_me
 from runyard.train import checkpoint as ckpt
-from tests.processes import popen
 
 from .conftest import TINY_SPEC, merge, runyard
 
@@ -72,7 +72,7 @@ def train(spec: Path, run_dir: Path, *extra: str) -> subprocess.CompletedProcess
 
 
 def start(*args: str) -> subprocess.Popen:
-    return popen(
+    return popen_dying_with_me(
         [sys.executable, "-m", "runyard", *args, "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"),
     )

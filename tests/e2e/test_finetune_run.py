@@ -17,8 +17,8 @@ import torch
 import yaml
 
 from runyard.errors import EXIT_PREEMPTED
+from runyard.system.processes import popen_dying_with_me
 from runyard.train import checkpoint as ckpt
-from tests.processes import popen
 
 from .conftest import TINY_SPEC, merge, runyard
 
@@ -106,7 +106,7 @@ def test_sigterm_mid_sft_then_resume_is_bitwise_equal(tmp_path):
                                     "train": {"steps": 12}})
     runyard("train", str(spec), "--run-dir", str(tmp_path / "reference"), "--no-progress", check=True)
     run_dir = tmp_path / "run"
-    proc = popen([sys.executable, "-m", "runyard", "train", str(spec), "--run-dir", str(run_dir),
+    proc = popen_dying_with_me([sys.executable, "-m", "runyard", "train", str(spec), "--run-dir", str(run_dir),
                   "--no-progress"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                  env=dict(os.environ, OMP_NUM_THREADS="1"))
     metrics = run_dir / "stages/tune/metrics.jsonl"

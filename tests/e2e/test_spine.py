@@ -15,9 +15,10 @@ import torch
 
 from runyard.errors import EXIT_GATE_FAILED, EXIT_PREEMPTED
 from runyard.model.hf.export import load_export
+from runyard.model.transformer import Transformer
+from runyard.system.processes import popen_dying_with_me
 from runyard.train import checkpoint as ckpt
 from runyard.train.checkpoint.checksums import CHECKSUM
-from tests.processes import popen
 
 from .conftest import REFERENCE_STEPS as STEPS
 from .conftest import runyard
@@ -81,8 +82,6 @@ def test_run_directory_is_complete(reference):
 def test_export_gives_the_same_logits_as_the_trained_model(reference):
     _spec, run_dir, _ = reference
     model, cfg, _tok = load_export(run_dir / "export")
-    from runyard.model.transformer import Transformer
-
     live = Transformer(cfg)
     live.load_state_dict(final_weights(run_dir))
     live.eval()
@@ -125,7 +124,7 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: flo
 def test_sigterm_then_resume_is_bitwise_identical(reference, tmp_path, corrupt_newest):
     spec, ref_dir, _ = reference
     run_dir = tmp_path / "run"
-    proc = popen(
+    proc = popen_dying_with_me(
         [sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )

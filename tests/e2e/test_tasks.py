@@ -23,8 +23,8 @@ from runyard.serve.predict_export import load_predictor
 from runyard.spec.job import load_spec, parse_spec
 from runyard.system.cpus import choose_threads
 from runyard.system.http_thread import free_port
+from runyard.system.processes import popen_dying_with_me
 from tests.e2e.conftest import runyard
-from tests.processes import popen
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -64,7 +64,7 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
     assert shown["test_metrics"] == p["metrics"] and shown["exported"]
 
     port = free_port()
-    server = popen([sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port)],
+    server = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port)],
                    env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 90

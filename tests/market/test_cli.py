@@ -17,7 +17,7 @@ import pytest
 from runyard.cli.market_admin import admin_market
 from runyard.errors import RunyardError
 from runyard.system.http_thread import free_port
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 
 def runyard(*args: str, env: dict, check: bool = True, cwd=None) -> subprocess.CompletedProcess:
@@ -39,7 +39,7 @@ def test_serve_register_verify_credit_audit(tmp_path):
     db, port = str(tmp_path / "market.db"), free_port()
     env = {**os.environ, "RUNYARD_MARKET_IDENTITY": str(tmp_path / "tenant.json")}
     token_file = tmp_path / "operator.token"
-    server = popen(
+    server = popen_dying_with_me(
         [sys.executable, "-m", "runyard", "market", "serve", "--db", db, "--port", str(port), "--fee-bps", "150",
          "--operator-token-file", str(token_file), "--sweep-interval", "0.5"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

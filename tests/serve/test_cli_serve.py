@@ -26,7 +26,7 @@ from runyard.serve.predict_export import KIND_IMAGE, export_predictor, image_dri
 from runyard.serve.sampling import SamplingParams
 from runyard.spec.job import parse_spec
 from runyard.system.http_thread import free_port
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 
 def runyard(capsys, *args: str) -> tuple[int, str, str]:
@@ -137,7 +137,7 @@ def test_missing_export_is_a_clear_error(capsys, tmp_path):
 @pytest.mark.slow
 def test_served_process_answers_the_openai_client_and_stops_on_sigterm(export):
     port = free_port()
-    proc = popen([sys.executable, "-m", "runyard", "serve", str(export.parent), "--port", str(port)],
+    proc = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(export.parent), "--port", str(port)],
                  env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 60
@@ -175,7 +175,7 @@ def test_vllm_engine_serves_a_hugging_face_directory(tmp_path, tokenizer, tokeni
     LlamaForCausalLM(config).save_pretrained(hf_dir)
     (hf_dir / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
     port = free_port()
-    proc = popen([sys.executable, "-m", "runyard", "serve", str(hf_dir), "--engine", "vllm",
+    proc = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(hf_dir), "--engine", "vllm",
                   "--port", str(port)], stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 600

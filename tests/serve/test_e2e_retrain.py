@@ -23,7 +23,7 @@ import yaml
 from runyard.control.client import ControlClient
 from runyard.spec.job import load_spec
 from runyard.system.http_thread import free_port
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 from ..e2e.conftest import TINY_SPEC, merge, runyard
 
@@ -46,7 +46,7 @@ def excerpts(texts: list[str], n: int, seed: int) -> list[str]:
 def control(tmp_path):
     state = tmp_path / "control"
     with open(tmp_path / "daemon.log", "wb") as log:
-        proc = popen(
+        proc = popen_dying_with_me(
             [sys.executable, "-m", "runyard", "control", "start", "--foreground", "--state-dir", str(state),
              "--cpu-slots", "1"],
             env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=log, stderr=subprocess.STDOUT,
@@ -76,7 +76,7 @@ def test_shifted_traffic_submits_one_retraining_job_that_runs(tmp_path, trained,
     port = free_port()
     traffic = tmp_path / "traffic"
     with open(tmp_path / "serve.log", "wb") as log:
-        server = popen(
+        server = popen_dying_with_me(
             [sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port), "--log-requests", str(traffic),
              "--retrain-spec", str(spec), "--control", control_url, "--drift-sustain", "10",
              "--retrain-min-logged", "30"],

@@ -20,7 +20,7 @@ from runyard.serve.server import chat_framing
 from runyard.serve.watch import TrafficWatch
 from runyard.spec.data import SourceSpec
 from runyard.spec.job import parse_spec
-from tests.processes import popen
+from runyard.system.processes import popen_dying_with_me
 
 # Real-looking PII: the scrubber leaves documentation addresses (example.com, 555-01xx, private ranges) alone.
 PII_PROMPT = "mail jane.doe@gmail.com or call +1 415-867-5309 from 81.2.69.160"
@@ -60,7 +60,7 @@ time.sleep(60)
 
 def test_a_killed_servers_segment_is_recovered_without_its_torn_line(tmp_path):
     directory = tmp_path / "traffic"
-    child = popen([sys.executable, "-c", CHILD, str(directory)], stdout=subprocess.PIPE, text=True)
+    child = popen_dying_with_me([sys.executable, "-c", CHILD, str(directory)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
         assert documents({"path": str(directory / "*.jsonl"), "format": "jsonl"}) == []  # nothing sealed yet

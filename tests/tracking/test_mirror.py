@@ -19,12 +19,11 @@ import pytest
 from runyard.errors import SpecError
 from runyard.spec.job import parse_spec
 from runyard.spec.tracking import TrackingSpec, with_tracking_flags
-from runyard.system.processes import is_zombie_or_gone, parent_of, processes_with_env
+from runyard.system.processes import is_zombie_or_gone, parent_of, popen_dying_with_me, processes_with_env
 from runyard.tracking.mirror import tracked_run_id
 from runyard.tracking.process import MIRROR_ENV, NICENESS
 from runyard.tracking.sinks import default_mlflow_uri
 from tests.e2e.conftest import TINY_SPEC, merge, runyard, shared_once, write_spec  # noqa: F401  (write_spec: a fixture)
-from tests.processes import popen
 
 mlflow_tracking = pytest.importorskip("mlflow.tracking", reason="the tracking extra: pip install 'runyard[tracking]'")
 event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
@@ -166,7 +165,7 @@ def thread_niceness(pid: int) -> list[int]:
 def test_the_mirror_runs_in_a_process_of_its_own_that_dies_with_a_killed_run(write_spec, tmp_path):  # noqa: F811
     spec = write_spec({"train": {"steps": 100000}, "tracking": {"tensorboard": True, "interval_s": 0.5}})
     run_dir = tmp_path / "run"
-    run = popen([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
+    run = popen_dying_with_me([sys.executable, "-m", "runyard", "run", str(spec), "--run-dir", str(run_dir), "--no-progress"],
                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     state, mirrors = run_dir / "tracking" / "state.json", []
     try:

@@ -84,7 +84,7 @@ def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
                    help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks over several "
                    "steps (default 4096)")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile: on CPU, the steps of a lone decoding sequence (~2.5x faster; needs a C++ compiler); "
+                   help="torch.compile: on CPU, the steps of a lone decoding sequence (needs a C++ compiler); "
                         "on a GPU, the whole model. The first requests wait for compiling")
     g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
     d = p.add_argument_group("traffic, drift and retraining")

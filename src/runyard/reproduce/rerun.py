@@ -9,7 +9,6 @@ group with a parent-death signal, a Slurm one is cancelled if this process is in
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shlex
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from runyard.reproduce.errors import RerunFailed
 from runyard.system import slurm
-from runyard.system.processes import die_with_parent
+from runyard.system.processes import popen_dying_with_me
 from runyard.system.slurm import SlurmError, state_name
 
 BACKENDS = ("local", "slurm")
@@ -49,8 +48,8 @@ def run_local(argv: list[str], cwd: Path, env: dict[str, str], log_path: Path) -
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         # SIGTERM (a checkpoint, then exit) if this process dies, even by SIGKILL: the run leads its own session.
-        proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=functools.partial(die_with_parent, signal.SIGTERM, os.getpid()))
+        proc = popen_dying_with_me(argv, signal.SIGTERM, cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   start_new_session=True)
         try:
             return proc.wait()
         except BaseException:

@@ -79,8 +79,8 @@ class BatchEngine:
         self.max_queue = max_queue
         self.scheduler = scheduler or SchedulerConfig()
         # torch.compile is optional, and its first calls take a while. On a GPU the whole model is compiled;
-        # on CPU one sequence's decode steps are (decode_graph.py), where a dynamic graph of the whole model
-        # ran slower than eager (3.9 ms a step against 3.1).
+        # on CPU one sequence's decode steps are (decode_graph.py): a dynamic graph of the whole model, rebuilt
+        # around each step's differently shaped KV view, ran slower there than eager.
         on_cpu = self.device.type == "cpu"
         self.forward = torch.compile(self.model, dynamic=True) if compile and not on_cpu else self.model
         self.decode_graph = DecodeGraph(self.model, self.pool) if compile and on_cpu else None

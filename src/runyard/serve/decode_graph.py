@@ -3,14 +3,15 @@
 With one sequence decoding and no prompt in the step, an eager step is ~900 small operator calls around 17
 one-row matrix products, and the calls cost more than the products (benchmarks/results/serve_profile.md).
 Compiled whole by inductor's C++ backend (fused norms, rotary and SwiGLU, its C++ wrapper instead of a
-Python one, GEMM templates chosen by autotuning), the same step runs ~2.5x faster here.
+Python one, GEMM templates chosen by autotuning), one client's time per output token fell from 4.37x
+llama.cpp's to 2.27x (benchmarks/serve_throughput.py, results/serve_throughput.json).
 
 A compiled graph needs fixed shapes, so the step attends over a fixed number of key positions (a
 `DecodeRows` view: positions past the sequence's own masked) from a few buckets (doubling from
 max_len/32, at least 64, up to max_len): a sequence's steps use one graph per bucket it passes through,
 each compiled the first time it is needed (seconds: the first requests are slow). Steps with several
-sequences or with prompts stay eager. Fused kernels round differently from eager ones (logits within
-~1e-6 here), so a near-tie can pick another greedy token. If compiling fails (no C++ compiler on the
+sequences or with prompts stay eager. Fused kernels round differently from eager ones, so a near-tie
+can pick another greedy token. If compiling fails (no C++ compiler on the
 machine), the step runs eager from then on, with one warning.
 """
 
@@ -25,7 +26,7 @@ from runyard.model.kv_cache import DecodeRows, KVPool
 log = logging.getLogger(__name__)
 
 # inductor's options for a one-row step on CPU: its C++ wrapper (no Python between kernels) and
-# autotuned GEMM templates, which ran the step in 0.96-1.2 ms against 1.1-1.2 ms with its defaults.
+# autotuned GEMM templates (a one-row product is a GEMV, which the default template does not favour).
 _CPU_OPTIONS = {"cpp_wrapper": True, "max_autotune": True}
 _FIRST_BUCKET = 64
 

@@ -1,10 +1,9 @@
 """Python's cyclic garbage collector, held off while a block allocates many objects that live.
 
 A full collection walks every tracked object; in a process holding a model, an optimizer and torch's
-own modules that is a few hundred thousand, 0.15-0.2 s on the machines here. Such a collection starts
-when enough new objects have survived, so a block that builds many (a checkpoint's plan and metadata)
-triggers one at a random moment: a load or a save's stall on the training loop then takes 1.5-2x as
-long as it does without. Objects that die are still freed at once by reference counting.
+own modules that is a few hundred thousand. Such a collection starts when enough new objects have
+survived, so a block that builds many (a checkpoint's plan and metadata) triggers one at a random
+moment, and a load or a save's stall on the training loop waits for all of it. Objects that die are still freed at once by reference counting.
 """
 
 from __future__ import annotations

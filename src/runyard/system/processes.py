@@ -14,8 +14,10 @@ found by an environment variable its starter set, which every descendant inherit
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import signal
+import subprocess
 from pathlib import Path
 
 _PR_SET_PDEATHSIG = 1
@@ -41,6 +43,16 @@ def die_with_parent(sig: int = signal.SIGKILL, expected_parent: int | None = Non
     if expected_parent is not None and os.getppid() != expected_parent:
         os.kill(os.getpid(), sig)  # the parent died before we could ask: behave as if we had asked
     return True
+
+
+def popen_dying_with_me(args, sig: int = signal.SIGKILL, **popen_kwargs) -> subprocess.Popen:
+    """`subprocess.Popen(args, **popen_kwargs)` for a child sent `sig` when this process exits, however it
+    exits. A `preexec_fn` the caller passes runs after the signal is set (so does `start_new_session`).
+    The kernel sends it when the *thread* that started the child exits: call this from one that lives."""
+    dies = functools.partial(die_with_parent, sig, os.getpid())
+    theirs = popen_kwargs.pop("preexec_fn", None)
+    preexec = dies if theirs is None else lambda: (dies(), theirs())
+    return subprocess.Popen(args, preexec_fn=preexec, **popen_kwargs)
 
 
 def parent_of(pid: int) -> int | None:

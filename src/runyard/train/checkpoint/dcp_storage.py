@@ -6,7 +6,7 @@ DCP's planning, resharding and `.metadata` unchanged and changes only the bytes:
 raw memory (the safetensors convention: C order, little-endian), written once and checksummed on the
 way (checksums.HashingFile), each file fsynced once. A non-tensor value (an optimizer group's learning
 rate, betas...) is written as JSON (tree.py's tagged skeleton, so tuples stay tuples) instead of DCP's
-`torch.save` archive, which took ~0.1 ms each to read back, and an optimizer has a dozen per parameter;
+`torch.save` archive, a zip file to open for each value, and an optimizer has a dozen per parameter;
 a value JSON cannot hold keeps DCP's encoding.
 
 Raw chunks and JSON values are marked in the metadata with the transform descriptors `raw@runyard/1` and
@@ -54,6 +54,7 @@ from torch.futures import Future
 from runyard.errors import CheckpointCorrupt
 from runyard.train.checkpoint import tree
 from runyard.train.checkpoint.checksums import FileEntry, HashingFile
+from runyard.train.checkpoint.parallel_read import pread_exactly
 from runyard.train.checkpoint.tensorfile import tensor_bytes
 
 RAW = "raw@runyard/1"
@@ -168,17 +169,6 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
     return t
 
 
-def _read_exactly(f, offset: int, into: torch.Tensor, where: str) -> None:
-    view = tensor_bytes(into)
-    f.seek(offset)
-    done = 0
-    while done < view.nbytes:
-        n = f.readinto(view[done:])
-        if not n:
-            raise CheckpointCorrupt(f"{where} ends {view.nbytes - done} bytes early")
-        done += n
-
-
 class RawFileSystemReader(FileSystemReader):
     """Reads what `RawFileSystemWriter` writes (and DCP's stock files): a raw chunk is read straight
     into its destination when it covers it whole, else into a buffer and narrowed."""
@@ -218,10 +208,10 @@ class RawFileSystemReader(FileSystemReader):
     def _read_json(self, f, item: ReadItem, planner: LoadPlanner, rel: str) -> None:
         info = self.storage_data[item.storage_index]
         where = f"{rel}: {item.storage_index.fqn}"
-        raw = torch.empty(info.length, dtype=torch.uint8)
-        _read_exactly(f, info.offset, raw, where)
+        raw = bytearray(info.length)
+        pread_exactly(f.fileno(), memoryview(raw), info.offset, where)
         try:
-            value = tree.unflatten(json.loads(raw.numpy().tobytes()), {}, where=where)
+            value = tree.unflatten(json.loads(raw), {}, where=where)
         except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CheckpointCorrupt(f"{where} is not the JSON value it is marked as ({exc})") from None
         if not isinstance(planner, SafeLoadPlanner):
@@ -240,9 +230,9 @@ class RawFileSystemReader(FileSystemReader):
         whole = tuple(item.lengths) == tuple(sizes)
         if whole and target.device.type == "cpu" and target.dtype == dtype and target.is_contiguous() \
                 and tuple(target.shape) == tuple(sizes):
-            _read_exactly(f, info.offset, target, where)
+            pread_exactly(f.fileno(), tensor_bytes(target), info.offset, where)
         else:
             chunk = torch.empty(sizes, dtype=dtype)
-            _read_exactly(f, info.offset, chunk, where)
+            pread_exactly(f.fileno(), tensor_bytes(chunk), info.offset, where)
             target.copy_(_narrow(chunk, item.storage_offsets, item.lengths))
         planner.commit_tensor(item, target)

@@ -4,9 +4,8 @@ A read is a list of spans, each a file offset and the bytes it fills (a tensor's
 file in order. The file is cut at the checksum's piece boundaries (checksums.PIECEWISE); each piece is read
 on a pool thread with pread straight into its destinations, a slice at a time, and hashed while that
 slice is still in the CPU cache. So checking costs no second pass over memory, and a load goes as fast
-as the page cache or the disk serves several reads at once (one thread copies from the page cache at
-about 0.75x of two here). A file whose manifest entry is a whole-file hash (formats 1 and 2) is one
-piece, read and hashed in order on one thread.
+as the page cache or the disk serves several reads at once. A file whose manifest entry is a whole-file
+hash (formats 1 and 2) is one piece, read and hashed in order on one thread.
 """
 
 from __future__ import annotations
@@ -63,13 +62,7 @@ class PendingRead:
     def result(self) -> None:
         self.close()
         hashers = [f.result() for f in self._futures]  # a short read raises its CheckpointCorrupt here
-        if self._algorithm is None:
-            return
-        if self._algorithm in PIECEWISE:
-            digest = combine([h.digest() for h in hashers])
-        else:
-            digest = hashers[0].hexdigest()
-        if digest != self._expected:
+        if self._algorithm is not None and _digest(self._algorithm, hashers) != self._expected:
             raise CheckpointCorrupt(f"{self.path} fails its {self._algorithm} checksum")
 
 
@@ -119,13 +112,14 @@ def _read_piece(fd: int, path: Path, spans: list[Span], hasher):
         for start in range(0, span.view.nbytes, _SLICE):
             part = span.view[start : start + _SLICE]
             if span.read:
-                _pread_exactly(fd, part, span.offset + start, path)
+                pread_exactly(fd, part, span.offset + start, path)
             if hasher is not None:
                 hasher.update(part)
     return hasher
 
 
-def _pread_exactly(fd: int, into: memoryview, offset: int, path: Path) -> None:
+def pread_exactly(fd: int, into: memoryview, offset: int, path: Path | str) -> None:
+    """Fill `into` with the file's bytes from `offset`; CheckpointCorrupt naming `path` if the file ends first."""
     got = 0
     while got < into.nbytes:
         n = os.preadv(fd, [into[got:]], offset + got)
@@ -137,32 +131,32 @@ def _pread_exactly(fd: int, into: memoryview, offset: int, path: Path) -> None:
 def file_checksum(path: Path, algorithm: str, pool: ThreadPoolExecutor | None = None) -> str:
     """The checksum of a file as it is on disk, its pieces hashed on `pool`'s threads when given."""
     size = os.path.getsize(path)
-    fd = os.open(path, os.O_RDONLY)
     piece = PIECEWISE.get(algorithm)
     bounds = [(lo, min(size, lo + piece)) for lo in range(0, size, piece)] if piece else [(0, size)]
-    run = pool.submit if pool is not None else _now
-    futures = [run(_hash_range, fd, path, lo, hi, _hasher_for(algorithm)) for lo, hi in bounds]
+    fd = os.open(path, os.O_RDONLY)
     try:
-        hashers = [f.result() for f in futures]
+        if pool is None:
+            hashers = [_hash_range(fd, path, lo, hi, _hasher_for(algorithm)) for lo, hi in bounds]
+        else:
+            futures = [pool.submit(_hash_range, fd, path, lo, hi, _hasher_for(algorithm)) for lo, hi in bounds]
+            try:
+                hashers = [f.result() for f in futures]
+            finally:
+                wait(futures)  # none may still be reading when `fd` is closed
     finally:
-        wait(futures)
         os.close(fd)
-    return combine([h.digest() for h in hashers]) if piece else hashers[0].hexdigest()
+    return _digest(algorithm, hashers)
 
 
-def _now(fn, *args) -> Future:
-    future: Future = Future()
-    try:
-        future.set_result(fn(*args))
-    except Exception as exc:  # handed to whoever asks for the result, as a pool's future would
-        future.set_exception(exc)
-    return future
+def _digest(algorithm: str, hashers: list) -> str:
+    """The file's hex checksum from its pieces' hashers (one, for a whole-file algorithm)."""
+    return combine([h.digest() for h in hashers]) if algorithm in PIECEWISE else hashers[0].hexdigest()
 
 
 def _hash_range(fd: int, path: Path, lo: int, hi: int, hasher):
     buf = memoryview(bytearray(min(_SLICE, max(hi - lo, 1))))
     for at in range(lo, hi, _SLICE):
         part = buf[: min(_SLICE, hi - at)]
-        _pread_exactly(fd, part, at, path)
+        pread_exactly(fd, part, at, path)
         hasher.update(part)
     return hasher

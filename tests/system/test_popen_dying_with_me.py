@@ -1,4 +1,4 @@
-"""tests.processes.popen: a child a test starts dies when the process that started it is killed."""
+"""system/processes.popen_dying_with_me: a child dies when the process that started it is killed."""
 
 from __future__ import annotations
 
@@ -10,17 +10,16 @@ import sys
 import time
 from pathlib import Path
 
-from runyard.system.processes import is_zombie_or_gone
-from tests.processes import popen
+from runyard.system.processes import is_zombie_or_gone, popen_dying_with_me
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 # Stands in for a pytest worker: starts a sleeper through the helper (in a session of its own, with a
 # preexec_fn of its own, as callers combine them), says its pid, and waits to be killed.
 STARTER = """
 import os, sys, time
-from tests.processes import popen
-child = popen([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
+from runyard.system.processes import popen_dying_with_me
+child = popen_dying_with_me([sys.executable, "-c", "import time; time.sleep(300)"], start_new_session=True,
               preexec_fn=lambda: os.nice(1))
 print(child.pid, flush=True)
 time.sleep(300)
@@ -33,7 +32,7 @@ def niceness(pid: int) -> int:
 
 
 def test_a_child_started_through_the_helper_dies_when_its_starter_is_killed():
-    starter = popen([sys.executable, "-c", STARTER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    starter = popen_dying_with_me([sys.executable, "-c", STARTER], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     child = None
     try:
         child = int(starter.stdout.readline())
