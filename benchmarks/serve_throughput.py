@@ -12,8 +12,8 @@ end-of-text token, so every request generates exactly its output length on both 
   time to first token and time per output token are measured at the client, so they include HTTP
   (on a two-core machine, the server's event loop and the clients share the cores with the engine).
 - runyard engine compiled / runyard http compiled: the same with `compile` (`runyard serve --compile`): a
-  lone decoding sequence's steps run as a compiled graph (serve/decode_graph.py). Measured at the fewest
-  clients only (where steps hold one sequence), after one long request has compiled every key bucket.
+  lone decoding sequence's steps run as a compiled graph (serve/decode_graph.py), compiled when the engine
+  is built. Measured at the fewest clients only (where steps hold one sequence), after one long request.
 - HF one at a time: `LlamaForCausalLM.generate` with its KV cache, one request after another in
   arrival order (what a server without batching does).
 - HF statically batched: whatever requests are waiting (up to 32) form one batch, left-padded, and
@@ -558,8 +558,8 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
-        # `compile` (runyard serve --compile): one sequence's decode steps compiled; measured at one client,
-        # after a request long enough to compile every key bucket has warmed both up.
+        # `compile` (runyard serve --compile): one sequence's decode steps compiled (when the engine is built);
+        # measured at one client, after a request as long as the context has warmed both up.
         server_c = RunyardServer(export, args.threads, max_batch=max(args.clients), extra=("--compile",))
         engine_c = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096, compile=True).start()
         runners = {

@@ -1,6 +1,6 @@
-"""The compiled decode step of one sequence (serve/decode_graph.py): its fixed-shape view attends as the
-eager step does, its key buckets cover the context, and an engine with `compile=True` gives the eager
-engine's greedy tokens, or runs eagerly when compiling fails."""
+"""The compiled decode step of one sequence (serve/decode_graph.py): its view attends as the eager step
+does, and an engine with `compile=True` gives the eager engine's greedy tokens from one graph, falls back
+to its second set of compiler options when the first fails, and runs eagerly when both fail."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import logging
 import pytest
 import torch
 
-from runyard.model.kv_cache import DecodeRows, PrefillChunk
+from runyard.model.kv_cache import DecodeRow, PrefillChunk
 from runyard.serve import decode_graph
 from runyard.serve.batch_engine import BatchEngine
-from runyard.serve.decode_graph import key_buckets
 from runyard.serve.sampling import SamplingParams
 
 PROMPTS = ["def add(a, b):", "import os\nimport sys\n", "for i in range(10):\n"]
@@ -22,35 +21,28 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0)
 
 
-def test_key_buckets_double_from_a_32nd_of_the_context_and_end_at_it():
-    assert key_buckets(512) == [64, 128, 256, 512]
-    assert key_buckets(300) == [64, 128, 256, 300]
-    assert key_buckets(64) == [64]
-    assert key_buckets(8192) == [256, 512, 1024, 2048, 4096, 8192]  # at most 6 graphs, under Dynamo's 8
-
-
-def test_a_fixed_shape_view_attends_as_the_step_over_the_sequence_alone(tokenizer, make_model):
-    """Eager, no compiler: the same logits whether the keys past the sequence are cut (PoolStep) or masked
-    (DecodeRows over a longer bucket), and the same keys written into the pool."""
+def test_a_view_whose_key_count_is_its_masks_size_attends_as_the_step(tokenizer, make_model):
+    """Eager, no compiler: DecodeRow (keys counted by its mask's size) gives PoolStep's logits and writes
+    the same keys into the pool."""
     torch.manual_seed(0)
     model = make_model(tokenizer, context_length=64).eval()
     pools = [model.new_kv_pool(2) for _ in range(2)]
     prompt = torch.tensor([tokenizer.encode("def add(a, b):").ids])
     n = prompt.shape[1]
-    view = DecodeRows(pools[1], rows=1, keys=64)
     with torch.inference_mode():
         for pool in pools:  # the prompt's keys, the same in both pools
             step = pool.step([], [PrefillChunk(0, 0, n)])
             model(prompt, kv_cache=step, positions=step.positions[None])
         token = torch.tensor([[7]])
-        cut = model(token, kv_cache=pools[0].step([n]), positions=torch.tensor([[n]]), logits_at=torch.tensor([0]))
-        view.move_to([n])
-        masked = model(token, kv_cache=view, positions=view.positions[None], logits_at=torch.tensor([0]))
-    torch.testing.assert_close(masked, cut, rtol=1e-5, atol=1e-6)
+        step = model(token, kv_cache=pools[0].step([n]), positions=torch.tensor([[n]]), logits_at=torch.tensor([0]))
+        view = DecodeRow(pools[1], n, torch.zeros(1, 1, 1, n + 1))
+        assert view.length == n + 1
+        row = model(token, kv_cache=view, positions=view.positions[None], logits_at=torch.tensor([0]))
+    torch.testing.assert_close(row, step, rtol=1e-5, atol=1e-6)
     for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v, strict=True):
         torch.testing.assert_close(a[0, :, : n + 1], b[0, :, : n + 1], rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match="cannot hold positions"):
-        view.move_to([64])
+    with pytest.raises(ValueError, match=r"needs a mask of \[1, 1, 1, 6\], not \[1, 1, 1, 5\]"):
+        DecodeRow(pools[1], 5, torch.zeros(1, 1, 1, 5))
 
 
 @pytest.mark.slow
@@ -58,9 +50,14 @@ def test_an_engine_compiling_its_decode_steps_gives_the_eager_engines_tokens(tok
     model = make_model(tokenizer, context_length=64)
     ids = [tokenizer.encode(p).ids for p in PROMPTS]
     eager = BatchEngine(model, tokenizer, max_batch=2).generate(ids, [greedy(20)] * len(ids))
-    engine = BatchEngine(model, tokenizer, max_batch=2, compile=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    engine = BatchEngine(model, tokenizer, max_batch=2, compile=True)  # compiles its step
     alone = [engine.generate([p], [greedy(20)])[0] for p in ids]  # one sequence at a time: compiled steps
     assert engine.decode_graph.failed is None and engine.decode_graph.steps >= 3 * 15
+    # the first option set (the GEMM templates alone) compiled, and every position of every sequence came
+    # from its one graph: the key count is a dynamic size
+    assert len(engine.decode_graph._tries) == len(decode_graph._CPU_OPTION_SETS)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
     assert [c.token_ids for c in alone] == [c.token_ids for c in eager]
     together = engine.generate(ids, [greedy(20)] * len(ids))  # several at once: eager steps, same tokens
     assert [c.token_ids for c in together] == [c.token_ids for c in eager]
@@ -88,3 +85,28 @@ def test_an_engine_whose_compiler_fails_decodes_eagerly_and_says_so(tokenizer, m
     assert got.token_ids == eager.token_ids
     assert "InvalidCxxCompiler" in engine.decode_graph.failed and engine.decode_graph.steps == 0
     assert "compiled decoding is off" in caplog.text
+
+
+def test_an_engine_whose_first_compiler_options_fail_uses_its_second(tokenizer, make_model, monkeypatch):
+    """The first option set failing (its GEMM templates cannot take the model, say) is not the end of
+    compiled decoding: the second set serves the steps. The "compiler" here runs the function as it is."""
+    model = make_model(tokenizer, context_length=64)
+    ids = tokenizer.encode(PROMPTS[0]).ids
+    eager = BatchEngine(model, tokenizer, max_batch=1).generate([ids], [greedy(10)])[0]
+    tried: list[dict] = []
+
+    def first_fails(fn, **kwargs):
+        tried.append(kwargs["options"])
+
+        def run(*args):
+            if kwargs["options"] is decode_graph._CPU_OPTION_SETS[0]:
+                raise RuntimeError("NoValidChoicesError: no GEMM template")
+            return fn(*args)
+        return run
+
+    monkeypatch.setattr(decode_graph.torch, "compile", first_fails)
+    engine = BatchEngine(model, tokenizer, max_batch=1, compile=True)
+    got = engine.generate([ids], [greedy(10)])[0]
+    assert tried == list(decode_graph._CPU_OPTION_SETS)
+    assert got.token_ids == eager.token_ids
+    assert engine.decode_graph.failed is None and engine.decode_graph.steps == 9  # every step after the prompt's

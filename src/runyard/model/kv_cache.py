@@ -194,25 +194,23 @@ class PoolStep:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
-class DecodeRows(PoolStep):
-    """A decode-only step of the sequences in slots 0..rows-1 that attends over the first `keys` positions
-    of every slot, each row's keys past its own position masked: the same shapes step after step, so a
-    compiled forward keeps one graph while its sequences grow up to `keys` positions (serve/decode_graph.py).
-    `move_to(positions)` makes it the next step's view, in place."""
+class DecodeRow(PoolStep):
+    """A decode-only step of the one sequence in slot 0, at `position`, over exactly its own keys. The key
+    count is the last size of `mask` (an additive mask of zeros, [1, 1, 1, position + 1]) rather than a
+    Python int, so a compiler told that this size is dynamic keeps one graph while the sequence grows
+    (serve/decode_graph.py)."""
 
-    def __init__(self, pool: KVPool, rows: int, keys: int):
-        # PoolStep's own __init__ builds a step from Python lists; this one holds tensors updated in place.
+    def __init__(self, pool: KVPool, position: int, mask: torch.Tensor):
+        # PoolStep's own __init__ computes the key count as an int; this view reads it from the mask.
+        if tuple(mask.shape) != (1, 1, 1, position + 1):
+            raise ValueError(f"a step at position {position} needs a mask of [1, 1, 1, {position + 1}], "
+                             f"not {list(mask.shape)}")
         self.pool, self.chunks, self.chunk_masks = pool, [], []
-        self.n_decode = self.n_tokens = rows
-        self.length = keys
-        self.positions = torch.zeros(rows, dtype=torch.long, device=pool.device)
-        self.decode_slots = torch.arange(rows, device=pool.device)
-        self.bias = torch.zeros(rows, 1, 1, keys, dtype=pool.dtype, device=pool.device)
-        self._keys = torch.arange(keys, device=pool.device)
+        self.n_decode = self.n_tokens = 1
+        self.positions = torch.tensor([position], device=pool.device)
+        self.decode_slots = torch.zeros(1, dtype=torch.long, device=pool.device)
+        self.bias = mask
 
-    def move_to(self, positions: list[int]) -> None:
-        if len(positions) != self.n_decode or max(positions) >= self.length:
-            raise ValueError(f"a step of {self.n_decode} rows over {self.length} keys cannot hold positions {positions}")
-        self.positions.copy_(torch.tensor(positions))
-        past = self._keys > self.positions[:, None]
-        self.bias.zero_().masked_fill_(past[:, None, None, :], float("-inf"))
+    @property
+    def length(self) -> int:
+        return self.bias.shape[-1]
