@@ -15,6 +15,10 @@ torch.distributed.checkpoint, rank 0 committing):
   - the synchronous sharded save against both ranks writing half the bytes each, raw, concurrently,
     between the same barriers. Target >= 0.8x.
   - how long an async sharded save stalls the training loop, against the synchronous save. Target <= 0.1x.
+    The stall is the save call plus the wait at the next optimizer step, after that step's forward and
+    backward (`--step-tokens` a rank): parameters and optimizer state are written from the live tensors, and
+    what is not written by then is copied there (train/checkpoint/deferred_copies.py). The step itself,
+    slowed by the write behind it, is a note beside the step without a save.
   - the sharded load into every rank's model and optimizer (under DDP each rank holds the whole state, so
     reads all of it) against each rank raw-reading the same bytes from one file, concurrently. Target >= 0.8x.
 
@@ -41,6 +45,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from harness import Report, Samples, add_common_args, interleaved, paired_ratio  # noqa: E402
 
+from runyard.model.compute import forward_backward  # noqa: E402
 from runyard.model.transformer import ModelConfig, Transformer  # noqa: E402
 from runyard.train import checkpoint as ckpt  # noqa: E402
 from runyard.train import parallel  # noqa: E402
@@ -64,6 +69,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()), help="where checkpoints are written")
     ap.add_argument("--skip-sharded", action="store_true", help="only the one-process figures")
+    ap.add_argument("--step-tokens", type=int, default=64,
+                    help="tokens a rank trains on in the step after an async save (its forward and backward "
+                         "overlap the write; default 64)")
     ap.add_argument("--sharded-worker", type=Path, help=argparse.SUPPRESS)  # a torchrun rank; JSON out here
     add_common_args(ap, repeats=3)
     return ap.parse_args(argv)
@@ -180,14 +188,20 @@ def sharded(args, report: Report) -> None:
     with tempfile.TemporaryDirectory(prefix="runyard-ckpt-bench-", dir=args.dir) as tmp:
         out = Path(tmp) / "result.json"
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                __file__, "--sharded-worker", str(out), "--repeats", str(args.repeats), "--d-model",
+                __file__, "--sharded-worker", str(out), "--repeats", str(args.repeats),
+                "--step-tokens", str(args.step_tokens), "--d-model",
                 str(args.d_model), "--layers", str(args.layers), "--vocab", str(args.vocab), "--dir", tmp]
         subprocess.run(argv, check=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
         result = json.loads(out.read_text())
     gib = result["gib"]
     samples = {name: Samples(v) for name, v in result["seconds"].items()}
-    show({k: v for k, v in samples.items() if k != "async stall"}, gib)
+    show({k: v for k, v in samples.items() if k not in ("async stall", "train step")}, gib)
     print(f"  {'async save: training stall':<28} {samples['async stall'].spread()} s")
+    after = Samples(result["next_step_seconds"])
+    print(f"  {'training step':<28} {samples['train step'].spread()} s alone, {after.spread()} s after an async save")
+    report.note(f"the training step ({args.step_tokens} tokens a rank) after an async save took {after.median:.3g} s "
+                f"({after.spread()}) against {samples['train step'].median:.3g} s ({samples['train step'].spread()}) "
+                "without one: the write going on behind it shares the cores (its stall is in the async ratio)")
     report.ratio("checkpoint_save_sharded_ws2", paired_ratio(samples["raw write"], samples["runyard save"]),
                  "2 ranks each raw-writing half the bytes + fsync", ">=", 0.8,
                  {"gib": gib, **result["seconds"]})
@@ -230,17 +244,44 @@ def sharded_worker(args) -> None:
     def sync_save() -> None:
         ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=True, use_async=False)
 
+    # The training step that follows a save: its forward and backward, then the optimizer's step, before
+    # which the async save's deferred copies are made (train/checkpoint/deferred_copies.py).
+    generator = torch.Generator().manual_seed(ctx.rank)
+    tokens = torch.randint(0, args.vocab, (1, args.step_tokens + 1), generator=generator)
+
+    def optimizer_step() -> float:
+        """The optimizer's step; returns how long it waited before stepping: the pre-hook an async save
+        registered runs before the one registered here."""
+        t0, waited = time.perf_counter(), []
+        handle = setup.optimizer.register_step_pre_hook(lambda *_: waited.append(time.perf_counter() - t0))
+        setup.optimizer.step()
+        handle.remove()
+        setup.optimizer.zero_grad(set_to_none=True)
+        return waited[0]
+
+    def train_step() -> float:
+        t0 = time.perf_counter()
+        forward_backward(setup.module, tokens[:, :-1], tokens[:, 1:], 1.0 / args.step_tokens, ctx.device, "fp32")
+        optimizer_step()
+        return time.perf_counter() - t0
+
+    next_step_s: list[float] = []
+
     def async_save() -> float:
         clear()
         t0 = time.perf_counter()
         ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=False, use_async=True)
-        stall = time.perf_counter() - t0  # the loop would go on training from here
+        stall = time.perf_counter() - t0  # the loop goes on training from here
+        t1 = time.perf_counter()
+        forward_backward(setup.module, tokens[:, :-1], tokens[:, 1:], 1.0 / args.step_tokens, ctx.device, "fp32")
+        stall += optimizer_step()  # the loop waits again only for the copies the write still needs
+        next_step_s.append(parallel.all_reduce_max(time.perf_counter() - t1, ctx))
         ckpt.wait_pending()
         parallel.barrier(ctx)
         return stall
 
     contenders = {"raw write": lambda: timed(lambda: raw_write(raw_file, mine)),
-                  "runyard save": lambda: timed(sync_save), "async stall": async_save}
+                  "runyard save": lambda: timed(sync_save), "async stall": async_save, "train step": train_step}
     for fn in contenders.values():  # warm-up: the stager's buffers, the process groups
         fn()
     seconds: dict[str, list[float]] = {name: [] for name in contenders}
@@ -256,6 +297,7 @@ def sharded_worker(args) -> None:
     clear()
     if ctx.is_main:
         args.sharded_worker.write_text(json.dumps({"gib": nbytes(tensors) / 2**30, "seconds": seconds,
+                                                   "next_step_seconds": next_step_s[1:],  # [0]: the warm-up
                                                    "load_seconds": load_seconds}))
     parallel.teardown()
 

@@ -1,7 +1,7 @@
 """The fast paths of checkpoint I/O keep every guarantee: a file is read piece by piece on several threads,
 each piece hashed as it lands, and still refused when one byte differs or the file ends early; whole-file
 xxh3-128 and sha256 entries (formats 2 and 1) verify through the same path; data parallel ranks each stage
-only the copies they write."""
+only the copies they write (train/checkpoint/deferred_copies.py has its own tests)."""
 
 from __future__ import annotations
 
@@ -155,19 +155,6 @@ def test_data_parallel_ranks_split_the_plain_tensors_they_all_hold(monkeypatch):
     assert names[0].isdisjoint(names[1]) and names[0] | names[1] == {"big", "mid", "small", "only0", "only1"}
 
 
-def test_an_async_save_stages_plain_tensors_into_buffers_it_reuses():
-    stager = sharded._PlainCopies()
-    w, groups = torch.randn(4, 3), {"lr": [0.1]}
-    state = {"model": {"w": w, "t": torch.arange(5)}, "optim": {"param_groups.w": groups}}
-    assert stager.handles(state)
-    first, before = stager.stage(state), w.clone()
-    w.add_(1.0)  # training goes on once staged
-    groups["lr"][0] = 0.2
-    assert torch.equal(first["model"]["w"], before) and first["optim"]["param_groups.w"] == {"lr": [0.1]}
-    ptr = first["model"]["w"].data_ptr()
-    second = stager.stage(state)
-    assert second["model"]["w"].data_ptr() == ptr, "the buffer of the first save is reused"
-    assert torch.equal(second["model"]["w"], w)
-    state["model"]["w"] = torch.randn(2, 2)  # another shape: a buffer of its own
-    assert tuple(stager.stage(state)["model"]["w"].shape) == (2, 2)
-    assert not stager.handles({"model": {"w": torch.empty(2, device="meta")}}), "device tensors: DCP's stager"
+def test_async_saves_of_plain_cpu_tensors_defer_their_copies_and_others_use_dcps_stager():
+    assert sharded._plain_cpu({"model": {"w": torch.randn(2)}, "optim": {"param_groups.w": {"lr": 0.1}}})
+    assert not sharded._plain_cpu({"model": {"w": torch.empty(2, device="meta")}}), "device tensors: DCP's stager"

@@ -4,6 +4,7 @@ distributed loop runs, with real files, a real model, optimizer and token loader
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +21,7 @@ from runyard.model.compute import forward_backward
 from runyard.model.transformer import ModelConfig, Transformer
 from runyard.train import checkpoint as ckpt
 from runyard.train import parallel
-from runyard.train.checkpoint import dcp_storage, store
+from runyard.train.checkpoint import dcp_storage, sharded, store
 from runyard.train.loop import TrainSetup
 from runyard.train.rng import capture_rng
 
@@ -80,6 +81,39 @@ def test_sharded_checkpoint_resumes_bitwise(index, tmp_path, use_async):
     b = make_setup(index, seed=1)  # other initial weights: all must come from the checkpoint
     state = ckpt.load(b.state, tmp_path, CTX).values
     assert state["step"] == 3 and b.loader.position == 3 * 4
+    assert train_steps(b, 3) == expected
+    for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+@pytest.mark.parametrize("writer_held", [True, False], ids=["copied-at-the-step", "written-as-it-comes"])
+def test_an_async_save_overlapped_with_training_holds_the_saved_step(index, tmp_path, monkeypatch, writer_held):
+    """An async sharded save returns before its write and training goes on at once: parameters and
+    optimizer state are written from the live tensors until the optimizer's next step, which first copies
+    what is not written yet. Held: the writer starts only after that step, so every tensor is written from
+    its copy. Either way the checkpoint resumes bitwise at the saved step."""
+    torch.set_num_threads(1)
+    go = threading.Event()
+    if writer_held:
+        write_state = sharded.tensorfile.write_state  # the rank's RNG file, written just before its shards
+
+        def held(*args, **kwargs):
+            assert go.wait(60)
+            return write_state(*args, **kwargs)
+
+        monkeypatch.setattr(sharded.tensorfile, "write_state", held)
+    else:
+        go.set()
+    a = make_setup(index)
+    train_steps(a, 3)
+    ckpt.save(a.state, tmp_path, 3, {"world_size": 1, "grad_accum": 1}, CTX, sharded_format=True, use_async=True)
+    expected = train_steps(a, 1)  # its optimizer step changes the tensors the save holds
+    go.set()
+    expected += train_steps(a, 2)
+    ckpt.wait_pending()
+
+    b = make_setup(index, seed=1)
+    assert ckpt.load(b.state, tmp_path, CTX).values["step"] == 3
     assert train_steps(b, 3) == expected
     for (name, pa), (_, pb) in zip(a.model.state_dict().items(), b.model.state_dict().items(), strict=True):
         assert torch.equal(pa, pb), name

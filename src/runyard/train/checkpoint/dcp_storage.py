@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp  # noqa: F401  (sharded.py saves and loads through this module)
@@ -87,7 +88,17 @@ class _WrittenChunk(_StorageInfo):
     file_entry: FileEntry | None = None
 
 
-def _write_file(path: Path, items: list[WriteItem], planner: SavePlanner) -> list[WriteResult]:
+class TensorSource(Protocol):
+    """Where the writer gets each tensor it writes (deferred_copies.DeferredCopies): `take` gives the
+    tensor to write in place of the state dict's, `done` says it is written."""
+
+    def take(self, tensor: torch.Tensor) -> torch.Tensor: ...
+
+    def done(self, tensor: torch.Tensor) -> None: ...
+
+
+def _write_file(path: Path, items: list[WriteItem], planner: SavePlanner,
+                source: TensorSource | None = None) -> list[WriteResult]:
     results = []
     with HashingFile(path) as out:
         # DCP's order: non-tensor values first, then tensors.
@@ -102,8 +113,12 @@ def _write_file(path: Path, items: list[WriteItem], planner: SavePlanner) -> lis
                 descriptors = None
             else:
                 data = planner.resolve_data(item)
-                tensor = data.detach()
-                out.write(tensor_bytes(tensor if tensor.device.type == "cpu" else tensor.to("cpu")))
+                tensor = (data if source is None else source.take(data)).detach()
+                try:
+                    out.write(tensor_bytes(tensor if tensor.device.type == "cpu" else tensor.to("cpu")))
+                finally:
+                    if source is not None:
+                        source.done(data)
                 descriptors = [RAW]
             info = _WrittenChunk(path.name, offset, out.tell() - offset, descriptors)
             results.append(WriteResult(index=item.index, size_in_bytes=info.length, storage_data=info))
@@ -129,11 +144,13 @@ class RawFileSystemWriter(FileSystemWriter):
     """DCP's file system writer with raw tensor chunks; `files` holds, on the coordinator after the
     save, the manifest entry (checksum, size) of every rank's data file, keyed by file name."""
 
-    def __init__(self, path: str | Path, thread_count: int = 1, before_write: Callable[[], None] | None = None):
+    def __init__(self, path: str | Path, thread_count: int = 1, before_write: Callable[[], None] | None = None,
+                 source: TensorSource | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=thread_count,
                          overwrite=True)
         self.files: dict[str, FileEntry] = {}
         self._before_write = before_write  # this rank's other files of the checkpoint (in the background)
+        self._source = source
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         if self._before_write is not None:
@@ -142,10 +159,11 @@ class RawFileSystemWriter(FileSystemWriter):
         buckets = _split_by_size_and_type(self.thread_count, plan.items)
         paths = [Path(self.path) / f"{prefix}{i}{DEFAULT_SUFFIX}" for i in range(len(buckets))]
         if len(buckets) == 1:
-            results = _write_file(paths[0], buckets[0], planner)
+            results = _write_file(paths[0], buckets[0], planner, self._source)
         else:
             with ThreadPoolExecutor(len(buckets), thread_name_prefix="runyard-ckpt-write") as pool:
-                results = [r for rs in pool.map(_write_file, paths, buckets, [planner] * len(buckets)) for r in rs]
+                results = [r for rs in pool.map(_write_file, paths, buckets, [planner] * len(buckets),
+                                                [self._source] * len(buckets)) for r in rs]
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future

@@ -19,7 +19,6 @@ in order before the save and reordered for the loading layout after the load: tr
 
 from __future__ import annotations
 
-import copy
 import warnings
 from concurrent.futures import Future
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch.distributed as dist
 
 from runyard.train.checkpoint import tensorfile
 from runyard.train.checkpoint.checksums import FileEntry
+from runyard.train.checkpoint.deferred_copies import DeferredCopies
 from runyard.train.parallel import DistContext, is_dtensor
 from runyard.train.tensor_parallel import FusedRows, fused_rows_of
 
@@ -85,40 +85,15 @@ def _stager_for(device: torch.device) -> DefaultStager:
     return _stager
 
 
-class _PlainCopies:
-    """Staging for an async save of plain CPU tensors (data-parallel ranks on CPU): one buffer per tensor,
-    allocated at the first save and refilled by every later one, a copy per tensor and nothing else
-    (DCP's stager deep-copies the state dict's whole structure around its copies). The copies are made
-    by `stage` before DCP is called (which gets `_AsIs` as its stager). A state with DTensors or device
-    tensors goes through DCP's stager (`_stager_for`)."""
-
-    def __init__(self):
-        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
-
-    @staticmethod
-    def handles(state_dict: dict[str, dict[str, Any]]) -> bool:
-        return all(not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and not is_dtensor(v))
-                   for sd in state_dict.values() for v in sd.values())
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        buffers: dict[tuple[str, str], torch.Tensor] = {}
-        staged: dict[str, Any] = {}
-        for part, sd in state_dict.items():
-            staged[part] = {}
-            for key, value in sd.items():
-                if not isinstance(value, torch.Tensor):
-                    staged[part][key] = copy.deepcopy(value)
-                    continue
-                buf = self._buffers.get((part, key))
-                if buf is None or buf.shape != value.shape or buf.dtype != value.dtype:
-                    buf = torch.empty(value.shape, dtype=value.dtype)
-                buffers[part, key] = staged[part][key] = buf.copy_(value.detach())
-        self._buffers = buffers  # the previous save's upload is over (training.save waits for it first)
-        return staged
+def _plain_cpu(state_dict: dict[str, dict[str, Any]]) -> bool:
+    """Whether every tensor in `state_dict` is a plain CPU tensor (data-parallel ranks on CPU): such a state
+    is staged by `DeferredCopies`; one with DTensor shards or device tensors by DCP's stager."""
+    return all(not isinstance(v, torch.Tensor) or (v.device.type == "cpu" and not is_dtensor(v))
+               for sd in state_dict.values() for v in sd.values())
 
 
 class _AsIs:
-    """DCP's async stager for a state dict staged already (`_PlainCopies`)."""
+    """DCP's async stager for a state dict staged already (`DeferredCopies`)."""
 
     should_synchronize_after_execute = False  # nothing left to wait for
 
@@ -129,7 +104,7 @@ class _AsIs:
         pass
 
 
-_plain_copies = _PlainCopies()
+_deferred = DeferredCopies()
 
 
 class ShardWrite:
@@ -146,9 +121,10 @@ class ShardWrite:
 
 def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_state: dict[str, Any],
                  tmp: Path, ctx: DistContext, use_async: bool) -> ShardWrite:
-    """Every rank calls this for the same `tmp`. Returns once the state is copied out of the model
-    (async) or written (sync); the write goes on in the background when async. `rng_state` must be this
-    process's own copy (it is written in the background too)."""
+    """Every rank calls this for the same `tmp`. Returns once the state is staged (async: plain CPU
+    tensors by `DeferredCopies`, whose copies wait for the optimizer's next step; others copied out by
+    DCP's stager) or written (sync); the write goes on in the background when async. `rng_state` must be
+    this process's own copy (it is written in the background too)."""
     storage = _dcp_storage()
     model_sd, optim_sd = storage.get_state_dict(model, optimizer, options=storage.FLAT)
     laid_out = fused_rows_of(model)
@@ -162,10 +138,11 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
         # rank 0's save completes, every rank's RNG file is down too.
         rng[rng_file(ctx.rank)] = tensorfile.write_state(_mkparent(tmp / rng_file(ctx.rank)), rng_state)
 
-    writer = storage.RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng)
+    deferred = use_async and _plain_cpu(state_dict)
+    writer = storage.RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng, source=_deferred if deferred else None)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
-    if use_async and _plain_copies.handles(state_dict):
-        future = storage.dcp.async_save(_plain_copies.stage(state_dict), async_stager=_AsIs(), **kwargs)
+    if deferred:
+        future = storage.dcp.async_save(_deferred.stage(state_dict, model, optimizer), async_stager=_AsIs(), **kwargs)
     elif use_async:
         future = storage.dcp.async_save(state_dict, async_stager=_stager_for(ctx.device), **kwargs)
     else:
