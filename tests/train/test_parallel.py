@@ -177,9 +177,16 @@ def test_tensor_chunks_are_raw_memory_and_dcp_stock_reader_refuses_them(index, t
         dcp.load(sd, checkpoint_id=str(path / "dcp"), no_dist=True)
 
 
-def test_non_tensor_values_are_json_and_come_back_with_their_types(index, tmp_path):
+@pytest.mark.parametrize("gap", [dcp_storage._GAP, -1], ids=["one-read-a-file", "one-read-a-value"])
+def test_non_tensor_values_are_json_and_come_back_with_their_types(index, tmp_path, monkeypatch, gap):
     """An optimizer group's values (floats, a tuple of betas, bools, None) are stored as JSON, marked so that
-    DCP's stock reader refuses them, and a sharded load gives back the same values with the same types."""
+    DCP's stock reader refuses them, and a sharded load gives back the same values with the same types,
+    whether a file's values are read in one call (they lie together) or one by one."""
+    monkeypatch.setattr(dcp_storage, "_GAP", gap)
+    reads = []
+    pread = dcp_storage.pread_exactly
+    monkeypatch.setattr(dcp_storage, "pread_exactly", lambda fd, buf, offset, where: (reads.append(where),
+                                                                                        pread(fd, buf, offset, where)))
     a = make_setup(index)
     train_steps(a, 1)
     path = ckpt.save(a.state, tmp_path, 1, {}, CTX, wait=True, sharded_format=True)
@@ -194,6 +201,9 @@ def test_non_tensor_values_are_json_and_come_back_with_their_types(index, tmp_pa
     want, got = a.optimizer.state_dict()["param_groups"], b.optimizer.state_dict()["param_groups"]
     assert got == want and all(type(g[k]) is type(w[k]) for g, w in zip(got, want, strict=True) for k in w)
     assert isinstance(got[0]["betas"], tuple)
+    value_reads = [w for w in reads if "values from byte" in w]
+    n_values = sum(1 for m in marks.values() if m == [dcp_storage.JSON])
+    assert len(value_reads) == (1 if gap >= 0 else n_values) and n_values > 10
 
 
 def test_a_sharded_checkpoint_written_by_stock_dcp_still_resumes(index, tmp_path):

@@ -32,7 +32,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import DEFAULT_SUFFIX, _split_by_size_and_type, _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import (
     LoadItemType,
     LoadPlan,
@@ -53,13 +53,14 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from runyard.errors import CheckpointCorrupt
-from runyard.train.checkpoint import tree
+from runyard.train.checkpoint import dcp_metadata, tree
 from runyard.train.checkpoint.checksums import FileEntry, HashingFile
 from runyard.train.checkpoint.parallel_read import pread_exactly
 from runyard.train.checkpoint.tensorfile import tensor_bytes
 
 RAW = "raw@runyard/1"
 JSON = "json@runyard/1"
+_GAP = 64 << 10  # JSON values this close together are read in one call
 # The optimizer's state and hyperparameters keyed by parameter name ("optim.param_groups.<name>.lr"), as
 # torchtitan saves them: a rank holding part of the model (a pipeline stage) writes its parameters' groups
 # itself, so any layout restores them.
@@ -189,7 +190,22 @@ def _narrow(t: torch.Tensor, offsets, lengths) -> torch.Tensor:
 
 class RawFileSystemReader(FileSystemReader):
     """Reads what `RawFileSystemWriter` writes (and DCP's stock files): a raw chunk is read straight
-    into its destination when it covers it whole, else into a buffer and narrowed."""
+    into its destination when it covers it whole, else into a buffer and narrowed. `.metadata` is read
+    once, without running what its pickle may name (dcp_metadata.py)."""
+
+    def __init__(self, path: str | Path):
+        super().__init__(path)
+        self._metadata: dict[int | None, Metadata] = {}
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        rank = kwargs.get("rank")
+        if rank not in self._metadata:
+            metadata = dcp_metadata.read_metadata(Path(self._get_metadata_path(rank)))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            self._metadata[rank] = metadata
+        return self._metadata[rank]
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
         super().set_up_storage_reader(metadata, is_coordinator, *args, **kwargs)
@@ -208,11 +224,12 @@ class RawFileSystemReader(FileSystemReader):
             super().read_data(dataclasses.replace(plan, items=stock), planner).wait()
         for rel, items in raw.items():
             with open(Path(self.path) / rel, "rb", buffering=0) as f:
+                values = [i for i in items if i.type != LoadItemType.TENSOR]
+                for item, encoded in zip(values, self._read_together(f, values, rel), strict=True):
+                    self._place_json(encoded, item, planner, rel)
                 for item in sorted(items, key=lambda i: self.storage_data[i.storage_index].offset):
                     if item.type == LoadItemType.TENSOR:
                         self._read_raw(f, item, planner, rel)
-                    else:
-                        self._read_json(f, item, planner, rel)
         future: Future[None] = Future()
         future.set_result(None)
         return future
@@ -223,13 +240,29 @@ class RawFileSystemReader(FileSystemReader):
             return chunks[index.index]
         return next(c for c in chunks if c.offsets == index.offset)
 
-    def _read_json(self, f, item: ReadItem, planner: LoadPlanner, rel: str) -> None:
-        info = self.storage_data[item.storage_index]
+    def _read_together(self, f, items: list[ReadItem], rel: str) -> list[memoryview]:
+        """The bytes of each of `items` (a file's JSON values: hundreds of small ones, written one after
+        another at its start), one read per run of values with at most `_GAP` bytes between them."""
+        infos = [self.storage_data[i.storage_index] for i in items]
+        encoded: list[memoryview | None] = [None] * len(items)
+        order = sorted(range(len(items)), key=lambda k: infos[k].offset)
+        run: list[int] = []
+        for k in [*order, None]:
+            if run and (k is None or infos[k].offset - (infos[run[-1]].offset + infos[run[-1]].length) > _GAP):
+                start = infos[run[0]].offset
+                span = memoryview(bytearray(max(infos[j].offset + infos[j].length for j in run) - start))
+                pread_exactly(f.fileno(), span, start, f"{rel}: {len(run)} values from byte {start}")
+                for j in run:
+                    encoded[j] = span[infos[j].offset - start : infos[j].offset - start + infos[j].length]
+                run = []
+            if k is not None:
+                run.append(k)
+        return encoded
+
+    def _place_json(self, encoded: memoryview, item: ReadItem, planner: LoadPlanner, rel: str) -> None:
         where = f"{rel}: {item.storage_index.fqn}"
-        raw = bytearray(info.length)
-        pread_exactly(f.fileno(), memoryview(raw), info.offset, where)
         try:
-            value = tree.unflatten(json.loads(raw), {}, where=where)
+            value = tree.unflatten(json.loads(bytes(encoded)), {}, where=where)
         except (ValueError, TypeError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise CheckpointCorrupt(f"{where} is not the JSON value it is marked as ({exc})") from None
         if not isinstance(planner, SafeLoadPlanner):
