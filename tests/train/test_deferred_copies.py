@@ -13,8 +13,9 @@ from runyard.train.checkpoint.deferred_copies import DeferredCopies
 
 def model_and_optimizer() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3))
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3), torch.nn.Linear(3, 2))
+    model[2].requires_grad_(False)  # frozen: not the optimizer's
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
     model(torch.randn(8, 4)).sum().backward()
     opt.step()  # the optimizer holds its moments
     return model, opt
@@ -28,10 +29,11 @@ def state_of(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, di
 def test_parameters_and_optimizer_state_stay_live_and_the_rest_is_copied_at_once():
     model, opt = model_and_optimizer()
     state = state_of(model, opt)
-    staged = DeferredCopies().stage(state, model, opt)
+    staged = DeferredCopies().stage(state, opt)
     live = {"0.weight", "0.bias", "1.weight", "1.bias"}
-    for key, value in state["model"].items():
-        assert (staged["model"][key] is value) == (key in live), key  # BatchNorm's running stats: copied
+    for key, value in state["model"].items():  # BatchNorm's running stats and the frozen layer: copied
+        assert (staged["model"][key] is value) == (key in live), key
+        assert torch.equal(staged["model"][key], value), key
     assert all(staged["optim"][k] is v for k, v in state["optim"].items() if isinstance(v, torch.Tensor))
     before = staged["model"]["1.running_mean"].clone()
     model(torch.randn(8, 4))  # a forward changes the running statistics; the staged copy keeps the saved ones
@@ -44,7 +46,7 @@ def test_parameters_and_optimizer_state_stay_live_and_the_rest_is_copied_at_once
 def test_the_optimizers_step_copies_what_the_writer_has_not_taken():
     model, opt = model_and_optimizer()
     copies = DeferredCopies()
-    staged = copies.stage(state_of(model, opt), model, opt)
+    staged = copies.stage(state_of(model, opt), opt)
     weight, bias = staged["model"]["0.weight"], staged["model"]["0.bias"]
     saved_weight, saved_bias = weight.clone(), bias.clone()
     assert copies.take(weight) is weight  # written from the live tensor: no copy
@@ -61,7 +63,7 @@ def test_the_optimizers_step_copies_what_the_writer_has_not_taken():
 def test_the_optimizers_step_waits_for_a_tensor_being_written():
     model, opt = model_and_optimizer()
     copies = DeferredCopies()
-    staged = copies.stage(state_of(model, opt), model, opt)
+    staged = copies.stage(state_of(model, opt), opt)
     weight = staged["model"]["0.weight"]
     assert copies.take(weight) is weight  # the writer is writing it
     stepped = threading.Event()
@@ -76,9 +78,9 @@ def test_the_optimizers_step_waits_for_a_tensor_being_written():
 def test_each_save_reuses_its_buffers_and_replaces_the_previous_saves_hook():
     model, opt = model_and_optimizer()
     copies = DeferredCopies()
-    first = copies.stage(state_of(model, opt), model, opt)
+    first = copies.stage(state_of(model, opt), opt)
     opt.step()
-    second = copies.stage(state_of(model, opt), model, opt)
+    second = copies.stage(state_of(model, opt), opt)
     assert len(opt._optimizer_step_pre_hooks) == 1, "one hook: the previous save's is removed"
     assert second["model"]["1.running_mean"].data_ptr() == first["model"]["1.running_mean"].data_ptr()
     bias = second["model"]["0.bias"]

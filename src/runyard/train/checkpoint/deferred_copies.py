@@ -7,7 +7,8 @@ the tensors the writer has not reached yet are copied into buffers (allocated on
 saves) and the writer goes on from the copies; a tensor it is writing at that moment is waited for. A write
 that ends within the next forward and backward copies nothing, and the loop stalls only for the copies it
 still needs. Everything else in the state (module buffers, which a forward may change, such as batch norm's
-running statistics; non-tensor values) is copied when the save is called.
+running statistics; parameters the optimizer does not hold; non-tensor values) is copied when the save is
+called.
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class DeferredCopies:
         self._hook: Any = None
         self.stalled_s = 0.0  # how long the last release held the optimizer's step
 
-    def stage(self, state_dict: dict[str, dict[str, Any]], model: torch.nn.Module,
-              optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
+    def stage(self, state_dict: dict[str, dict[str, Any]], optimizer: torch.optim.Optimizer) -> dict[str, dict[str, Any]]:
         """The state dict to write: parameters and optimizer state as they are (until `release`), the rest
         copied now. Hooks `release` to the optimizer's next step."""
         self._retire_hook()
-        changed_by_step = {t.untyped_storage().data_ptr() for t in model.parameters()}
+        # What the optimizer steps: its parameters and their state. A parameter it does not hold (frozen, or
+        # changed by other code) is copied now, like the module's buffers.
+        changed_by_step = {p.untyped_storage().data_ptr() for g in optimizer.param_groups for p in g["params"]}
         changed_by_step |= {v.untyped_storage().data_ptr() for s in optimizer.state.values() for v in s.values()
                             if isinstance(v, torch.Tensor)}
         staged: dict[str, dict[str, Any]] = {}

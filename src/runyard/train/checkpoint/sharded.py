@@ -142,7 +142,7 @@ def write_shards(model: torch.nn.Module, optimizer: torch.optim.Optimizer, rng_s
     writer = storage.RawFileSystemWriter(tmp / DCP_DIR, before_write=write_rng, source=_deferred if deferred else None)
     kwargs = {"storage_writer": writer, "process_group": ctx.ckpt_group, "no_dist": not ctx.distributed}
     if deferred:
-        future = storage.dcp.async_save(_deferred.stage(state_dict, model, optimizer), async_stager=_AsIs(), **kwargs)
+        future = storage.dcp.async_save(_deferred.stage(state_dict, optimizer), async_stager=_AsIs(), **kwargs)
     elif use_async:
         future = storage.dcp.async_save(state_dict, async_stager=_stager_for(ctx.device), **kwargs)
     else:
