@@ -12,8 +12,9 @@ end-of-text token, so every request generates exactly its output length on both 
   time to first token and time per output token are measured at the client, so they include HTTP
   (on a two-core machine, the server's event loop and the clients share the cores with the engine).
 - runyard engine compiled / runyard http compiled: the same with `compile` (`runyard serve --compile`): a
-  lone decoding sequence's steps run as a compiled graph (serve/decode_graph.py), compiled when the engine
-  is built. Measured at the fewest clients only (where steps hold one sequence), after one long request.
+  decode-only step (no prompt in it) runs as a compiled graph (serve/decode_graph.py: one for a lone
+  sequence, one for several), compiled when the engine is built; steps with prompts stay eager. Measured
+  at every client count, after one long request.
 - HF one at a time: `LlamaForCausalLM.generate` with its KV cache, one request after another in
   arrival order (what a server without batching does).
 - HF statically batched: whatever requests are waiting (up to 32) form one batch, left-padded, and
@@ -558,8 +559,8 @@ def main(argv: list[str] | None = None) -> int:
         results: dict[tuple[str, int], list[Result]] = {}
         server = RunyardServer(export, args.threads, max_batch=max(args.clients))
         engine = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096).start()
-        # `compile` (runyard serve --compile): one sequence's decode steps compiled (when the engine is built);
-        # measured at one client, after a request as long as the context has warmed both up.
+        # `compile` (runyard serve --compile): decode-only steps compiled (when the engine is built); a request
+        # as long as the context warms both up.
         server_c = RunyardServer(export, args.threads, max_batch=max(args.clients), extra=("--compile",))
         engine_c = BatchEngine(ours, tok, max_batch=max(args.clients), max_queue=4096, compile=True).start()
         runners = {
@@ -579,8 +580,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.repeats):
                 for clients in args.clients:
                     workload = make_workload(tok, texts, max(16, args.requests_per_client * clients), args.seed + clients)
-                    # the compiled modes only where steps hold one sequence
-                    modes = [m for m in runners if not m.endswith("compiled") or clients == min(args.clients)]
+                    modes = list(runners)
                     modes = modes[r % len(modes) :] + modes[: r % len(modes)]  # interleaved: each round starts elsewhere
                     for mode in modes:
                         res = runners[mode](workload, clients)
@@ -629,6 +629,13 @@ def main(argv: list[str] | None = None) -> int:
             report.ratio(f"serve_{tag}_compiled_time_per_output_token_{one}_client_vs_llama_cpp",
                          paired(f"{mode} compiled", "llama.cpp", one, "tpot p50 ms"),
                          "llama.cpp (GGUF f32), one client; runyard with compile (its decode steps compiled)", "<=", 1.5)
+            report.ratio(f"serve_{tag}_compiled_tokens_per_s_{top}_clients_vs_llama_cpp",
+                         paired(f"{mode} compiled", "llama.cpp", top, "tokens/s"),
+                         f"llama.cpp (GGUF f32, continuous batching), {top} clients; runyard with compile", ">=", 1.0)
+            for clients in sorted(set(args.clients) - {one, top}):
+                middle = paired(f"{mode} compiled", "llama.cpp", clients, "tokens/s")
+                report.note(f"{mode} compiled: tokens/s at {clients} clients over llama.cpp's: {middle.spread()} "
+                            f"(eager: {paired(mode, 'llama.cpp', clients, 'tokens/s').spread()}; no target)")
         ttft = paired(mode, "hf static batch", top, "ttft p50 ms")
         report.note(f"{mode}: time to first token p50 at {top} clients over HF static batching's: {ttft.spread()} "
                     "(lower is better; no target)")

@@ -1,6 +1,6 @@
-"""The compiled decode step of one sequence (serve/decode_graph.py): its view attends as the eager step
-does, and an engine with `compile=True` gives the eager engine's greedy tokens from one graph, falls back
-to its second set of compiler options when the first fails, and runs eagerly when both fail."""
+"""Compiled decode-only steps (serve/decode_graph.py): their view attends as the eager step does, and an
+engine with `compile=True` gives the eager engine's greedy tokens from two graphs (one sequence, several),
+falls back to its second set of compiler options when the first fails, and runs eagerly when both fail."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from runyard.model.kv_cache import DecodeRow, PrefillChunk
+from runyard.model.kv_cache import DecodeRows, PrefillChunk
 from runyard.serve import decode_graph
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.sampling import SamplingParams
@@ -21,51 +21,56 @@ def greedy(n: int) -> SamplingParams:
     return SamplingParams(max_tokens=n, temperature=0)
 
 
-def test_a_view_whose_key_count_is_its_masks_size_attends_as_the_step(tokenizer, make_model):
-    """Eager, no compiler: DecodeRow (keys counted by its mask's size) gives PoolStep's logits and writes
-    the same keys into the pool."""
+def test_a_view_whose_counts_are_its_masks_sizes_attends_as_the_step(tokenizer, make_model):
+    """Eager, no compiler: DecodeRows (rows and keys counted by its mask's sizes) gives PoolStep's logits and
+    writes the same keys into the pool, for sequences of different lengths."""
     torch.manual_seed(0)
     model = make_model(tokenizer, context_length=64).eval()
-    pools = [model.new_kv_pool(2) for _ in range(2)]
-    prompt = torch.tensor([tokenizer.encode("def add(a, b):").ids])
-    n = prompt.shape[1]
+    pools = [model.new_kv_pool(3) for _ in range(2)]
+    prompts = [tokenizer.encode(p).ids for p in PROMPTS]
     with torch.inference_mode():
-        for pool in pools:  # the prompt's keys, the same in both pools
-            step = pool.step([], [PrefillChunk(0, 0, n)])
-            model(prompt, kv_cache=step, positions=step.positions[None])
-        token = torch.tensor([[7]])
-        step = model(token, kv_cache=pools[0].step([n]), positions=torch.tensor([[n]]), logits_at=torch.tensor([0]))
-        view = DecodeRow(pools[1], n, torch.zeros(1, 1, 1, n + 1))
-        assert view.length == n + 1
-        row = model(token, kv_cache=view, positions=view.positions[None], logits_at=torch.tensor([0]))
-    torch.testing.assert_close(row, step, rtol=1e-5, atol=1e-6)
+        for pool in pools:  # the prompts' keys, the same in both pools
+            for slot, ids in enumerate(prompts):
+                step = pool.step([], [PrefillChunk(slot, 0, len(ids))])
+                model(torch.tensor([ids]), kv_cache=step, positions=step.positions[None])
+        tokens, positions = torch.tensor([[7, 8, 9]]), [len(ids) for ids in prompts]
+        step = model(tokens, kv_cache=pools[0].step(positions), positions=torch.tensor([positions]),
+                     logits_at=torch.arange(3))
+        view = DecodeRows(pools[1], positions)
+        assert (view.n_decode, view.length) == (3, max(positions) + 1)
+        rows = model(tokens, kv_cache=view, positions=view.positions[None], logits_at=torch.arange(3))
+    torch.testing.assert_close(rows, step, rtol=1e-5, atol=1e-6)
     for a, b in zip(pools[0].k + pools[0].v, pools[1].k + pools[1].v, strict=True):
-        torch.testing.assert_close(a[0, :, : n + 1], b[0, :, : n + 1], rtol=1e-6, atol=1e-6)
-    with pytest.raises(ValueError, match=r"needs a mask of \[1, 1, 1, 6\], not \[1, 1, 1, 5\]"):
-        DecodeRow(pools[1], 5, torch.zeros(1, 1, 1, 5))
+        for slot, n in enumerate(positions):
+            torch.testing.assert_close(a[slot, :, : n + 1], b[slot, :, : n + 1], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"a pool of 3 slots of 64 positions cannot decode at \[5, 64\]"):
+        DecodeRows(pools[1], [5, 64])
 
 
 @pytest.mark.slow
 def test_an_engine_compiling_its_decode_steps_gives_the_eager_engines_tokens(tokenizer, make_model):
     model = make_model(tokenizer, context_length=64)
     ids = [tokenizer.encode(p).ids for p in PROMPTS]
-    eager = BatchEngine(model, tokenizer, max_batch=2).generate(ids, [greedy(20)] * len(ids))
+    eager = BatchEngine(model, tokenizer, max_batch=3).generate(ids, [greedy(20)] * len(ids))
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    engine = BatchEngine(model, tokenizer, max_batch=2, compile=True)  # compiles its step
+    engine = BatchEngine(model, tokenizer, max_batch=3, compile=True)  # compiles its two graphs
     alone = [engine.generate([p], [greedy(20)])[0] for p in ids]  # one sequence at a time: compiled steps
     assert engine.decode_graph.failed is None and engine.decode_graph.steps >= 3 * 15
-    # the first option set (the GEMM templates alone) compiled, and every position of every sequence came
-    # from its one graph: the key count is a dynamic size
-    assert len(engine.decode_graph._tries) == len(decode_graph._CPU_OPTION_SETS)
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 1
+    # The first option set (the GEMM templates alone) compiled both graphs, and every step of every sequence
+    # came from them: the key count is a dynamic size.
+    assert all(len(g.tries) == len(decode_graph._CPU_OPTION_SETS) for g in (engine.decode_graph._one,
+                                                                           engine.decode_graph._many))
     assert [c.token_ids for c in alone] == [c.token_ids for c in eager]
-    together = engine.generate(ids, [greedy(20)] * len(ids))  # several at once: eager steps, same tokens
+    before = engine.decode_graph.steps
+    together = engine.generate(ids, [greedy(20)] * len(ids))  # several at once (the second graph), same tokens
     assert [c.token_ids for c in together] == [c.token_ids for c in eager]
-    # One sequence decodes alone (compiled steps write its keys), then a second joins (eager steps read them).
+    assert engine.decode_graph.steps - before >= 15
+    # One sequence decodes alone (the first graph writes its keys), then a second joins (the second reads them).
     before = engine.decode_graph.steps
     joined = engine.generate(ids[:2], [greedy(20)] * 2, start_at_step=[0, 6])
     assert engine.decode_graph.steps > before
     assert [c.token_ids for c in joined] == [c.token_ids for c in eager[:2]]
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs == 2  # no recompiling on the way
 
 
 def test_an_engine_whose_compiler_fails_decodes_eagerly_and_says_so(tokenizer, make_model, monkeypatch, caplog):
@@ -84,7 +89,7 @@ def test_an_engine_whose_compiler_fails_decodes_eagerly_and_says_so(tokenizer, m
         got = engine.generate([ids], [greedy(10)])[0]
     assert got.token_ids == eager.token_ids
     assert "InvalidCxxCompiler" in engine.decode_graph.failed and engine.decode_graph.steps == 0
-    assert "compiled decoding is off" in caplog.text
+    assert "compiled decoding of one sequence is off" in caplog.text
 
 
 def test_an_engine_whose_first_compiler_options_fail_uses_its_second(tokenizer, make_model, monkeypatch):

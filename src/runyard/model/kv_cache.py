@@ -194,22 +194,30 @@ class PoolStep:
         return out[0] if len(out) == 1 else torch.cat(out)
 
 
-class DecodeRow(PoolStep):
-    """A decode-only step of the one sequence in slot 0, at `position`, over exactly its own keys. The key
-    count is the last size of `mask` (an additive mask of zeros, [1, 1, 1, position + 1]) rather than a
-    Python int, so a compiler told that this size is dynamic keeps one graph while the sequence grows
-    (serve/decode_graph.py)."""
+class DecodeRows(PoolStep):
+    """A decode-only step of the sequences in slots 0..B-1, each at its position, over the keys up to the
+    furthest one (a row's keys past its own position masked). The row and key counts are the sizes of the
+    additive mask ([B, 1, 1, keys]) rather than Python ints, so a compiler told that these sizes are dynamic
+    keeps one graph however many sequences decode and however long they grow (serve/decode_graph.py)."""
 
-    def __init__(self, pool: KVPool, position: int, mask: torch.Tensor):
-        # PoolStep's own __init__ computes the key count as an int; this view reads it from the mask.
-        if tuple(mask.shape) != (1, 1, 1, position + 1):
-            raise ValueError(f"a step at position {position} needs a mask of [1, 1, 1, {position + 1}], "
-                             f"not {list(mask.shape)}")
+    def __init__(self, pool: KVPool, positions: list[int]):
+        # PoolStep's own __init__ computes the counts as ints; this view reads them from the mask.
+        if not positions or max(positions) >= pool.max_len or len(positions) > pool.n_slots:
+            raise ValueError(f"a pool of {pool.n_slots} slots of {pool.max_len} positions cannot decode at {positions}")
         self.pool, self.chunks, self.chunk_masks = pool, [], []
-        self.n_decode = self.n_tokens = 1
-        self.positions = torch.tensor([position], device=pool.device)
-        self.decode_slots = torch.zeros(1, dtype=torch.long, device=pool.device)
-        self.bias = mask
+        self.positions = torch.tensor(positions, device=pool.device)
+        self.decode_slots = torch.arange(len(positions), device=pool.device)
+        past = torch.arange(max(positions) + 1, device=pool.device) > self.positions[:, None]
+        self.bias = torch.zeros(past.shape, dtype=pool.dtype, device=pool.device).masked_fill_(past, float("-inf"))
+        self.bias = self.bias[:, None, None, :]  # [B, 1 (kv heads), 1 (group), keys], as PoolStep's
+
+    @property
+    def n_decode(self) -> int:
+        return self.bias.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.bias.shape[0]
 
     @property
     def length(self) -> int:

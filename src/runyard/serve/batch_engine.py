@@ -79,7 +79,7 @@ class BatchEngine:
         self.max_queue = max_queue
         self.scheduler = scheduler or SchedulerConfig()
         # torch.compile is optional, and its first calls take a while. On a GPU the whole model is compiled;
-        # on CPU one sequence's decode steps are (decode_graph.py): a dynamic graph of the whole model, rebuilt
+        # on CPU the decode-only steps are (decode_graph.py): a dynamic graph of the whole model, rebuilt
         # around each step's differently shaped KV view, ran slower there than eager.
         on_cpu = self.device.type == "cpu"
         self.forward = torch.compile(self.model, dynamic=True) if compile and not on_cpu else self.model
@@ -294,8 +294,8 @@ class BatchEngine:
                 completed.append(seq)
                 logit_rows.append(len(tokens) - 1)  # the prompt's last position predicts the first token
         logits = None
-        if self.decode_graph is not None and n_decode == 1 and not chunks:
-            logits = self.decode_graph.logits(tokens[0], decoding[0].pos)
+        if self.decode_graph is not None and n_decode and not chunks:
+            logits = self.decode_graph.logits(tokens, [s.pos for s in decoding])
         if logits is None:
             view = self.pool.step([s.pos for s in decoding], chunks)
             logits = self.forward(
