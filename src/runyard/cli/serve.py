@@ -84,9 +84,9 @@ def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
                    help="prompt tokens prefilled in one step; a longer prompt is prefilled in chunks over several "
                    "steps (default 4096)")
     g.add_argument("--compile", action="store_true",
-                   help="torch.compile: on CPU, the steps of a lone decoding sequence, compiled with the weights "
-                        "packed (a second copy in memory; needs a C++ compiler) before the server listens; "
-                        "on a GPU, the whole model, compiled as the first requests arrive")
+                   help="torch.compile: on CPU, the decode-only steps (two graphs: one sequence, several), "
+                        "compiled with the weights packed (a copy per graph in memory; needs a C++ compiler) "
+                        "before the server listens; on a GPU, the whole model, compiled as the first requests arrive")
     g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
     d = p.add_argument_group("traffic, drift and retraining")
     d.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
