@@ -259,9 +259,12 @@ def sharded_worker(args) -> None:
         setup.optimizer.zero_grad(set_to_none=True)
         return waited[0]
 
+    def forward_and_backward() -> None:
+        forward_backward(setup.module, tokens[:, :-1], tokens[:, 1:], 1.0 / args.step_tokens, ctx.device, "fp32")
+
     def train_step() -> float:
         t0 = time.perf_counter()
-        forward_backward(setup.module, tokens[:, :-1], tokens[:, 1:], 1.0 / args.step_tokens, ctx.device, "fp32")
+        forward_and_backward()
         optimizer_step()
         return time.perf_counter() - t0
 
@@ -273,7 +276,7 @@ def sharded_worker(args) -> None:
         ckpt.save(setup.state, ckpt_dir, 1, {}, ctx, wait=False, use_async=True)
         stall = time.perf_counter() - t0  # the loop goes on training from here
         t1 = time.perf_counter()
-        forward_backward(setup.module, tokens[:, :-1], tokens[:, 1:], 1.0 / args.step_tokens, ctx.device, "fp32")
+        forward_and_backward()
         stall += optimizer_step()  # the loop waits again only for the copies the write still needs
         next_step_s.append(parallel.all_reduce_max(time.perf_counter() - t1, ctx))
         ckpt.wait_pending()

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import glob
 import json
 import logging
@@ -72,6 +71,7 @@ from runyard.model.transformer import ModelConfig, Transformer
 from runyard.serve.batch_engine import BatchEngine, SeqEvent
 from runyard.serve.sampling import SamplingParams
 from runyard.system.http_thread import free_port
+from runyard.system.processes import popen_dying_with_me
 
 # A special token runyard's export does not name (so both sides generate every requested token), named as
 # the end-of-sequence token only in the export the GGUF file is written from (GGUF needs one).
@@ -139,12 +139,6 @@ def make_workload(tok: Tokenizer, texts: list[str], n: int, seed: int) -> list[t
 # -- runyard: a real server process and streaming HTTP clients ---------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the server's process: Linux sends it SIGTERM when this benchmark dies, however it dies."""
-    if sys.platform == "linux":
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 class RunyardServer:
     def __init__(self, export_dir: Path, threads: int, max_batch: int, extra: tuple[str, ...] = ()):
         self.port = free_port()
@@ -152,10 +146,10 @@ class RunyardServer:
         env = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
         # A file, not a pipe nobody reads: a full pipe would stall the server. Closed in close().
         self.log = tempfile.TemporaryFile()  # noqa: SIM115
-        self.proc = subprocess.Popen(
+        self.proc = popen_dying_with_me(  # SIGTERM when this benchmark dies, however it dies
             [sys.executable, "-m", "runyard", "serve", str(export_dir), "--port", str(self.port),
              "--max-batch", str(max_batch), "--max-queue", "4096", *extra],
-            env=env, stdout=subprocess.DEVNULL, stderr=self.log, preexec_fn=_die_with_parent,
+            signal.SIGTERM, env=env, stdout=subprocess.DEVNULL, stderr=self.log,
         )
         deadline = time.monotonic() + 120
         while True:

@@ -119,6 +119,14 @@ class PrefillChunk(NamedTuple):
     length: int
 
 
+def padding_bias(positions: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask [B, 1 (kv heads), 1 (group), length] of decoding rows at `positions` [B] over a
+    slot view `length` keys long: -inf past each row's own position."""
+    past = torch.arange(length, device=positions.device) > positions[:, None]
+    bias = torch.zeros(past.shape, dtype=dtype, device=positions.device).masked_fill_(past, float("-inf"))
+    return bias[:, None, None, :]
+
+
 class PoolStep:
     """One engine step over a flat row of tokens [N]: first one token per decoding sequence (slots
     0..B-1, each at its own position), then the prefill chunks' tokens. The model's attention layers
@@ -147,9 +155,7 @@ class PoolStep:
         self.length = max(decode_positions) + 1 if decode_positions else 0
         self.bias = None
         if self.n_decode and min(decode_positions) + 1 < self.length:
-            past = torch.arange(self.length, device=device) > self.positions[: self.n_decode, None]
-            self.bias = torch.zeros(past.shape, dtype=pool.dtype, device=device).masked_fill_(past, float("-inf"))
-            self.bias = self.bias[:, None, None, :]  # [B, 1 (kv heads), 1 (group), keys]
+            self.bias = padding_bias(self.positions[: self.n_decode], self.length, pool.dtype)
         self.decode_slots = torch.arange(self.n_decode, device=device)
         # A chunk that continues a prompt sees its earlier positions and, causally, its own.
         self.chunk_masks = [
@@ -207,9 +213,7 @@ class DecodeRows(PoolStep):
         self.pool, self.chunks, self.chunk_masks = pool, [], []
         self.positions = torch.tensor(positions, device=pool.device)
         self.decode_slots = torch.arange(len(positions), device=pool.device)
-        past = torch.arange(max(positions) + 1, device=pool.device) > self.positions[:, None]
-        self.bias = torch.zeros(past.shape, dtype=pool.dtype, device=pool.device).masked_fill_(past, float("-inf"))
-        self.bias = self.bias[:, None, None, :]  # [B, 1 (kv heads), 1 (group), keys], as PoolStep's
+        self.bias = padding_bias(self.positions, max(positions) + 1, pool.dtype)
 
     @property
     def n_decode(self) -> int:

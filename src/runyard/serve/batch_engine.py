@@ -293,11 +293,11 @@ class BatchEngine:
             if seq.pos + n == len(seq.prompt_ids):
                 completed.append(seq)
                 logit_rows.append(len(tokens) - 1)  # the prompt's last position predicts the first token
-        logits = None
+        positions, logits = [s.pos for s in decoding], None
         if self.decode_graph is not None and n_decode and not chunks:
-            logits = self.decode_graph.logits(tokens, [s.pos for s in decoding])
+            logits = self.decode_graph.logits(tokens, positions)
         if logits is None:
-            view = self.pool.step([s.pos for s in decoding], chunks)
+            view = self.pool.step(positions, chunks)
             logits = self.forward(
                 torch.tensor([tokens], device=self.device),
                 kv_cache=view,

@@ -87,31 +87,35 @@ class DecodeGraph:
         # Separate functions, so Dynamo keeps each graph's cache on its own code object.
         self._one = _Compiled(self._one_row, "one sequence")
         self._many = _Compiled(self._rows, "several sequences") if pool.n_slots > 1 else None
-        self.steps = 0  # steps it served (tests and the benchmarks read it)
         # Compiled now rather than on the first requests: steps at position 1 of slots that no sequence holds yet.
         with torch.inference_mode():
-            self.logits([0], [1])
+            self._run([0], [1])
             if self._many is not None:
-                self.logits([0, 0], [1, 1])
-        self.steps = 0
+                self._run([0, 0], [1, 1])
+        self.steps = 0  # steps it served (tests and the benchmarks read it)
 
     @property
     def failed(self) -> str | None:
         """Why compiled decoding is off (for one sequence: the graph every client count meets), or None."""
         return self._one.failed
 
-    def _one_row(self, view: DecodeRows, tokens: torch.Tensor) -> torch.Tensor:
-        return self.model(tokens[None], kv_cache=view, positions=view.positions[None],
-                          logits_at=torch.zeros(1, dtype=torch.long, device=tokens.device))
-
     def _rows(self, view: DecodeRows, tokens: torch.Tensor) -> torch.Tensor:
         return self.model(tokens[None], kv_cache=view, positions=view.positions[None],
                           logits_at=torch.arange(tokens.shape[0], device=tokens.device))
+
+    def _one_row(self, view: DecodeRows, tokens: torch.Tensor) -> torch.Tensor:
+        return self._rows(view, tokens)  # the same step; its own code object holds the one-row graph
 
     def logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
         """[B, vocab] for the step of slots 0..B-1 taking `tokens` at `positions` (their keys and values
         written to those slots), or None when the caller must run the step eagerly (that graph failed to
         compile, or a position is outside its range)."""
+        logits = self._run(tokens, positions)
+        if logits is not None:
+            self.steps += 1
+        return logits
+
+    def _run(self, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
         rows, max_len = len(tokens), self.pool.max_len
         graph = self._one if rows == 1 else self._many
         if graph is None or graph.failed is not None or not (min(positions) > 0 and max(positions) < max_len - 1):
@@ -124,7 +128,4 @@ class DecodeGraph:
         if rows > 1 and self.pool.n_slots > 2:
             for t in (view.bias, view.positions, view.decode_slots, token_row):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=self.pool.n_slots)
-        logits = graph(view, token_row)
-        if logits is not None:
-            self.steps += 1
-        return logits
+        return graph(view, token_row)

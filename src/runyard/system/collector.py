@@ -3,7 +3,8 @@
 A full collection walks every tracked object; in a process holding a model, an optimizer and torch's
 own modules that is a few hundred thousand. Such a collection starts when enough new objects have
 survived, so a block that builds many (a checkpoint's plan and metadata) triggers one at a random
-moment, and a load or a save's stall on the training loop waits for all of it. Objects that die are still freed at once by reference counting.
+moment, and a load or a save's stall on the training loop waits for all of it. Objects that die are
+still freed at once by reference counting.
 """
 
 from __future__ import annotations

@@ -244,19 +244,20 @@ class RawFileSystemReader(FileSystemReader):
         """The bytes of each of `items` (a file's JSON values: hundreds of small ones, written one after
         another at its start), one read per run of values with at most `_GAP` bytes between them."""
         infos = [self.storage_data[i.storage_index] for i in items]
-        encoded: list[memoryview | None] = [None] * len(items)
-        order = sorted(range(len(items)), key=lambda k: infos[k].offset)
-        run: list[int] = []
-        for k in [*order, None]:
-            if run and (k is None or infos[k].offset - (infos[run[-1]].offset + infos[run[-1]].length) > _GAP):
-                start = infos[run[0]].offset
-                span = memoryview(bytearray(max(infos[j].offset + infos[j].length for j in run) - start))
-                pread_exactly(f.fileno(), span, start, f"{rel}: {len(run)} values from byte {start}")
-                for j in run:
-                    encoded[j] = span[infos[j].offset - start : infos[j].offset - start + infos[j].length]
-                run = []
-            if k is not None:
-                run.append(k)
+        runs: list[list[int]] = []
+        for k in sorted(range(len(items)), key=lambda k: infos[k].offset):
+            last = infos[runs[-1][-1]] if runs else None
+            if last is None or infos[k].offset - (last.offset + last.length) > _GAP:
+                runs.append([k])
+            else:
+                runs[-1].append(k)
+        encoded: list[memoryview] = [memoryview(b"")] * len(items)
+        for run in runs:
+            start = infos[run[0]].offset
+            span = memoryview(bytearray(max(infos[k].offset + infos[k].length for k in run) - start))
+            pread_exactly(f.fileno(), span, start, f"{rel}: {len(run)} values from byte {start}")
+            for k in run:
+                encoded[k] = span[infos[k].offset - start : infos[k].offset - start + infos[k].length]
         return encoded
 
     def _place_json(self, encoded: memoryview, item: ReadItem, planner: LoadPlanner, rel: str) -> None:
