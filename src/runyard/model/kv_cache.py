@@ -46,7 +46,7 @@ class KVStore:
     @staticmethod
     def bytes_per_slot(n_layers: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype) -> int:
         """Memory one row takes (keys and values of every layer), for sizing a pool to a budget."""
-        return 2 * n_layers * n_kv_heads * max_len * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * n_layers * n_kv_heads * max_len * head_dim * dtype.itemsize
 
     @property
     def nbytes(self) -> int:

@@ -275,7 +275,7 @@ class RawFileSystemReader(FileSystemReader):
         dtype = self._tensors[item.storage_index.fqn].properties.dtype
         sizes = self._chunk(item.storage_index).sizes
         where = f"{rel}: {item.storage_index.fqn}"
-        expected = sizes.numel() * torch.empty((), dtype=dtype).element_size()
+        expected = sizes.numel() * dtype.itemsize
         if info.length != expected:
             raise CheckpointCorrupt(f"{where} holds {info.length} bytes, its shape needs {expected}")
         target = planner.resolve_tensor(item).detach()
