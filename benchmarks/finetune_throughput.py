@@ -11,10 +11,11 @@ each batch to its longest sample on the right, as runyard's does. Neither side p
 normalised by the supervised tokens of the step.
 
 Models: runyard's Transformer, and transformers' LlamaForCausalLM (sdpa attention) with runyard's weights
-copied in (the logits are checked to agree before anything is timed). Both use AdamW (foreach), the same
-learning rate, and clip gradients to norm 1.0. Both run in fp32 without activation recomputation: trl's
-defaults (`gradient_checkpointing=True`, bf16 autocast where the CPU has it) are turned off, since runyard's
-side has neither; a comparison with either on would measure the setting, not the trainer.
+copied in (the logits are checked to agree before anything is timed). Both use AdamW (fused: transformers'
+default `adamw_torch_fused`, and runyard's loop's), the same learning rate, and clip gradients to norm 1.0.
+Both run in fp32 without activation recomputation: trl's defaults (`gradient_checkpointing=True`, bf16
+autocast where the CPU has it) are turned off, since runyard's side has neither; a comparison with either on
+would measure the setting, not the trainer.
 
 - runyard: the step its training loop runs for an sft stage (train/stage_kinds.py's SFTObjective: masked
   loss summed over each micro-batch, scaled by the step's supervised tokens, backward, clip, AdamW step),
@@ -138,7 +139,7 @@ def runyard_steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches) -
 def runyard_round(model: torch.nn.Module, prepared, args: argparse.Namespace) -> float:
     """Seconds of one round of runyard's steps: a fresh AdamW built untimed, then the loader (at the same
     start each round, so the same batches) and `args.steps` steps timed."""
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     t0 = time.perf_counter()
     loader = SampleLoader(prepared.stores("train"), args.batch, args.seed, prepared.pad_id, length_grouping=16)
     runyard_steps(model, opt, (loader.next_batch() for _ in range(args.steps)))
@@ -208,7 +209,7 @@ def trl_trainer(hf: torch.nn.Module, dataset, args: argparse.Namespace, out: Pat
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95,
         max_grad_norm=1.0, logging_strategy="no", save_strategy="no", report_to=[], use_cpu=True,
         train_sampling_strategy="sequential", dataloader_num_workers=0, completion_only_loss=True,
-        max_length=None, seed=args.seed, optim="adamw_torch", disable_tqdm=True,
+        max_length=None, seed=args.seed, optim="adamw_torch_fused", disable_tqdm=True,
         gradient_checkpointing=False, bf16=False, fp16=False, packing=False, padding_free=False,
     )
     tokenizer = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_path), eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
@@ -232,7 +233,7 @@ def peak_memory(args: argparse.Namespace, mode: str) -> int:
                                  args.seed).parameters())
     else:
         params = list(model.parameters())
-    runyard_steps(model, torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), foreach=True), batches)
+    runyard_steps(model, torch.optim.AdamW(params, lr=LR, betas=(0.9, 0.95), fused=True), batches)
     return (peak() - before) * 1024
 
 

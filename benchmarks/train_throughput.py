@@ -5,15 +5,16 @@ bf16 autocast.
 - runyard: `runyard.train.loop.train_stage`, what `runyard run` calls to train a stage, with the process
   settings `runyard run` gives it (run/execute.py: the threads, deterministic algorithms): its loader over a
   token store written here, the learning-rate schedule, forward and the loss normalised by the step's tokens,
-  backward, gradient clipping, the non-finite guard, AdamW (foreach), a readback and a metrics.jsonl row every
+  backward, gradient clipping, the non-finite guard, AdamW (fused), a readback and a metrics.jsonl row every
   step (the CPU default), and checkpoints at the spec's `checkpoint.interval` (the plain format: safetensors
   files, checksummed, fsynced, committed by a rename, retention applied).
 - The peers run nanoGPT's train.py loop (a plain loop, as its author would write it for this model): the same
   initial weights (copied from the model runyard's stage builds), the very batches runyard's loader yields
   (their sequence ids drawn before timing; each batch is sliced from a uint16 memmap of the same tokens inside
   the timed loop, as nanoGPT's `get_batch` does), nanoGPT's warmup + cosine learning rate, cross-entropy,
-  backward, `clip_grad_norm_` to the same 1.0, AdamW with the same hyperparameters (foreach, as runyard's;
-  nanoGPT's groups: every matrix decays, the embedding too), `loss.item()` every step (nanoGPT's log_interval
+  backward, `clip_grad_norm_` to the same 1.0, AdamW with the same hyperparameters (fused, as runyard's:
+  nanoGPT fuses on CUDA only, and one kernel on both sides keeps the optimizer out of the ratio; nanoGPT's
+  groups: every matrix decays, the embedding too), `loss.item()` every step (nanoGPT's log_interval
   1), and at the same steps as runyard's checkpoints nanoGPT's checkpoint: `torch.save` of {model, optimizer,
   model_args, iter_num, best_val_loss, config} to ckpt.pt, so the checkpoint's cost falls on both sides at the
   same cadence. nanoGPT's evaluation at its eval_interval has no counterpart inside the timed steps: runyard's
@@ -243,11 +244,11 @@ def train_steps(forward, opt, batches, vocab: int) -> list[float]:
 
 
 def make_optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
-    """nanoGPT's AdamW groups (matrices decay, vectors do not); foreach, as runyard's loop steps."""
+    """nanoGPT's AdamW groups (matrices decay, vectors do not); fused, as runyard's loop steps."""
     params = [p for p in model.parameters() if p.requires_grad]
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": OPTIM["weight_decay"]},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], foreach=True)
+    return torch.optim.AdamW(groups, lr=OPTIM["lr"], betas=OPTIM["betas"], eps=OPTIM["eps"], fused=True)
 
 
 # -- the data both sides read ---------------------------------------------------------------------------------

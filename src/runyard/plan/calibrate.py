@@ -259,7 +259,7 @@ def calibrate_stage(
         apply_activation_checkpointing(family.checkpoint_units(model), *recompute)  # as the stage will train
         model.train()
         optimizer = torch.optim.AdamW(family.optimizer_groups(model, optim), lr=optim.lr, betas=optim.betas,
-                                      eps=optim.eps)
+                                      eps=optim.eps, fused=True)  # as the stage's (train/loop.py)
         params = [p for p in model.parameters() if p.requires_grad]
         scale = 1.0 / y.numel()
 

@@ -147,9 +147,9 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
         groups = [{"name": "lora", "params": list(adapters.parameters()), "weight_decay": o.weight_decay}]
     else:
         groups = family.optimizer_groups(model, o)
-    # foreach: on CPU torch's default is its per-tensor loop; the multi-tensor path gives the same bits
-    # (checked) in fewer kernel calls. CUDA already defaults to it.
-    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=True)
+    # fused: one kernel over every parameter, the same bits as the multi-tensor path (checked) at a third of
+    # its time on CPU (9 against 29 ms a step for 17M parameters); CUDA has the kernel too.
+    optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
     data_seed = derive_seed(spec.seed, "data", stage.name)
     if stage.kind == "pretrain":
         # Text: windows of the spec's training length (a model from weights may attend further,
