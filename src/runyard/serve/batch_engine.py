@@ -91,7 +91,7 @@ class BatchEngine:
         self.running: list[SequenceState] = []  # decoding; running[i] sits in KV slot i
         self.prefilling: SequenceState | None = None  # a prompt cut short by the step's budget, in slot len(running)
         self._joining: list[SequenceState] = []  # taken from the queue for the step in progress
-        self._outbox: list[tuple[SequenceState, SeqEvent]] = []  # the step's events, delivered when it ends
+        self._outbox: list[tuple[SequenceState, SeqEvent]] = []  # events not yet delivered (see _deliver)
         self._incoming: list[SequenceState] = []
         self._aborts: set[str] = set()
         self._cond = threading.Condition()
@@ -252,13 +252,15 @@ class BatchEngine:
         for chunk in chunks:
             seq = partial if partial is not None and chunk.seq_id == partial.seq_id else self.waiting.popleft()
             prefill.append((seq, chunk.tokens))
-        if self.running or prefill:
+        forwarded = bool(self.running or prefill)
+        if forwarded:
             self._joining = [seq for seq, _ in prefill]  # ended by the failure handler if the forward fails
-            self._forward(prefill)
+            self._forward(prefill)  # hands the last step's events over as its compute starts
             self._joining = []
             self._release_finished()
         self.steps += 1
-        self._deliver()
+        if not (forwarded and self._has_work()):
+            self._deliver()  # else the next step's forward hands this one's events over
         return self._has_work()
 
     def _apply_aborts(self, aborts: set[str]) -> None:
@@ -295,8 +297,9 @@ class BatchEngine:
                 logit_rows.append(len(tokens) - 1)  # the prompt's last position predicts the first token
         positions, logits = [s.pos for s in decoding], None
         if self.decode_graph is not None and n_decode and not chunks:
-            logits = self.decode_graph.logits(tokens, positions)
+            logits = self.decode_graph.logits(tokens, positions, before_compute=self._deliver)
         if logits is None:
+            self._deliver()
             view = self.pool.step(positions, chunks)
             logits = self.forward(
                 torch.tensor([tokens], device=self.device),
@@ -351,8 +354,15 @@ class BatchEngine:
         self._outbox.append((seq, event))
 
     def _deliver(self) -> None:
-        """Hand the step's events to their sinks, all together once the step is done: a consumer on
-        another thread (the HTTP event loop) is then woken once per step, not once per token."""
+        """Hand the events waiting to their sinks, all together: a consumer on another thread (the HTTP
+        event loop) is then woken once per step, not once per token.
+
+        While another step follows, a step's events wait for that step's compute to start (`_forward`).
+        The event loop a delivery wakes shares the interpreter lock with this thread. Woken while the next
+        step is being prepared, its work on the tokens takes the lock at each of the preparation's small
+        tensor operations, and the step waits for it. Woken as a compiled step starts (it runs without the
+        lock), it works while the step computes. The events are late by the preparation (tens of
+        microseconds)."""
         outbox, self._outbox = self._outbox, []
         for seq, event in outbox:
             try:

@@ -106,16 +106,19 @@ class DecodeGraph:
     def _one_row(self, view: DecodeRows, tokens: torch.Tensor) -> torch.Tensor:
         return self._rows(view, tokens)  # the same step; its own code object holds the one-row graph
 
-    def logits(self, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+    def logits(self, tokens: list[int], positions: list[int],
+               before_compute: Callable[[], None] | None = None) -> torch.Tensor | None:
         """[B, vocab] for the step of slots 0..B-1 taking `tokens` at `positions` (their keys and values
         written to those slots), or None when the caller must run the step eagerly (that graph failed to
-        compile, or a position is outside its range)."""
-        logits = self._run(tokens, positions)
+        compile, or a position is outside its range). `before_compute` is called once the step's inputs
+        are made, just before the graph runs."""
+        logits = self._run(tokens, positions, before_compute)
         if logits is not None:
             self.steps += 1
         return logits
 
-    def _run(self, tokens: list[int], positions: list[int]) -> torch.Tensor | None:
+    def _run(self, tokens: list[int], positions: list[int],
+             before_compute: Callable[[], None] | None = None) -> torch.Tensor | None:
         rows, max_len = len(tokens), self.pool.max_len
         graph = self._one if rows == 1 else self._many
         if graph is None or graph.failed is not None or not (min(positions) > 0 and max(positions) < max_len - 1):
@@ -128,4 +131,6 @@ class DecodeGraph:
         if rows > 1 and self.pool.n_slots > 2:
             for t in (view.bias, view.positions, view.decode_slots, token_row):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=self.pool.n_slots)
+        if before_compute is not None:
+            before_compute()
         return graph(view, token_row)
