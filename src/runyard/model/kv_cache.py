@@ -219,9 +219,7 @@ class DecodeRows(PoolStep):
     def n_decode(self) -> int:
         return self.bias.shape[0]
 
-    @property
-    def n_tokens(self) -> int:
-        return self.bias.shape[0]
+    n_tokens = n_decode  # every token decodes: no prompt in the step
 
     @property
     def length(self) -> int:
