@@ -87,6 +87,9 @@ def register(verbs: argparse._SubParsersAction, argv: Sequence[str]) -> None:
                    help="torch.compile: on CPU, the decode-only steps (two graphs: one sequence, several), "
                         "compiled with the weights packed (a copy per graph in memory; needs a C++ compiler) "
                         "before the server listens; on a GPU, the whole model, compiled as the first requests arrive")
+    g.add_argument("--engine-in-process", action="store_true",
+                   help="step runyard's engine on a thread of the server's process instead of a process of its own "
+                        "(the default, where the steps do not share Python's interpreter lock with the HTTP work)")
     g.add_argument("--tensor-parallel-size", type=_positive, default=1, help="GPUs per model with --engine vllm")
     d = p.add_argument_group("traffic, drift and retraining")
     d.add_argument("--log-requests", type=Path, default=None, metavar="DIR",
@@ -159,7 +162,7 @@ LANGUAGE_ONLY = ("retrain_spec", "retrain_min_logged", "control", "retrain_via",
                  "budget_period_s", "max_price", "retrain_deadline_s", "retrain_results_to", "retrain_export_url",
                  "drift_sustain", "drift_check_every", "drift_warmup",
                  "engine", "kv_cache_mb", "max_batch", "max_queue", "max_prefill_tokens", "compile",
-                 "tensor_parallel_size", "share_traffic")
+                 "engine_in_process", "tensor_parallel_size", "share_traffic")
 
 
 def _language_only_options(args: argparse.Namespace) -> list[str]:
@@ -200,6 +203,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
             max_prefill_tokens=args.max_prefill_tokens,
             compile=args.compile,
+            engine_process=not args.engine_in_process,
             log_requests=args.log_requests,
             share_traffic=args.share_traffic,
             retrain_spec=args.retrain_spec,

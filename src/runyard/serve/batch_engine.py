@@ -26,6 +26,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable, Sequence
 
 import torch
 from tokenizers import Tokenizer
@@ -45,6 +46,32 @@ log = logging.getLogger("runyard.serve")
 DEFAULT_KV_CACHE_BYTES = 512 * 1024 * 1024
 
 
+def checked_prompt(prompt_ids: Sequence[int], eos_ids: frozenset[int], vocab_size: int, context_length: int) -> list[int]:
+    """The prompt an engine runs for `prompt_ids`, or InvalidRequest naming what is wrong with it. An empty
+    prompt starts as if at a document boundary (the end-of-text token)."""
+    if not prompt_ids:
+        if not eos_ids:
+            raise InvalidRequest("the prompt encodes to no tokens and the model has no end-of-text token", "prompt")
+        return [min(eos_ids)]
+    if any(not 0 <= t < vocab_size for t in prompt_ids):
+        raise InvalidRequest(f"prompt token ids must be in [0, {vocab_size})", "prompt")
+    if len(prompt_ids) >= context_length:
+        raise InvalidRequest(
+            f"the prompt has {len(prompt_ids)} tokens; the model's context is {context_length}, "
+            "which must hold the prompt and at least one new token",
+            "prompt",
+        )
+    return list(prompt_ids)
+
+
+def admit(depth: int, n_sequences: int, max_queue: int, n_slots: int, mean_sequence_s: float) -> None:
+    """Raise QueueFull when `n_sequences` more would push a queue of `depth` past `max_queue`; its
+    Retry-After is roughly when a slot's worth of the queue will have drained."""
+    if depth + n_sequences > max_queue:
+        waves = (depth + n_sequences) / max(1, n_slots)
+        raise QueueFull(depth, max_queue, max(1, round(waves * mean_sequence_s)))
+
+
 class BatchEngine:
     """Continuous batching over a `Transformer` and its tokenizer."""
 
@@ -61,7 +88,10 @@ class BatchEngine:
         dtype: torch.dtype | None = None,
         compile: bool = False,
         eos_ids: set[int] | None = None,
+        on_delivered: Callable[[], None] | None = None,
     ):
+        """`on_delivered`: called on the engine thread after each hand-over of events to their sinks (the
+        engine core's process sends them on together, serve/engine_core.py)."""
         self.device = torch.device(device)
         self.dtype = dtype or (torch.bfloat16 if self.device.type == "cuda" else torch.float32)
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
@@ -92,6 +122,7 @@ class BatchEngine:
         self.prefilling: SequenceState | None = None  # a prompt cut short by the step's budget, in slot len(running)
         self._joining: list[SequenceState] = []  # taken from the queue for the step in progress
         self._outbox: list[tuple[SequenceState, SeqEvent]] = []  # events not yet delivered (see _deliver)
+        self._on_delivered = on_delivered
         self._incoming: list[SequenceState] = []
         self._aborts: set[str] = set()
         self._cond = threading.Condition()
@@ -120,6 +151,11 @@ class BatchEngine:
         return len(self.running)
 
     @property
+    def mean_sequence_s(self) -> float:
+        """How long a recent sequence took from its prefill to its end (for Retry-After)."""
+        return self._mean_seq_s
+
+    @property
     def failure(self) -> str | None:
         """Why the engine stopped, if a step failed (it then refuses new sequences)."""
         return self._failed
@@ -134,31 +170,16 @@ class BatchEngine:
 
     def check_admission(self, n_sequences: int) -> None:
         """Raise QueueFull when `n_sequences` more would push the queue past its bound."""
-        depth = self.queue_depth()
-        if depth + n_sequences > self.max_queue:
-            # Roughly when a slot's worth of the queue will have drained.
-            waves = (depth + n_sequences) / max(1, self.n_slots)
-            raise QueueFull(depth, self.max_queue, max(1, round(waves * self._mean_seq_s)))
+        admit(self.queue_depth(), n_sequences, self.max_queue, self.n_slots, self._mean_seq_s)
 
     def submit(self, seq_id: str, prompt_ids: list[int], params: SamplingParams, sink: Sink) -> None:
         """Queue one sequence. Its events go to `sink` from the engine thread."""
         if self._failed is not None:
             raise EngineUnavailable(f"the engine stopped after an error: {self._failed}")
-        if not prompt_ids:
-            if not self.eos_ids:
-                raise InvalidRequest("the prompt encodes to no tokens and the model has no end-of-text token", "prompt")
-            prompt_ids = [min(self.eos_ids)]  # start as if at a document boundary
-        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
-            raise InvalidRequest(f"prompt token ids must be in [0, {self.vocab_size})", "prompt")
-        if len(prompt_ids) >= self.context_length:
-            raise InvalidRequest(
-                f"the prompt has {len(prompt_ids)} tokens; the model's context is {self.context_length}, "
-                "which must hold the prompt and at least one new token",
-                "prompt",
-            )
+        prompt_ids = checked_prompt(prompt_ids, self.eos_ids, self.vocab_size, self.context_length)
         seq = SequenceState(
             seq_id=seq_id,
-            prompt_ids=list(prompt_ids),
+            prompt_ids=prompt_ids,
             params=params,
             sink=sink,
             generator=new_generator(params.seed),
@@ -369,6 +390,8 @@ class BatchEngine:
                 seq.sink(event)
             except Exception:  # a consumer's bug must not stop the batch
                 log.exception("sink of sequence %s failed", seq.seq_id)
+        if outbox and self._on_delivered is not None:
+            self._on_delivered()
 
     def _release_finished(self) -> None:
         """Drop finished sequences from the batch; the last running sequence moves into each freed slot,

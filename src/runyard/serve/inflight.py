@@ -22,7 +22,8 @@ from runyard.serve.sequence import SeqEvent, Sink
 
 
 class Engine(Protocol):
-    """What the HTTP layer needs from an engine (runyard's `BatchEngine`, or the vLLM adapter)."""
+    """What the HTTP layer needs from an engine: runyard's `BatchEngine` (on a thread here), `EngineProcess` (the
+    same engine in a process of its own) or the vLLM adapter."""
 
     tokenizer: Tokenizer
     context_length: int

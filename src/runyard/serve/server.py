@@ -1,6 +1,7 @@
 """`runyard serve`: load an export, build the engine and everything around it, serve until stopped.
 
-The engine is runyard's own (`BatchEngine`: continuous batching on CPU or GPU) or, with
+The engine is runyard's own (`BatchEngine`: continuous batching on CPU or GPU, stepping in a process of
+its own, serve/engine_process.py, unless `engine_process=False`) or, with
 `engine="vllm"`, vLLM over the same export directory (a GPU and the `vllm` package needed); either
 way the routes, the metrics and the drift watch are the same (serve/openai_api.py).
 """
@@ -19,17 +20,18 @@ from fastapi import FastAPI
 from runyard.data.chat import load_chat_template
 from runyard.errors import RunyardError
 from runyard.market.client import MarketClient
-from runyard.model.hf.export import ExportError, export_eos_ids, load_export, read_export_config
-from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES, BatchEngine
+from runyard.model.hf.export import ExportError, read_export_config
+from runyard.serve.batch_engine import DEFAULT_KV_CACHE_BYTES
 from runyard.serve.chat import chat_prompt
 from runyard.serve.drift import DEFAULT_FALSE_ALARM_RATE, DriftMonitor, DriftReference
+from runyard.serve.engine_core import CoreOptions, build_batch_engine
+from runyard.serve.engine_process import EngineProcess
 from runyard.serve.errors import ServeConfigError
 from runyard.serve.openai_api import DEFAULT_MAX_BODY_BYTES, create_app
 from runyard.serve.request_log import RequestLog
 from runyard.serve.retrain import DEFAULT_MIN_LOGGED, Retrainer, read_spec_mapping
 from runyard.serve.retrain_budget import BUDGET_FILE, DEFAULT_BUDGET_PERIOD_S, MaintenanceBudget
 from runyard.serve.retrain_market import DEFAULT_DEADLINE_S, MarketRetrainer
-from runyard.serve.scheduler import SchedulerConfig
 from runyard.serve.traffic_share import add_traffic_routes
 from runyard.serve.vllm_engine import VllmEngine
 from runyard.serve.watch import TrafficWatch
@@ -50,6 +52,8 @@ class ServeOptions:
     max_queue: int = 256
     max_prefill_tokens: int = 4096
     compile: bool = False
+    # runyard's engine steps in a process of its own (serve/engine_core.py); False: on a thread of the server's
+    engine_process: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     log_requests: Path | None = None
     share_traffic: bool = False  # GET /v1/traffic hands the sealed log back (serve/traffic_share.py)
@@ -156,19 +160,11 @@ def build_engine(export_dir: Path, options: ServeOptions):
     """The engine for `options.engine` over `export_dir`."""
     if options.engine == "vllm":
         return VllmEngine(export_dir, tensor_parallel_size=options.tensor_parallel_size, max_queue=options.max_queue)
-    model, _cfg, tokenizer = load_export(export_dir, device=options.device)
-    engine = BatchEngine(
-        model,
-        tokenizer,
-        eos_ids=export_eos_ids(export_dir, tokenizer) or None,  # None: the common end-of-text names
-        device=options.device,
-        kv_cache_bytes=options.kv_cache_bytes,
-        max_batch=options.max_batch,
-        max_queue=options.max_queue,
-        scheduler=SchedulerConfig(max_prefill_tokens=options.max_prefill_tokens),
-        compile=options.compile,
-    )
-    return engine.start()
+    core = CoreOptions(device=options.device, kv_cache_bytes=options.kv_cache_bytes, max_batch=options.max_batch,
+                       max_prefill_tokens=options.max_prefill_tokens, compile=options.compile)
+    if options.engine_process:
+        return EngineProcess(export_dir, core, max_queue=options.max_queue)
+    return build_batch_engine(export_dir, core, max_queue=options.max_queue).start()
 
 
 CHAT_MARK = "\u2063runyard-turn\u2063"  # stands for a user turn's text when the template's framing is measured
@@ -254,8 +250,8 @@ def build_app(export_dir: Path, options: ServeOptions) -> tuple[FastAPI, list]:
 def serve_export(export_dir: Path, options: ServeOptions | None = None) -> None:
     """Load an export and serve it until interrupted."""
     options = options or ServeOptions()
-    # The engine thread and the event loop hand the GIL to each other for every token; Python's
-    # default 5 ms switch interval would add up to that to each hand-off.
+    # The thread that brings the engine's events (the engine itself, in-process) and the event loop hand the
+    # GIL to each other at every step; Python's default 5 ms switch interval would add up to that to each.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     app, closers = build_app(export_dir, options)  # the app's shutdown closes them
     try:

@@ -47,7 +47,8 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 __all__ = ["EXPORT_FORMAT", "EXPORT_VERSION", "PROVENANCE_FILE", "TOKENIZER_FILE", "ExportError",
-           "export_eos_ids", "export_model", "install_export", "load_export", "read_export_config", "verify_export", "verify_files"]
+           "export_eos_ids", "export_model", "install_export", "language_model_export_config", "load_export",
+           "read_export_config", "verify_export", "verify_files"]
 
 
 def export_model(
@@ -210,16 +211,23 @@ def read_export_config(export_dir: Path) -> dict[str, Any]:
     return config
 
 
-def verify_export(export_dir: Path) -> dict[str, Any]:
-    """Check a language model's export: every file runyard.json records against its sha256; return
-    runyard.json. ExportError names the first missing or modified file, or a table/image export."""
+def language_model_export_config(export_dir: Path) -> dict[str, Any]:
+    """runyard.json of a language model's export, its files not yet checked (`verify_export` checks them).
+    ExportError when the directory is missing, is no export, or holds a table or image model."""
     export_dir = Path(export_dir)
     if not export_dir.is_dir():
         raise ExportError(f"export directory {export_dir} does not exist")
     config = read_export_config(export_dir)
     if config.get("kind", "language_model") != "language_model":  # a table or image model (serve/predict_export.py)
         raise ExportError(f"{export_dir} holds a {config['kind']} model: `runyard serve` offers it at POST /v1/predict")
-    verify_files(export_dir, config, required=(TOKENIZER_FILE,))
+    return config
+
+
+def verify_export(export_dir: Path) -> dict[str, Any]:
+    """Check a language model's export: every file runyard.json records against its sha256; return
+    runyard.json. ExportError names the first missing or modified file, or a table/image export."""
+    config = language_model_export_config(export_dir)
+    verify_files(Path(export_dir), config, required=(TOKENIZER_FILE,))
     return config
 
 

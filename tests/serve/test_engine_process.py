@@ -1,0 +1,182 @@
+"""The engine core in a process of its own (serve/engine_process.py, serve/engine_core.py): the same
+completions as the engine in-process, through the real app; a killed core fails what was in flight and
+the replica's health, never a hang; a bad export is refused by name; the core dies with its server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from runyard.model.hf.export import ExportError, export_model
+from runyard.serve.batch_engine import BatchEngine
+from runyard.serve.engine_core import CoreOptions
+from runyard.serve.engine_process import EngineProcess
+from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
+from runyard.serve.openai_api import create_app
+from runyard.serve.sampling import SamplingParams
+from runyard.system.http_thread import AppThread, free_port
+from runyard.system.processes import popen_dying_with_me
+
+OPTIONS = CoreOptions(kv_cache_bytes=8 * 1024 * 1024, max_batch=8)
+
+
+@pytest.fixture()
+def export(tmp_path, tokenizer, tokenizer_path, make_model):
+    model = make_model(tokenizer)
+    return model, export_model(model, model.cfg, tokenizer_path, tmp_path / "run" / "export")
+
+
+@pytest.fixture()
+def core(export, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    engine = EngineProcess(export[1], OPTIONS, max_queue=4)
+    yield engine
+    engine.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie has exited; only its parent has not reaped it yet
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_the_core_serves_what_the_engine_in_process_serves(export, core, tokenizer):
+    model, _ = export
+    prompts = [tokenizer.encode(p).ids for p in ("def add(", "import ", "class Thing", "for i in")]
+    params = [SamplingParams(max_tokens=12, temperature=0), SamplingParams(max_tokens=9, temperature=0.9, seed=7),
+              SamplingParams(max_tokens=12, temperature=0, logprobs=2), SamplingParams(max_tokens=6, stop=("\n",))]
+    expected = BatchEngine(model, tokenizer, kv_cache_bytes=OPTIONS.kv_cache_bytes, max_batch=8).generate(prompts, params)
+    app = create_app(core, "tiny", max_body_bytes=64 * 1024)
+    with AppThread(app, lifespan="off") as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="-", max_retries=0, timeout=60)
+        texts = ["def add(", "import ", "class Thing", "for i in"]
+        got = [client.completions.create(model="tiny", prompt=texts[0], max_tokens=12, temperature=0),
+               client.completions.create(model="tiny", prompt=texts[1], max_tokens=9, temperature=0.9, seed=7),
+               client.completions.create(model="tiny", prompt=texts[2], max_tokens=12, temperature=0, logprobs=2),
+               client.completions.create(model="tiny", prompt=texts[3], max_tokens=6, stop=["\n"], seed=1)]
+        streamed = "".join(c.choices[0].text for c in client.completions.create(
+            model="tiny", prompt=texts[0], max_tokens=12, temperature=0, stream=True))
+        health = httpx.get(srv.url + "/healthz").json()
+    for r, done in zip(got[:3], expected[:3], strict=True):
+        assert r.choices[0].text == done.text and r.choices[0].finish_reason == done.finish_reason
+        assert r.usage.completion_tokens == len(done.token_ids)
+    assert got[2].choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in expected[2].logprobs],
+                                                                      abs=1e-5)
+    assert "\n" not in got[3].choices[0].text
+    assert streamed == expected[0].text
+    assert health["status"] == "ok" and health["kv_slots"] == core.n_slots and health["running"] == 0
+
+
+def test_a_bad_prompt_and_a_full_queue_are_refused_here_before_the_core_sees_them(core):
+    with pytest.raises(InvalidRequest, match=r"prompt token ids must be in \[0, "):
+        core.submit("bad", [core.vocab_size], SamplingParams(), lambda event: None)
+    with pytest.raises(InvalidRequest, match="the model's context is"):
+        core.submit("long", [1] * core.context_length, SamplingParams(), lambda event: None)
+    with pytest.raises(QueueFull, match="bound 4"):
+        core.check_admission(5)
+    core.check_admission(4)
+
+
+def test_a_killed_core_ends_what_was_in_flight_as_error_and_the_replica_reports_failed(core):
+    events, ended = [], threading.Event()
+
+    def sink(event):
+        events.append(event)
+        if event.finish_reason is not None:
+            ended.set()
+
+    # Long enough (the context slides) that the kill lands mid-generation.
+    core.submit("long", [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0), sink)
+    deadline = time.monotonic() + 60
+    while core.running_count() == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.kill(core.proc.pid, signal.SIGKILL)
+    assert ended.wait(30), "the sequence in flight never ended"
+    assert events[-1].finish_reason == "error" and events[-1].completion_tokens == len(events) - 1
+    assert core.failure == "the engine process exited (signal 9)"
+    assert core.running_count() == 0 and core.queue_depth() == 0
+    with pytest.raises(EngineUnavailable, match="signal 9"):
+        core.submit("after", [1], SamplingParams(), sink)
+    app = create_app(core, "tiny", max_body_bytes=64 * 1024)
+    with AppThread(app, lifespan="off") as srv:
+        health = httpx.get(srv.url + "/healthz")
+        refused = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 2})
+    assert health.status_code == 503 and "signal 9" in health.json()["error"]
+    assert refused.status_code == 503
+
+
+def test_close_ends_the_sequences_in_flight_as_abort_and_the_core_exits(export, monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    engine = EngineProcess(export[1], OPTIONS)
+    finished = []
+    engine.submit("s", [1, 2], SamplingParams(max_tokens=100_000, temperature=0),
+                  lambda event: finished.append(event.finish_reason) if event.finish_reason else None)
+    while engine.running_count() == 0:
+        time.sleep(0.01)
+    engine.close()
+    assert finished == ["abort"]
+    assert engine.proc.returncode == 0 and engine.failure is None
+
+
+def test_a_corrupt_export_is_refused_naming_the_file_and_leaves_no_process(export, monkeypatch):
+    _, export_dir = export
+    weights = next(export_dir.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[:-16])
+    children_before = _children(os.getpid())
+    with pytest.raises(ExportError, match=weights.name):
+        EngineProcess(export_dir, OPTIONS)
+    assert _children(os.getpid()) == children_before
+
+
+def _children(pid: int) -> set[int]:
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text().split()
+        found.update(int(c) for c in text if _alive(int(c)))
+    return found
+
+
+def test_the_core_dies_with_a_killed_server(export):
+    _, export_dir = export
+    port = free_port()
+    server = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(export_dir), "--port", str(port),
+                                  "--kv-cache-mb", "8"],
+                                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert server.poll() is None, server.stderr.read().decode()
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        cores = _children(server.pid)
+        assert len(cores) == 1
+        server.send_signal(signal.SIGKILL)
+        server.wait(30)
+        deadline = time.monotonic() + 10
+        while any(_alive(pid) for pid in cores):
+            assert time.monotonic() < deadline, "the engine core outlived its server"
+            time.sleep(0.05)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
