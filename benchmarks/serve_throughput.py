@@ -8,9 +8,10 @@ end-of-text token, so every request generates exactly its output length on both 
 
 - runyard engine: the continuous-batching engine in this process, driven by client threads exactly
   as HF is below (no HTTP on either side): the like-for-like comparison.
-- runyard http: `runyard serve` on the export, in its own process, clients streaming over HTTP (SSE);
-  time to first token and time per output token are measured at the client, so they include HTTP
-  (on a two-core machine, the server's event loop and the clients share the cores with the engine).
+- runyard http: `runyard serve` on the export, in its own process (its engine steps in a process of its
+  own, the engine core), clients streaming over HTTP (SSE); time to first token and time per output token
+  are measured at the client, so they include HTTP (on a two-core machine, the server's event loop and the
+  clients share the cores with the engine).
 - runyard engine compiled / runyard http compiled: the same with `compile` (`runyard serve --compile`): a
   decode-only step (no prompt in it) runs as a compiled graph (serve/decode_graph.py: one for a lone
   sequence, one for several), compiled when the engine is built; steps with prompts stay eager. Measured
