@@ -1,6 +1,7 @@
 """The engine core in a process of its own (serve/engine_process.py, serve/engine_core.py): the same
 completions as the engine in-process, through the real app; a killed core fails what was in flight and
-the replica's health, never a hang; a bad export is refused by name; the core dies with its server."""
+the replica's health (never a hang) until a new core serves, or for good when it keeps dying; a bad export
+is refused by name; the core dies with its server."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import openai
 import pytest
 
 from runyard.model.hf.export import ExportError, export_model
+from runyard.serve import engine_process
 from runyard.serve.batch_engine import BatchEngine
 from runyard.serve.engine_core import CoreOptions
 from runyard.serve.engine_process import EngineProcess
@@ -91,7 +93,8 @@ def test_a_bad_prompt_and_a_full_queue_are_refused_here_before_the_core_sees_the
     core.check_admission(4)
 
 
-def test_a_killed_core_ends_what_was_in_flight_as_error_and_the_replica_reports_failed(core):
+def _kill_mid_generation(core: EngineProcess) -> list:
+    """Start a long generation, SIGKILL the core while it runs; the sequence's events once it has ended."""
     events, ended = [], threading.Event()
 
     def sink(event):
@@ -107,17 +110,38 @@ def test_a_killed_core_ends_what_was_in_flight_as_error_and_the_replica_reports_
         time.sleep(0.01)
     os.kill(core.proc.pid, signal.SIGKILL)
     assert ended.wait(30), "the sequence in flight never ended"
-    assert events[-1].finish_reason == "error" and events[-1].completion_tokens == len(events) - 1
-    assert core.failure == "the engine process exited (signal 9)"
-    assert core.running_count() == 0 and core.queue_depth() == 0
-    with pytest.raises(EngineUnavailable, match="signal 9"):
-        core.submit("after", [1], SamplingParams(), sink)
+    return events
+
+
+def test_a_killed_core_fails_what_was_in_flight_and_the_replica_is_unhealthy_until_a_new_core_serves(core):
+    killed = core.proc.pid
     app = create_app(core, "tiny", max_body_bytes=64 * 1024)
-    with AppThread(app, lifespan="off") as srv:
-        health = httpx.get(srv.url + "/healthz")
-        refused = httpx.post(srv.url + "/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 2})
-    assert health.status_code == 503 and "signal 9" in health.json()["error"]
-    assert refused.status_code == 503
+    with AppThread(app, lifespan="off") as srv, httpx.Client(base_url=srv.url, timeout=60) as http:
+        events = _kill_mid_generation(core)
+        # Asked at once: a new core takes a second or more to import torch and load.
+        health = http.get("/healthz")
+        refused = http.post("/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 2})
+        assert health.status_code == 503 and "signal 9" in health.json()["error"], health.text
+        assert refused.status_code == 503 and "restarting" in refused.json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while http.get("/healthz").status_code != 200:
+            assert time.monotonic() < deadline, "no new core"
+            time.sleep(0.05)
+        served = http.post("/v1/completions", json={"model": "tiny", "prompt": "def", "max_tokens": 3,
+                                                    "temperature": 0})
+    assert events[-1].finish_reason == "error" and events[-1].completion_tokens == len(events) - 1
+    assert served.status_code == 200 and served.json()["usage"]["completion_tokens"] == 3
+    assert core.proc.pid != killed and core.failure is None
+    assert core.running_count() == 0 and core.queue_depth() == 0
+
+
+def test_a_core_that_keeps_dying_is_left_dead_and_says_how_it_ended(core, monkeypatch):
+    monkeypatch.setattr(engine_process, "MAX_RESTARTS", 0)
+    events = _kill_mid_generation(core)
+    assert events[-1].finish_reason == "error"
+    assert core.failure == "the engine process exited (signal 9)"
+    with pytest.raises(EngineUnavailable, match="signal 9"):
+        core.submit("after", [1], SamplingParams(), lambda event: None)
 
 
 def test_close_ends_the_sequences_in_flight_as_abort_and_the_core_exits(export, monkeypatch):

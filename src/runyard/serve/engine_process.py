@@ -6,9 +6,11 @@ here, so a bad one is refused before it is sent), which sequences are waiting or
 A reader thread takes the core's frames and hands each event to its sequence's sink, as the engine
 thread does in-process.
 
-If the core dies (killed, out of memory), every sequence in flight ends with finish reason 'error', the
-engine reports the failure (`/healthz` answers 503, so a load balancer takes the replica out) and new
-requests are refused with EngineUnavailable: as a failed step does in-process.
+If the core dies (killed, out of memory), every sequence in flight ends with finish reason 'error' and a
+new core is started: until it is ready the engine reports the failure (`/healthz` answers 503, so a load
+balancer takes the replica out) and new requests are refused with EngineUnavailable. A core that keeps
+dying is left dead. A step that fails inside the core fails the engine as it does in-process (the core
+says so with its events), and is not restarted: the same step would fail again.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -34,41 +37,95 @@ from runyard.system.processes import popen_dying_with_me
 log = logging.getLogger("runyard.serve")
 
 CLOSE_TIMEOUT_S = 30.0  # for the core to end its sequences and exit before it is killed
+MAX_RESTARTS, RESTART_WINDOW_S = 3, 600.0  # a core that keeps dying is left dead: the replica reports it
 _RAISED_AGAIN = {cls.__name__: cls for cls in (ExportError, ServeConfigError)}  # the core's load errors, by kind
 
 
-class EngineProcess:
-    """An `Engine` whose steps run in a child process; built when its model is loaded (and compiled)."""
+class _Core:
+    """One engine core process and the two pipes to it."""
 
-    def __init__(self, export_dir: Path, options: CoreOptions, *, max_queue: int = 256):
-        export_dir = Path(export_dir)
-        language_model_export_config(export_dir)  # the core checks its files as it loads them
-        try:
-            self.tokenizer = Tokenizer.from_file(str(export_dir / TOKENIZER_FILE))
-        except Exception as exc:
-            raise ExportError(f"{export_dir / TOKENIZER_FILE} cannot be loaded: {exc}") from None
-        self.max_queue = max_queue
-        self._sinks: dict[str, Sink] = {}
-        # Sequences with at least one event (running, not waiting): their prompt and completion tokens so far.
-        self._progress: dict[str, tuple[int, int]] = {}
-        self._lock = threading.Lock()  # the sinks and counts, and the command pipe
-        self._failed: str | None = None
-        self._closing = False
-        self._mean_seq_s = 1.0
+    def __init__(self, export_dir: Path, options: CoreOptions):
+        self.export_dir = export_dir
         commands_read, commands_write = os.pipe()
         events_read, events_write = os.pipe()
-        self._events = os.fdopen(events_read, "rb", buffering=0)
         try:
+            # The kernel kills the core when the thread starting it ends: the server's main thread, or the
+            # reader thread restarting it, which lives until the engine closes.
             self.proc = popen_dying_with_me(
                 [sys.executable, "-m", "runyard.serve.engine_core", str(export_dir), "--options", options.to_json(),
                  "--commands-fd", str(commands_read), "--events-fd", str(events_write)],
                 pass_fds=(commands_read, events_write), stdin=subprocess.DEVNULL,
             )
+        except BaseException:
+            for fd in (commands_write, events_read):
+                os.close(fd)
+            raise
         finally:
             os.close(commands_read)
             os.close(events_write)
-        self._commands_file = os.fdopen(commands_write, "wb")
-        facts = self._wait_ready(export_dir)
+        self.events = os.fdopen(events_read, "rb", buffering=0)
+        self.commands = os.fdopen(commands_write, "wb")
+
+    def wait_ready(self) -> dict:
+        """The core's facts once its model is loaded; raises (the core's own error, by kind) if it never is."""
+        frame = read_frame(self.events)
+        if frame is not None and frame[0] == "ready":
+            return frame[1]
+        code = self.end()
+        if frame is not None and frame[0] == "failed":
+            _, kind, message = frame
+            raise _RAISED_AGAIN.get(kind, EngineUnavailable)(message)
+        raise EngineUnavailable(f"the engine process for {self.export_dir} exited ({_exit_text(code)}) before it "
+                                "was ready")
+
+    def send(self, message: tuple) -> None:
+        """A core that is gone is noticed by the reader, which ends everything."""
+        if self.commands.closed:
+            return
+        with contextlib.suppress(BrokenPipeError, ValueError):
+            write_frame(self.commands, message)
+
+    def close_commands(self) -> None:
+        with contextlib.suppress(BrokenPipeError):  # the core is gone already: what was buffered with it
+            self.commands.close()
+
+    def end(self, timeout_s: float | None = None) -> int:
+        """Wait for the core to exit (killing it after `timeout_s`), close the pipes; its exit code."""
+        self.close_commands()
+        try:
+            code = self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not exit in %.0f s; killing it", timeout_s)
+            self.proc.kill()
+            code = self.proc.wait()
+        self.events.close()
+        return code
+
+
+class EngineProcess:
+    """An `Engine` whose steps run in a child process; built when its model is loaded (and compiled).
+
+    A core that dies is started again (at most MAX_RESTARTS times in RESTART_WINDOW_S): meanwhile the engine
+    reports the failure, so requests get 503 and `/healthz` answers 503, until the new core is ready."""
+
+    def __init__(self, export_dir: Path, options: CoreOptions, *, max_queue: int = 256):
+        self.export_dir, self.options = Path(export_dir), options
+        language_model_export_config(self.export_dir)  # the core checks its files as it loads them
+        try:
+            self.tokenizer = Tokenizer.from_file(str(self.export_dir / TOKENIZER_FILE))
+        except Exception as exc:
+            raise ExportError(f"{self.export_dir / TOKENIZER_FILE} cannot be loaded: {exc}") from None
+        self.max_queue = max_queue
+        self._sinks: dict[str, Sink] = {}
+        # Sequences with at least one event (running, not waiting): their prompt and completion tokens so far.
+        self._progress: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()  # the sinks and counts, the current core and its command pipe
+        self._failed: str | None = None
+        self._closing = False
+        self._mean_seq_s = 1.0
+        self._restarts: list[float] = []
+        self._core = _Core(self.export_dir, options)
+        facts = self._core.wait_ready()
         self._n_slots: int = facts["n_slots"]
         self.context_length: int = facts["context_length"]
         self.vocab_size: int = facts["vocab_size"]
@@ -76,17 +133,10 @@ class EngineProcess:
         self._reader = threading.Thread(target=self._read_events, name="runyard-engine-core-events", daemon=True)
         self._reader.start()
 
-    def _wait_ready(self, export_dir: Path) -> dict:
-        frame = read_frame(self._events)
-        if frame is not None and frame[0] == "ready":
-            return frame[1]
-        self._events.close()
-        self._commands_file.close()
-        code = self.proc.wait()
-        if frame is not None and frame[0] == "failed":
-            _, kind, message = frame
-            raise _RAISED_AGAIN.get(kind, EngineUnavailable)(message)
-        raise EngineUnavailable(f"the engine process for {export_dir} exited ({_exit_text(code)}) before it was ready")
+    @property
+    def proc(self) -> subprocess.Popen:
+        """The current core's process."""
+        return self._core.proc
 
     # -- the Engine protocol (serve/inflight.py) --------------------------------------------------
 
@@ -96,7 +146,8 @@ class EngineProcess:
 
     @property
     def failure(self) -> str | None:
-        """Why the engine stopped (its process died, or a step failed there), if it did."""
+        """Why the engine is not serving (its process died and is restarting or could not be, or a step
+        failed there), if it is not."""
         return self._failed
 
     def encode(self, text: str) -> list[int]:
@@ -117,59 +168,90 @@ class EngineProcess:
         prompt_ids = checked_prompt(prompt_ids, self.eos_ids, self.vocab_size, self.context_length)
         with self._lock:
             if self._failed is not None:
-                raise EngineUnavailable(f"the engine stopped after an error: {self._failed}")
+                raise EngineUnavailable(f"the engine is not serving: {self._failed}")
             self._sinks[seq_id] = sink
-            self._send(("submit", seq_id, prompt_ids, params))
+            self._core.send(("submit", seq_id, prompt_ids, params))
 
     def abort(self, seq_id: str) -> None:
         with self._lock:
             if seq_id in self._sinks:
-                self._send(("abort", seq_id))
+                self._core.send(("abort", seq_id))
 
     def close(self) -> None:
         """Ask the core to end its sequences and exit; kill it if it does not in time."""
         with self._lock:
             self._closing = True
-            self._send(("close",))
-            with contextlib.suppress(BrokenPipeError):  # the core is gone already: what was buffered with it
-                self._commands_file.close()
-        try:
-            self.proc.wait(timeout=CLOSE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
+            core = self._core
+            core.send(("close",))
+            core.close_commands()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            core.proc.wait(timeout=CLOSE_TIMEOUT_S)
+        if core.proc.poll() is None:
             log.warning("the engine process did not exit in %.0f s; killing it", CLOSE_TIMEOUT_S)
-            self.proc.kill()
-            self.proc.wait()
+            core.proc.kill()
         self._reader.join(timeout=CLOSE_TIMEOUT_S)
 
     # -- the core's side --------------------------------------------------------------------------
 
-    def _send(self, message: tuple) -> None:
-        """Called under the lock. A core that is gone is noticed by the reader, which ends everything."""
-        if self._commands_file.closed:
-            return
-        with contextlib.suppress(BrokenPipeError, ValueError):
-            write_frame(self._commands_file, message)
-
     def _read_events(self) -> None:
-        while (frame := read_frame(self._events)) is not None:
-            _, events, (failure, mean_seq_s) = frame
-            self._mean_seq_s = mean_seq_s
-            if failure is not None:
-                self._failed = failure
-            for event in events:
-                self._deliver(event)
-        code = self.proc.wait()
-        self._events.close()
+        """The reader thread: each core's events until it ends, then a new core when one may be started."""
+        while True:
+            core = self._core
+            while (frame := read_frame(core.events)) is not None:
+                _, events, (failure, mean_seq_s) = frame
+                self._mean_seq_s = mean_seq_s
+                if failure is not None:
+                    self._failed = failure
+                for event in events:
+                    self._deliver(event)
+            code = core.end()
+            restart = self._end_in_flight(code)
+            if not restart or not self._restart(code):
+                return
+
+    def _end_in_flight(self, code: int) -> bool:
+        """After a core ended: end the sequences it left, and say whether to start another."""
         with self._lock:
-            if not self._closing or code != 0:
-                self._failed = self._failed or f"the engine process exited ({_exit_text(code)})"
-            reason = "abort" if self._closing else "error"
+            closing = self._closing
+            now = time.monotonic()
+            self._restarts = [t for t in self._restarts if now - t < RESTART_WINDOW_S]
+            restart = not closing and len(self._restarts) < MAX_RESTARTS
+            if not closing or code != 0:
+                why = f"the engine process exited ({_exit_text(code)})"
+                self._failed = f"{why}; restarting it" if restart else (self._failed or why)
             left = list(self._sinks)
+        reason = "abort" if closing else "error"
         if left:
             log.error("the engine process ended with %d sequence(s) in flight: they end as %r", len(left), reason)
         for seq_id in left:
             prompt_tokens, completion_tokens = self._progress.get(seq_id, (0, 0))
             self._deliver(SeqEvent(seq_id, None, "", None, reason, prompt_tokens, completion_tokens))
+        return restart
+
+    def _restart(self, code: int) -> bool:
+        """Start a new core in place of one that died; whether it is serving."""
+        log.warning("the engine process exited (%s); starting another", _exit_text(code))
+        with self._lock:
+            if self._closing:
+                return False
+            self._restarts.append(time.monotonic())
+            try:
+                core = self._core = _Core(self.export_dir, self.options)
+            except OSError as exc:
+                self._failed = f"the engine process exited ({_exit_text(code)}) and could not be started again: {exc}"
+                return False
+        try:
+            core.wait_ready()
+        except Exception as exc:
+            self._failed = f"the engine process exited ({_exit_text(code)}) and could not be started again: {exc}"
+            log.error("%s", self._failed)
+            return False
+        with self._lock:
+            if self._closing:  # close() has told this core to close already; the loop reads its last events
+                return True
+            self._failed = None
+        log.warning("the engine process is serving again (pid %d)", core.proc.pid)
+        return True
 
     def _deliver(self, event: SeqEvent) -> None:
         with self._lock:
