@@ -6,11 +6,7 @@ that reuses the passed stage, the family chosen from the data when the spec leav
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -22,9 +18,8 @@ from runyard.run.execute import execute_run
 from runyard.serve.predict_export import load_predictor
 from runyard.spec.job import load_spec, parse_spec
 from runyard.system.cpus import choose_threads
-from runyard.system.http_thread import free_port
-from runyard.system.processes import popen_dying_with_me
 from tests.e2e.conftest import runyard
+from tests.serve.served import start_served
 
 pytestmark = pytest.mark.slow
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
@@ -63,28 +58,17 @@ def test_the_breast_cancer_example_end_to_end_then_served(tmp_path):
     shown = json.loads(runyard("show", str(run_dir), "--json", check=True).stdout)
     assert shown["test_metrics"] == p["metrics"] and shown["exported"]
 
-    port = free_port()
-    server = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(run_dir), "--port", str(port)],
-                   env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    server, url = start_served(run_dir, timeout_s=90, poll_s=0.2)
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.2)
         predictor = load_predictor(run_dir / "export")
         names = predictor.table_schema.names
         rng = np.random.default_rng(0)
         rows = [{n: float(v) for n, v in zip(names, rng.normal(15, 5, size=len(names)), strict=True)} for _ in range(5)]
-        body = httpx.post(f"http://127.0.0.1:{port}/v1/predict", json={"rows": rows}, timeout=60).json()
+        body = httpx.post(f"{url}/v1/predict", json={"rows": rows}, timeout=60).json()
         expected = predictor.predict_matrix(np.array([[r[n] for n in names] for r in rows]))
         got = np.array([[q["probabilities"][c] for c in predictor.classes] for q in body["predictions"]])
         assert np.array_equal(got, expected) and body["model"] == "breast-cancer"
-        missing = httpx.post(f"http://127.0.0.1:{port}/v1/predict", json={"rows": [{**rows[0], "mean radius": "big"}]})
+        missing = httpx.post(f"{url}/v1/predict", json={"rows": [{**rows[0], "mean radius": "big"}]})
         assert missing.status_code == 422 and missing.json()["error"]["param"] == "rows[0].mean radius"
     finally:
         server.send_signal(signal.SIGTERM)

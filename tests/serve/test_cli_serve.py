@@ -6,11 +6,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import signal
-import subprocess
-import sys
-import time
 
-import httpx
 import numpy as np
 import openai
 import pytest
@@ -25,8 +21,7 @@ from runyard.serve.feature_drift import FeatureReference
 from runyard.serve.predict_export import KIND_IMAGE, export_predictor, image_drift_features
 from runyard.serve.sampling import SamplingParams
 from runyard.spec.job import parse_spec
-from runyard.system.http_thread import free_port
-from runyard.system.processes import popen_dying_with_me
+from tests.serve.served import start_served
 
 
 def runyard(capsys, *args: str) -> tuple[int, str, str]:
@@ -136,20 +131,9 @@ def test_missing_export_is_a_clear_error(capsys, tmp_path):
 
 @pytest.mark.slow
 def test_served_process_answers_the_openai_client_and_stops_on_sigterm(export):
-    port = free_port()
-    proc = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(export.parent), "--port", str(port)],
-                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    proc, url = start_served(export.parent)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
         assert [m.id for m in client.models.list().data] == ["tiny"]  # the run's name
         r = client.completions.create(model="tiny", prompt="def ", max_tokens=5, temperature=0)
         assert r.usage.completion_tokens >= 1
@@ -174,20 +158,9 @@ def test_vllm_engine_serves_a_hugging_face_directory(tmp_path, tokenizer, tokeni
     hf_dir = tmp_path / "hf"
     LlamaForCausalLM(config).save_pretrained(hf_dir)
     (hf_dir / "tokenizer.json").write_bytes(tokenizer_path.read_bytes())
-    port = free_port()
-    proc = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(hf_dir), "--engine", "vllm",
-                  "--port", str(port)], stderr=subprocess.PIPE)
+    proc, url = start_served(hf_dir, "--engine", "vllm", timeout_s=600, poll_s=1, env=dict(os.environ))
     try:
-        deadline = time.monotonic() + 600
-        while True:
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(1)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="-", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="-", max_retries=0)
         r = client.completions.create(model=client.models.list().data[0].id, prompt="def ", max_tokens=8,
                                       temperature=0.7, seed=3)
         again = client.completions.create(model=r.model, prompt="def ", max_tokens=8, temperature=0.7, seed=3)

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,8 +23,8 @@ from runyard.serve.engine_process import EngineProcess
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
 from runyard.serve.openai_api import create_app
 from runyard.serve.sampling import SamplingParams
-from runyard.system.http_thread import AppThread, free_port
-from runyard.system.processes import popen_dying_with_me
+from runyard.system.http_thread import AppThread
+from tests.serve.served import start_served
 
 OPTIONS = CoreOptions(kv_cache_bytes=8 * 1024 * 1024, max_batch=8)
 
@@ -176,22 +174,8 @@ def _children(pid: int) -> set[int]:
 
 
 def test_the_core_dies_with_a_killed_server(export):
-    _, export_dir = export
-    port = free_port()
-    server = popen_dying_with_me([sys.executable, "-m", "runyard", "serve", str(export_dir), "--port", str(port),
-                                  "--kv-cache-mb", "8"],
-                                 env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.DEVNULL,
-                                 stderr=subprocess.PIPE)
+    server, _ = start_served(export[1], "--kv-cache-mb", "8")
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert server.poll() is None, server.stderr.read().decode()
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
         cores = _children(server.pid)
         assert len(cores) == 1
         server.send_signal(signal.SIGKILL)
