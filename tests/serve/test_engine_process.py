@@ -18,11 +18,12 @@ import pytest
 from runyard.model.hf.export import ExportError, export_model
 from runyard.serve import engine_process
 from runyard.serve.batch_engine import BatchEngine
-from runyard.serve.engine_core import CoreOptions
+from runyard.serve.engine_core import CoreOptions, read_frame, write_frame
 from runyard.serve.engine_process import EngineProcess
 from runyard.serve.errors import EngineUnavailable, InvalidRequest, QueueFull
 from runyard.serve.openai_api import create_app
 from runyard.serve.sampling import SamplingParams
+from runyard.serve.sequence import SeqEvent
 from runyard.system.http_thread import AppThread
 from tests.serve.served import start_served
 
@@ -79,6 +80,18 @@ def test_the_core_serves_what_the_engine_in_process_serves(export, core, tokeniz
     assert "\n" not in got[3].choices[0].text
     assert streamed == expected[0].text
     assert health["status"] == "ok" and health["kv_slots"] == core.n_slots and health["running"] == 0
+
+
+def test_a_frame_larger_than_the_pipe_buffer_arrives_whole():
+    read_end, write_end = os.pipe()
+    payload = ("events", [SeqEvent("s", 1, "x" * 1_000_000, None, None, 1, 1)], (None, 1.0))
+    with os.fdopen(read_end, "rb") as source, os.fdopen(write_end, "wb") as out:
+        writer = threading.Thread(target=lambda: (write_frame(out, payload), write_frame(out, ("close",))))
+        writer.start()
+        assert read_frame(source) == payload and read_frame(source) == ("close",)
+        writer.join()
+        out.close()
+        assert read_frame(source) is None
 
 
 def test_a_bad_prompt_and_a_full_queue_are_refused_here_before_the_core_sees_them(core):

@@ -64,7 +64,8 @@ def write_frame(out: BinaryIO, message: tuple) -> None:
 
 
 def read_frame(source: BinaryIO) -> tuple | None:
-    """The next frame, or None when the pipe has closed (a frame cut short counts as closed)."""
+    """The next frame, or None when the pipe has closed (a frame cut short counts as closed). `source` must
+    be buffered: a raw pipe's read returns what has arrived, part of a frame larger than the pipe's buffer."""
     head = source.read(_LENGTH.size)
     if len(head) < _LENGTH.size:
         return None
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events-fd", type=int, required=True, help="the pipe this process writes events to")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
-    commands = os.fdopen(args.commands_fd, "rb", buffering=0)
+    commands = os.fdopen(args.commands_fd, "rb")
     out = os.fdopen(args.events_fd, "wb")
     outbox = _Outbox(out)
     try:

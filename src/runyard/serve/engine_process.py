@@ -63,7 +63,7 @@ class _Core:
         finally:
             os.close(commands_read)
             os.close(events_write)
-        self.events = os.fdopen(events_read, "rb", buffering=0)
+        self.events = os.fdopen(events_read, "rb")
         self.commands = os.fdopen(commands_write, "wb")
 
     def wait_ready(self) -> dict:
