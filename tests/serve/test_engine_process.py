@@ -32,7 +32,8 @@ OPTIONS = CoreOptions(kv_cache_bytes=8 * 1024 * 1024, max_batch=8)
 
 @pytest.fixture()
 def export(tmp_path, tokenizer, tokenizer_path, make_model):
-    model = make_model(tokenizer)
+    # A long context: a sequence then runs for seconds, long enough to be killed or closed mid-generation.
+    model = make_model(tokenizer, context_length=8192)
     return model, export_model(model, model.cfg, tokenizer_path, tmp_path / "run" / "export")
 
 
@@ -113,7 +114,6 @@ def _kill_mid_generation(core: EngineProcess) -> list:
         if event.finish_reason is not None:
             ended.set()
 
-    # Long enough (the context slides) that the kill lands mid-generation.
     core.submit("long", [1, 2, 3], SamplingParams(max_tokens=100_000, temperature=0), sink)
     deadline = time.monotonic() + 60
     while core.running_count() == 0:
@@ -163,6 +163,11 @@ def test_close_ends_the_sequences_in_flight_as_abort_and_the_core_exits(export, 
                   lambda event: finished.append(event.finish_reason) if event.finish_reason else None)
     while engine.running_count() == 0:
         time.sleep(0.01)
+    # A terminal's Ctrl-C or a supervisor's SIGTERM to the group reaches the core too: the server ends it.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        os.kill(engine.proc.pid, sig)
+    time.sleep(0.2)
+    assert engine.proc.poll() is None and engine.failure is None and not finished
     engine.close()
     assert finished == ["abort"]
     assert engine.proc.returncode == 0 and engine.failure is None

@@ -13,7 +13,8 @@ a parent and the child it started, never a socket, so nothing from the network i
   is the engine's failure (None while it runs) and its recent sequence duration.
 
 The core ends when told to close, or when its command pipe closes (the server is gone), and also by
-the parent-death signal the server sets (system/processes.py): never an orphan holding a model.
+the parent-death signal the server sets (system/processes.py): never an orphan holding a model. SIGINT and
+SIGTERM do not end it (`main`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import json
 import logging
 import os
 import pickle
+import signal
 import struct
 import sys
 import threading
@@ -136,6 +138,10 @@ def serve_commands(engine: BatchEngine, commands: BinaryIO, outbox: _Outbox) -> 
             return
 
 
+def _ignored(signum: int, _frame) -> None:
+    log.info("signal %d ignored: the server ends the engine core", signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m runyard.serve.engine_core", description=__doc__.splitlines()[0])
     p.add_argument("export_dir", type=Path)
@@ -143,6 +149,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commands-fd", type=int, required=True, help="the pipe the server writes commands to")
     p.add_argument("--events-fd", type=int, required=True, help="the pipe this process writes events to")
     args = p.parse_args(argv)
+    # The server ends the core (close, its pipe, the parent-death signal). A Ctrl-C in a terminal, or a
+    # supervisor's SIGTERM to the whole group, reaches the core too: left to end it, the server would see a
+    # core die under it and start another while it shuts down. A no-op handler, not SIG_IGN, which the
+    # compiler's worker processes would inherit.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _ignored)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s engine-core %(levelname)s %(message)s")
     commands = os.fdopen(args.commands_fd, "rb")
     out = os.fdopen(args.events_fd, "wb")
