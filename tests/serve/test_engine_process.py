@@ -170,6 +170,8 @@ def test_close_ends_the_sequences_in_flight_as_abort_and_the_core_exits(export, 
     assert engine.proc.poll() is None and engine.failure is None and not finished
     engine.close()
     assert finished == ["abort"]
+    with pytest.raises(EngineUnavailable, match="shutting down"):  # never a sequence nobody will end
+        engine.submit("late", [1], SamplingParams(), lambda event: None)
     assert engine.proc.returncode == 0 and engine.failure is None
 
 

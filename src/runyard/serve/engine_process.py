@@ -169,6 +169,8 @@ class EngineProcess:
         with self._lock:
             if self._failed is not None:
                 raise EngineUnavailable(f"the engine is not serving: {self._failed}")
+            if self._closing:
+                raise EngineUnavailable("the engine is shutting down")
             self._sinks[seq_id] = sink
             self._core.send(("submit", seq_id, prompt_ids, params))
 
