@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -25,6 +24,8 @@ from runyard.serve.openai_api import create_app
 from runyard.serve.sampling import SamplingParams
 from runyard.serve.sequence import SeqEvent
 from runyard.system.http_thread import AppThread
+from runyard.system.processes import is_zombie_or_gone
+from tests.e2e.faults import children
 from tests.serve.served import start_served
 
 OPTIONS = CoreOptions(kv_cache_bytes=8 * 1024 * 1024, max_batch=8)
@@ -43,17 +44,6 @@ def core(export, monkeypatch):
     engine = EngineProcess(export[1], OPTIONS, max_queue=4)
     yield engine
     engine.close()
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:  # a zombie has exited; only its parent has not reaped it yet
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_the_core_serves_what_the_engine_in_process_serves(export, core, tokenizer):
@@ -179,29 +169,21 @@ def test_a_corrupt_export_is_refused_naming_the_file_and_leaves_no_process(expor
     _, export_dir = export
     weights = next(export_dir.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-16])
-    children_before = _children(os.getpid())
+    children_before = children(os.getpid())
     with pytest.raises(ExportError, match=weights.name):
         EngineProcess(export_dir, OPTIONS)
-    assert _children(os.getpid()) == children_before
-
-
-def _children(pid: int) -> set[int]:
-    found = set()
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        text = (task / "children").read_text().split()
-        found.update(int(c) for c in text if _alive(int(c)))
-    return found
+    assert children(os.getpid()) == children_before
 
 
 def test_the_core_dies_with_a_killed_server(export):
     server, _ = start_served(export[1], "--kv-cache-mb", "8")
     try:
-        cores = _children(server.pid)
+        cores = children(server.pid)
         assert len(cores) == 1
         server.send_signal(signal.SIGKILL)
         server.wait(30)
         deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in cores):
+        while not all(is_zombie_or_gone(pid) for pid in cores):
             assert time.monotonic() < deadline, "the engine core outlived its server"
             time.sleep(0.05)
     finally:

@@ -95,8 +95,7 @@ class _Outbox:
             events, self._events = self._events, []
             if not events:
                 return
-            engine = self.engine
-            state = (engine.failure, engine.mean_sequence_s) if engine is not None else (None, 1.0)
+            state = (self.engine.failure, self.engine.mean_sequence_s)  # only an engine hands events over
             with contextlib.suppress(BrokenPipeError, ValueError):  # the server is gone: nobody to tell
                 write_frame(self.out, ("events", events, state))
 

@@ -89,15 +89,19 @@ class _Core:
         with contextlib.suppress(BrokenPipeError):  # the core is gone already: what was buffered with it
             self.commands.close()
 
-    def end(self, timeout_s: float | None = None) -> int:
-        """Wait for the core to exit (killing it after `timeout_s`), close the pipes; its exit code."""
-        self.close_commands()
+    def stop(self, timeout_s: float) -> int:
+        """Wait for the core to exit, killing it after `timeout_s`; its exit code."""
         try:
-            code = self.proc.wait(timeout=timeout_s)
+            return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             log.warning("the engine process did not exit in %.0f s; killing it", timeout_s)
             self.proc.kill()
-            code = self.proc.wait()
+            return self.proc.wait()
+
+    def end(self) -> int:
+        """After the core's events have ended: wait for it to exit, close the pipes; its exit code."""
+        self.close_commands()
+        code = self.proc.wait()
         self.events.close()
         return code
 
@@ -186,11 +190,7 @@ class EngineProcess:
             core = self._core
             core.send(("close",))
             core.close_commands()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            core.proc.wait(timeout=CLOSE_TIMEOUT_S)
-        if core.proc.poll() is None:
-            log.warning("the engine process did not exit in %.0f s; killing it", CLOSE_TIMEOUT_S)
-            core.proc.kill()
+        core.stop(CLOSE_TIMEOUT_S)  # the reader reads its last events and closes its pipe
         self._reader.join(timeout=CLOSE_TIMEOUT_S)
 
     # -- the core's side --------------------------------------------------------------------------

@@ -148,8 +148,8 @@ def build_setup(spec: JobSpec, stage: ResolvedStage, prepared: PreparedData | Pr
     else:
         groups = family.optimizer_groups(model, o)
     # fused: one kernel over every parameter instead of the multi-tensor path's several passes, on CPU as on
-    # CUDA. Deterministic; its update rounds in another order, so it differs from foreach's by an ulp (a
-    # checkpoint keeps the path it was saved with).
+    # CUDA. Deterministic; its update rounds in another order, so it differs from foreach's in the last bits
+    # (a checkpoint keeps the path it was saved with).
     optimizer = torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, fused=True)
     data_seed = derive_seed(spec.seed, "data", stage.name)
     if stage.kind == "pretrain":
